@@ -1,0 +1,11 @@
+"""cuflash: exact FlashAttention as CUDA C++ compiled by NVRTC at first use.
+
+    out = cuflash.attention(q, k, v, causal=True)
+
+q, k, v are (batch, seqlen, nheads, headdim) CuPy, PyTorch or JAX CUDA arrays
+(float16/bfloat16, tensor-core kernels) or NumPy arrays (the CPU path).
+"""
+from .api import attention
+
+__all__ = ["attention"]
+__version__ = "0.1.0"

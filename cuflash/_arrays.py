@@ -1,0 +1,112 @@
+"""Arrays in and out: NumPy, CuPy, PyTorch and JAX, with zero copies.
+
+``inspect`` turns any supported array into an ``ArrayInfo`` (pointer, shape,
+strides in elements, dtype name, device); ``Framework`` allocates results of the
+caller's kind on the caller's device and names the stream to launch on. Kernels
+read and write the caller's memory directly; nothing here copies data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    obj: Any
+    framework: str  # "numpy", "cupy", "torch" or "jax"
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str  # "float16", "bfloat16", "float32", ...
+    device: int | None  # CUDA ordinal; None on the CPU
+
+    @property
+    def where(self) -> str:
+        return "cpu" if self.device is None else f"cuda:{self.device}"
+
+
+def _root_module(x) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def inspect(x, name: str) -> ArrayInfo:
+    """Describe ``x`` (argument ``name``) without touching its data."""
+    root = _root_module(x)
+    if root == "numpy":
+        strides = tuple(s // x.itemsize for s in x.strides)
+        return ArrayInfo(x, "numpy", 0, tuple(x.shape), strides, str(x.dtype), None)
+    if root == "cupy":
+        strides = tuple(s // x.itemsize for s in x.strides)
+        return ArrayInfo(x, "cupy", x.data.ptr, tuple(x.shape), strides, str(x.dtype), x.device.id)
+    if root == "torch":
+        if not x.is_cuda:
+            raise TypeError(f"{name} is a torch tensor on {x.device}; cuflash takes CUDA tensors "
+                            f"(or NumPy arrays for the CPU path)")
+        return ArrayInfo(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
+                         str(x.dtype).removeprefix("torch."), x.device.index)
+    if root in ("jax", "jaxlib"):
+        devices = x.devices()
+        device = next(iter(devices))
+        if len(devices) != 1 or device.platform not in ("gpu", "cuda"):
+            raise TypeError(f"{name} must be a JAX array on a single CUDA device, got one on {devices}")
+        return ArrayInfo(x, "jax", x.unsafe_buffer_pointer(), tuple(x.shape), _contiguous_strides(x.shape),
+                         str(x.dtype), getattr(device, "local_hardware_id", device.id))
+    raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got {type(x).__qualname__}")
+
+
+class Framework:
+    """Allocation and stream of the caller's array library, for results of its kind."""
+
+    def __init__(self, like: ArrayInfo):
+        import cupy
+        self.like = like
+        self.device = cupy.cuda.Device(like.device)
+        if like.framework == "torch":
+            import torch
+            self.stream = torch.cuda.current_stream(like.obj.device).cuda_stream
+        else:
+            with self.device:
+                self.stream = cupy.cuda.get_current_stream().ptr
+            if like.framework == "jax":
+                like.obj.block_until_ready()  # JAX works on its own stream: wait for the inputs
+
+    def empty(self, shape: tuple[int, ...], dtype: str):
+        """An uninitialised array of the caller's kind on the caller's device and
+        stream; returns (array, pointer)."""
+        if self.like.framework == "torch":
+            import torch
+            out = torch.empty(shape, dtype=getattr(torch, dtype), device=self.like.obj.device)
+            return out, out.data_ptr()
+        import cupy
+        with self.device:
+            out = cupy.empty(shape, dtype=_cupy_dtype(dtype))
+        return out, out.data.ptr
+
+    def finish(self, out):
+        """Hand a result allocated by ``empty`` back as the caller's kind."""
+        if self.like.framework != "jax":
+            return out
+        import cupy
+        import jax
+        with self.device:
+            cupy.cuda.get_current_stream().synchronize()  # JAX reads it on its own stream
+        return jax.dlpack.from_dlpack(out)
+
+
+def _cupy_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    import numpy
+    return numpy.dtype(name)
+

@@ -1,0 +1,142 @@
+"""The NumPy-like public functions: validate -> plan -> launch."""
+from __future__ import annotations
+
+import ctypes
+import math
+import numbers
+
+import numpy as np
+
+from . import _arrays, _compile, _plan
+
+GPU_DTYPES = ("float16", "bfloat16")
+CPU_DTYPES = ("float16", "float32", "float64")
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+# Tests set this to a callable(pointers, stream) to see every launch's array
+# pointers and stream (zero-copy and stream-order checks).
+_launch_observer = None
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
+    """Exact softmax attention, softmax(scale * q k^T) v, as FlashAttention.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
+    with nheads % nheads_kv == 0 (GQA/MQA: query head h reads KV head
+    h // (nheads // nheads_kv)). ``causal`` is aligned bottom-right: query i sees
+    key j iff j <= i + seqlen_k - seqlen_q. ``softmax_scale`` defaults to
+    1 / sqrt(headdim). CUDA arrays (CuPy, PyTorch, JAX; float16 or bfloat16) run
+    the tensor-core kernel on the caller's stream and return the same kind of
+    array; NumPy arrays run the CPU path. Returns ``out`` (like q) or, with
+    ``return_lse``, ``(out, lse)`` where lse is float32 (batch, nheads, seqlen_q),
+    the natural log-sum-exp of the scaled scores (+inf for a row that sees no key).
+    """
+    qi, ki, vi = (_arrays.inspect(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    scale = _check(qi, ki, vi, causal, softmax_scale)
+    if qi.device is None:
+        from . import cpu
+        out, lse = cpu.attention_forward(q, k, v, causal=bool(causal), softmax_scale=scale)
+    else:
+        out, lse = _forward_gpu(qi, ki, vi, bool(causal), scale)
+    return (out, lse) if return_lse else out
+
+
+def _check(q: _arrays.ArrayInfo, k: _arrays.ArrayInfo, v: _arrays.ArrayInfo, causal, softmax_scale) -> float:
+    """Every user error becomes an exception here, before anything is launched.
+    Returns the softmax scale."""
+    arrays = {"q": q, "k": k, "v": v}
+    for name, a in arrays.items():
+        if len(a.shape) != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {a.shape}")
+    kinds = {a.framework for a in arrays.values()}
+    if len(kinds) > 1:
+        raise TypeError(f"q, k and v must be the same kind of array, got {q.framework}, {k.framework}, {v.framework}")
+    if len({a.where for a in arrays.values()}) > 1:
+        raise ValueError(f"q, k and v must be on one device, got {q.where}, {k.where}, {v.where}")
+    if len({a.dtype for a in arrays.values()}) > 1:
+        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    allowed = GPU_DTYPES if q.device is not None else CPU_DTYPES
+    if q.dtype not in allowed:
+        hint = "; cast to float16 or bfloat16" if q.device is not None else ""
+        raise TypeError(f"dtype must be one of {', '.join(allowed)} on {q.where}, got {q.dtype}{hint}")
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, seqlen_k, nheads_kv, _ = k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape (batch, seqlen_k, nheads_kv, headdim), got {k.shape} and {v.shape}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[3]}")
+    if not 1 <= head_dim <= _plan.MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in 1..{_plan.MAX_HEAD_DIM}, got {head_dim}")
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise ValueError(f"q's nheads must be a multiple of k/v's nheads, got {nheads} and {nheads_kv}")
+    if q.device is not None:
+        for name, a in arrays.items():
+            if a.strides[3] != 1 and head_dim > 1 and math.prod(a.shape):
+                raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {a.strides}")
+        if batch > 65535 or nheads > 65535:
+            raise ValueError(f"batch and nheads must be at most 65535 on the GPU, got {batch} and {nheads}")
+
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
+        raise TypeError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale) or softmax_scale < 0:
+        raise ValueError(f"softmax_scale must be finite and >= 0, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _forward_gpu(q, k, v, causal: bool, scale: float):
+    batch, seqlen_q, nheads, head_dim = q.shape
+    framework = _arrays.Framework(q)
+    out, out_ptr = framework.empty(q.shape, q.dtype)
+    lse, lse_ptr = framework.empty((batch, nheads, seqlen_q), "float32")
+    if math.prod(q.shape):
+        kernel = _plan.forward_kernel(q.dtype, head_dim, causal, _vectorizable(q, k, v, out_ptr),
+                                      _shared_limit(q.device))
+        function = _compile.load_kernel("fwd.cu", kernel.instance, q.device, kernel.shared_bytes)
+        out_strides = _arrays._contiguous_strides(q.shape)
+        # exp2 works in log2 units; a zero scale becomes the smallest normal float so
+        # that masked scores (-inf) times the scale stay -inf instead of NaN.
+        scale_log2 = max(scale * math.log2(math.e), _FLOAT32_TINY)
+        args = [ctypes.c_void_p(p) for p in (q.ptr, k.ptr, v.ptr, out_ptr, lse_ptr)]
+        args += [ctypes.c_int(n) for n in (seqlen_q, k.shape[1], nheads, nheads // k.shape[2], head_dim)]
+        args += [ctypes.c_int64(s) for a in (q.strides, k.strides, v.strides, out_strides) for s in (a[0], a[1], a[2])]
+        args.append(ctypes.c_float(scale_log2))
+        _launch(function, kernel.grid(batch, nheads, seqlen_q), kernel.threads, kernel.shared_bytes,
+                framework, args)
+    return framework.finish(out), framework.finish(lse)
+
+
+def _vectorizable(q, k, v, out_ptr: int) -> bool:
+    """Can every row be moved in 16-byte chunks? (cp.async needs aligned addresses.)"""
+    if q.shape[3] % 8:
+        return False
+    if any(p % 16 for p in (q.ptr, k.ptr, v.ptr, out_ptr)):
+        return False
+    return all(s % 8 == 0 for a in (q, k, v) for s in a.strides[:3])
+
+
+_shared_limits: dict[int, int] = {}
+
+
+def _shared_limit(device: int) -> int:
+    if device not in _shared_limits:
+        import cupy
+        attr = cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin
+        _shared_limits[device] = cupy.cuda.runtime.deviceGetAttribute(attr, device)
+    return _shared_limits[device]
+
+
+def _launch(function: int, grid, threads: int, shared_bytes: int, framework, args) -> None:
+    from cupy_backends.cuda.api import driver
+    if _launch_observer is not None:
+        _launch_observer([a.value for a in args[:5]], framework.stream)
+    params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    with framework.device:
+        driver.launchKernel(function, *grid, threads, 1, 1, shared_bytes, framework.stream,
+                            ctypes.addressof(params), 0)

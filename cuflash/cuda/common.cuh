@@ -1,0 +1,70 @@
+// Shared vocabulary of every kernel: element storage, dtype traits, constants.
+#pragma once
+
+namespace cuflash {
+
+using int64 = long long;
+// fp16 and bf16 are both moved around as raw 16-bit words; only the tensor-core
+// instruction and the float conversion need to know which one they are.
+using elem_t = unsigned short;
+
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x) == exp2(x * kLog2e)
+constexpr float kLn2 = 0.6931471805599453f;    // log(x) == log2(x) * kLn2
+constexpr float kInf = __builtin_bit_cast(float, 0x7f800000u);
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+struct half_t {};      // IEEE fp16
+struct bfloat16_t {};  // bf16
+
+template <typename T> struct DType;
+
+template <> struct DType<half_t> {
+  // Two floats -> one register holding {lo, hi} rounded to nearest.
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  // D = A * B + D, m16n8k16, fp32 accumulators.
+  static __device__ __forceinline__ void mma(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <> struct DType<bfloat16_t> {
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ void mma(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+}  // namespace cuflash

@@ -1,0 +1,74 @@
+// Moving tiles between global and shared memory.
+//
+// A shared tile is kRows x kHeadDim elements, row-major, each row padded by 8
+// elements (16 bytes). With rows of (kHeadDim + 8) * 2 bytes and kHeadDim a
+// multiple of 32, the eight 16-byte rows an ldmatrix phase reads start in eight
+// different 4-bank groups, so every ldmatrix is free of bank conflicts.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+template <int kHeadDim>
+struct SmemTile {
+  static constexpr int kStride = kHeadDim + 8;  // elements per padded row
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+};
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  // src-size 0 zero-fills the 16 bytes: rows past seqlen and columns past the
+  // head dim become zeros, which add nothing to Q K^T nor to P V.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
+
+// Global rows [row0, row0 + kRows) of one (batch, head) slice -> shared tile.
+// kVec: every row start is 16-byte aligned and headdim % 8 == 0, so whole chunks
+// go through cp.async; otherwise (odd head dims, odd strides) each element is
+// loaded on its own and the chunk is assembled in registers.
+template <int kRows, int kHeadDim, int kThreads, bool kVec>
+__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* src, int64 row_stride,
+                                          int row0, int nrows, int headdim) {
+  using S = SmemTile<kHeadDim>;
+  for (int i = threadIdx.x; i < kRows * S::kChunks; i += kThreads) {
+    const int r = i / S::kChunks, c = i % S::kChunks;
+    const bool row_ok = row0 + r < nrows;
+    const elem_t* g = src + (row_ok ? (row0 + r) * row_stride : 0) + c * 8;
+    elem_t* s = tile + r * S::kStride + c * 8;
+    if constexpr (kVec) {
+      cp_async_16(s, row_ok && c * 8 < headdim ? g : src, row_ok && c * 8 < headdim);
+    } else {
+      unsigned w[4];
+#pragma unroll
+      for (int e = 0; e < 8; e += 2) {
+        const unsigned lo = row_ok && c * 8 + e < headdim ? g[e] : 0;
+        const unsigned hi = row_ok && c * 8 + e + 1 < headdim ? g[e + 1] : 0;
+        w[e / 2] = lo | (hi << 16);
+      }
+      *reinterpret_cast<uint4*>(s) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// Shared tile -> global rows [row0, row0 + kRows), clipped to nrows x headdim.
+template <int kRows, int kHeadDim, int kThreads, bool kVec>
+__device__ __forceinline__ void store_tile(elem_t* dst, const elem_t* tile, int64 row_stride,
+                                           int row0, int nrows, int headdim) {
+  using S = SmemTile<kHeadDim>;
+  for (int i = threadIdx.x; i < kRows * S::kChunks; i += kThreads) {
+    const int r = i / S::kChunks, c = i % S::kChunks;
+    if (row0 + r >= nrows || c * 8 >= headdim) continue;
+    elem_t* g = dst + (row0 + r) * row_stride + c * 8;
+    const elem_t* s = tile + r * S::kStride + c * 8;
+    if constexpr (kVec) {
+      *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(s);
+    } else {
+      for (int e = 0; e < 8 && c * 8 + e < headdim; ++e) g[e] = s[e];
+    }
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,102 @@
+// Tensor-core fragments for mma.sync.m16n8k16 (PTX ISA, "Matrix fragments for
+// mma.m16n8k16"): lane = 4 * g + t holds
+//   A (16x16): a0 = (g, 2t..2t+1)   a1 = (g+8, 2t..)   a2 = (g, 2t+8..)   a3 = (g+8, 2t+8..)
+//   B (16x8):  b0 = (k 2t..2t+1, n g)   b1 = (k 2t+8..2t+9, n g)
+//   C (16x8):  c0,c1 = (g, 2t..2t+1)    c2,c3 = (g+8, 2t..2t+1)
+// ldmatrix.x4 loads four 8x8 matrices; lanes 8i..8i+7 give the row addresses of
+// matrix i, and register i of every lane receives its piece of matrix i.
+#pragma once
+#include "common.cuh"
+#include "copy.cuh"
+
+namespace cuflash {
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const elem_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const elem_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// A fragment of rows [row0, row0+16) x cols [col0, col0+16) of a row-major tile (Q).
+template <int kStride>
+__device__ __forceinline__ void load_a(unsigned a[4], const elem_t* tile, int row0, int col0, int lane) {
+  const int row = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int col = col0 + (lane >> 4) * 8;
+  ldmatrix_x4(a, tile + row * kStride + col);
+}
+
+// B fragments of two n8 tiles (n0 and n0+8) x k16 at k0, for B = tile^T where the
+// tile is stored [n][k] (K in S = Q K^T). b[0..1]: tile n0, b[2..3]: tile n0+8.
+template <int kStride>
+__device__ __forceinline__ void load_b_transposed(unsigned b[4], const elem_t* tile, int n0, int k0, int lane) {
+  const int row = n0 + (lane & 7) + (lane >> 4) * 8;
+  const int col = k0 + ((lane >> 3) & 1) * 8;
+  ldmatrix_x4(b, tile + row * kStride + col);
+}
+
+// B fragments of two n8 tiles (n0, n0+8) x k16 at k0, for B = tile stored [k][n]
+// (V in O = P V); .trans hands each lane the column pairs the fragment wants.
+template <int kStride>
+__device__ __forceinline__ void load_b(unsigned b[4], const elem_t* tile, int k0, int n0, int lane) {
+  const int row = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int col = n0 + (lane >> 4) * 8;
+  ldmatrix_x4_trans(b, tile + row * kStride + col);
+}
+
+// acc[kM][kN / 8][4] += A(kM x 16 rows of Q) . B, over the full head dim:
+//   S = Q K^T for this warp's rows.
+template <typename T, int kMTiles, int kN, int kHeadDim>
+__device__ __forceinline__ void gemm_qk(float (&acc)[kMTiles][kN / 8][4], const elem_t* q, int q_row0,
+                                        const elem_t* k, int lane) {
+  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim; kk += 16) {
+    unsigned a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) load_a<kStride>(a[mt], q, q_row0 + mt * 16, kk, lane);
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; nt += 2) {
+      unsigned b[4];
+      load_b_transposed<kStride>(b, k, nt * 8, kk, lane);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        DType<T>::mma(acc[mt][nt], a[mt], b[0], b[1]);
+        DType<T>::mma(acc[mt][nt + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc[kM][kHeadDim / 8][4] += P . V with P taken straight from the S accumulators:
+// the C layout of two adjacent n8 tiles is exactly the A layout of one k16 step.
+template <typename T, int kMTiles, int kN, int kHeadDim>
+__device__ __forceinline__ void gemm_pv(float (&acc)[kMTiles][kHeadDim / 8][4],
+                                        const float (&p)[kMTiles][kN / 8][4], const elem_t* v, int lane) {
+  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    unsigned a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      a[mt][0] = DType<T>::pack(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+      a[mt][1] = DType<T>::pack(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+      a[mt][2] = DType<T>::pack(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+      a[mt][3] = DType<T>::pack(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dt = 0; dt < kHeadDim / 8; dt += 2) {
+      unsigned b[4];
+      load_b<kStride>(b, v, kk * 16, dt * 8, lane);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        DType<T>::mma(acc[mt][dt], a[mt], b[0], b[1]);
+        DType<T>::mma(acc[mt][dt + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,87 @@
+// Online softmax state for the rows a lane owns (two rows per 16-row m-tile:
+// g and g + 8 of the mma C layout). Scores stay in raw units; the softmax scale
+// is folded into log2 space so every score costs one FFMA and one exp2:
+//   P = exp(scale * (S - m)) = exp2(S * scale_log2 - m * scale_log2).
+// scale_log2 > 0 is guaranteed by the host, so -inf * scale_log2 stays -inf.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+// The four lanes of a quad (same g) share one row: reduce across them.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int kMTiles>
+struct OnlineSoftmax {
+  float row_max[kMTiles][2];  // m: running max of raw scores
+  float row_sum[kMTiles][2];  // l: this lane's share of sum exp(scale * (S - m))
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_max[mt][h] = -kInf, row_sum[mt][h] = 0.f;
+  }
+
+  // A row that has seen only masked scores has m = -inf; offsetting by 0 instead
+  // keeps exp2(-inf - -inf) = NaN out of the arithmetic.
+  static __device__ __forceinline__ float scaled_max(float m, float scale_log2) {
+    return m == -kInf ? 0.f : m * scale_log2;
+  }
+
+  // m_new = max(m, rowmax(S)); P = exp2(S*c - m_new*c); l = l * alpha + rowsum(P);
+  // O *= alpha with alpha = exp2((m - m_new) * c). S is overwritten with P.
+  template <int kNTiles, int kDTiles>
+  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4],
+                                         float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m_new = row_max[mt][h];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) m_new = fmaxf(m_new, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        m_new = quad_max(m_new);
+        const float offset = scaled_max(m_new, scale_log2);
+        const float alpha = fast_exp2(row_max[mt][h] * scale_log2 - offset);
+        row_max[mt][h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - offset);
+            sum += s[mt][nt][e];
+          }
+        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
+      }
+  }
+
+  // O /= l and LSE = m * scale + log(l) (natural log). l == 0 (nothing visible)
+  // gives O = 0 and LSE = +inf; a NaN l stays NaN in both.
+  template <int kDTiles>
+  __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float (&lse)[kMTiles][2],
+                                           float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float l = quad_sum(row_sum[mt][h]);
+        const float inv_l = l == 0.f ? 0.f : 1.f / l;
+        lse[mt][h] = l == 0.f ? kInf : (scaled_max(row_max[mt][h], scale_log2) + fast_log2(l)) * kLn2;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= inv_l, o[mt][dt][2 * h + 1] *= inv_l;
+      }
+  }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,196 @@
+"""The forward kernel against the float64 oracle on the GPU (CuPy, PyTorch, JAX).
+
+Rule (flash-attn's): max|out - ref64| <= 2 * max|out_lowp - ref64| + floor, where
+out_lowp is plain attention rounded to the input dtype at every stage and floor
+is half an ulp at 1 of that dtype. Outputs land in freshly poisoned memory, so
+an element the kernel never writes shows up as NaN.
+"""
+import contextlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import api
+from cuflash.reference import attention_lowp, attention_reference
+
+from .strategies import Shape, assert_close, attention_shapes, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+FLOOR = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+LSE_ATOL = 1e-3  # LSE is fp32 arithmetic on exact low-precision inputs
+
+
+def cupy_dtype(name):
+    import ml_dtypes
+    return {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[name]
+
+
+class Launches:
+    """Records the pointers and stream of every kernel launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        api._launch_observer = lambda pointers, stream: self.calls.append((pointers, stream))
+        return self
+
+    def __exit__(self, *exc):
+        api._launch_observer = None
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every CuPy allocation inside comes filled with all-ones bits (NaN in fp16,
+    bf16 and fp32), so an output element the kernel never writes stays NaN."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+
+    def malloc(nbytes):
+        memory = pool.malloc(nbytes)
+        cupy.cuda.runtime.memsetAsync(memory.ptr, 0xFF, nbytes, cupy.cuda.get_current_stream().ptr)
+        return memory
+
+    cupy.cuda.set_allocator(malloc)
+    try:
+        yield
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+
+
+def check_against_reference(q, k, v, out, lse, causal, scale=None):
+    """flash-attn's rule for out, an absolute bound for lse, NaN/inf parity for both."""
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+    lowp = attention_lowp(q, k, v, causal=causal, softmax_scale=scale)
+    dtype = str(q.dtype)
+    lowp_err = float(abs(lowp.astype(np.float64) - ref).max()) if ref.size else 0.0
+    assert_close(out, ref, atol=2 * lowp_err + FLOOR[dtype], name="out")
+    assert_close(lse, ref_lse, atol=LSE_ATOL, rtol=1e-5, name="lse")
+
+
+shapes = attention_shapes(max_batch=4, max_seqlen=2048, max_headdim=256, max_nheads_kv=2, max_group=4)
+
+
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=shapes, dtype=st.sampled_from(["float16", "bfloat16"]), seed=st.integers(0, 2**32 - 1))
+def test_forward_matches_reference(shape: Shape, dtype, seed):
+    import cupy
+    q, k, v = random_qkv(shape, cupy_dtype(dtype), np.random.default_rng(seed), xp=cupy)
+    lse_shape = (shape.batch, shape.nheads, shape.seqlen_q)
+    with poisoned_allocations(), Launches() as launches:
+        out, lse = cuflash.attention(q, k, v, causal=shape.causal, return_lse=True)
+    assert type(out) is cupy.ndarray and out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == np.float32 and lse.shape == lse_shape
+    (pointers, _), = launches.calls
+    assert pointers[:3] == [q.data.ptr, k.data.ptr, v.data.ptr]  # read in place
+    assert pointers[3:] == [out.data.ptr, lse.data.ptr]
+    check_against_reference(q, k, v, out, lse, shape.causal)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [59, 64, 111, 200, 256])
+def test_strided_and_unaligned_views(dtype, head_dim):
+    """Strides other than the last dim go to the kernel as they are; views whose
+    rows are not 16-byte aligned take the element-wise load path."""
+    import cupy
+    rng = cupy.random.default_rng(head_dim)
+    shape = (2, 300, 4, head_dim)
+    # (b, h, s, d) storage viewed as (b, s, h, d), and a column window of a wider array.
+    q = rng.standard_normal((2, 4, 300, head_dim), dtype=cupy.float32).astype(cupy_dtype(dtype)).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((2, 257, 2, head_dim + 3), dtype=cupy.float32).astype(cupy_dtype(dtype))[..., 1:head_dim + 1]
+    v = rng.standard_normal((2, 257, 2, head_dim), dtype=cupy.float32).astype(cupy_dtype(dtype))
+    assert q.shape == shape and not q.flags.c_contiguous and not k.flags.c_contiguous
+    with Launches() as launches:
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert launches.calls[0][0][:2] == [q.data.ptr, k.data.ptr]
+    check_against_reference(q, k, v, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.05, 1.0])
+def test_softmax_scale(scale):
+    import cupy
+    q, k, v = random_qkv(Shape(2, 129, 65, 4, 2, 64, True), np.float16, np.random.default_rng(1), xp=cupy)
+    out, lse = cuflash.attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
+    check_against_reference(q, k, v, out, lse, causal=True, scale=scale)
+
+
+def test_fully_masked_rows_and_empty_sequences():
+    import cupy
+    # causal with seqlen_q > seqlen_k: the first 100 queries see no key.
+    q, k, v = random_qkv(Shape(1, 164, 64, 2, 1, 128, True), np.float16, np.random.default_rng(2), xp=cupy)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert not cupy.isnan(out).any()
+    assert (out[:, :100] == 0).all() and cupy.isinf(lse[:, :, :100]).all() and (lse[:, :, :100] > 0).all()
+    check_against_reference(q, k, v, out, lse, causal=True)
+    # seqlen_k == 0: every row sees nothing; seqlen_q == 0: an empty result, no launch.
+    empty_kv = cupy.empty((1, 0, 1, 128), dtype=cupy.float16)
+    out, lse = cuflash.attention(q, empty_kv, empty_kv, return_lse=True)
+    assert (out == 0).all() and cupy.isposinf(lse).all()
+    with Launches() as launches:
+        out, lse = cuflash.attention(q[:, :0], k, v, return_lse=True)
+    assert out.shape == (1, 0, 2, 128) and lse.shape == (1, 2, 0) and not launches.calls
+
+
+def test_nan_propagates_like_the_reference():
+    import cupy
+    q, k, v = random_qkv(Shape(1, 200, 3, 3, 1, 96, False), np.float16, np.random.default_rng(3), xp=cupy)
+    q[0, 17, 1, 5] = np.nan
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert cupy.isnan(out[0, 17, 1]).all() and cupy.isnan(out).sum() == 96
+    check_against_reference(q, k, v, out, lse, causal=False)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_tensors_zero_copy_on_current_stream(dtype):
+    torch = pytest.importorskip("torch")
+    import cupy
+    tdtype = getattr(torch, dtype)
+    q, k, v = (torch.randn(2, s, h, 128, device="cuda", dtype=tdtype) for s, h in ((333, 8), (257, 2), (257, 2)))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), Launches() as launches:
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    stream.synchronize()
+    assert isinstance(out, torch.Tensor) and out.dtype == tdtype and out.device == q.device
+    assert lse.dtype == torch.float32 and lse.shape == (2, 8, 333)
+    (pointers, launch_stream), = launches.calls
+    assert pointers == [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()]
+    assert launch_stream == stream.cuda_stream
+    as_cupy = [cupy.from_dlpack(t.detach()) for t in (q, k, v, out, lse)]
+    check_against_reference(*as_cupy, causal=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_jax_arrays_zero_copy(dtype):
+    jax = pytest.importorskip("jax")
+    import cupy
+    import jax.numpy as jnp
+    key = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(key[0], (2, 191, 4, 64), dtype=getattr(jnp, dtype))
+    k = jax.random.normal(key[1], (2, 300, 2, 64), dtype=getattr(jnp, dtype))
+    v = jax.random.normal(key[2], (2, 300, 2, 64), dtype=getattr(jnp, dtype))
+    with Launches() as launches:
+        out, lse = cuflash.attention(q, k, v, causal=False, return_lse=True)
+    assert isinstance(out, jax.Array) and out.dtype == q.dtype and out.shape == q.shape
+    (pointers, _), = launches.calls
+    assert pointers[:3] == [x.unsafe_buffer_pointer() for x in (q, k, v)]
+    assert pointers[3:] == [out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()]
+    as_cupy = [cupy.from_dlpack(x) for x in (q, k, v, out, lse)]
+    check_against_reference(*as_cupy, causal=False)
+
+
+def test_gpu_input_errors():
+    import cupy
+    x = cupy.zeros((1, 8, 2, 64), dtype=cupy.float32)
+    with pytest.raises(TypeError, match="cast to float16 or bfloat16"):
+        cuflash.attention(x, x, x)
+    h = x.astype(cupy.float16)
+    with pytest.raises(TypeError, match="same kind of array"):
+        cuflash.attention(h, np.zeros((1, 8, 2, 64), np.float16), h)
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        cuflash.attention(h[..., ::2], h[..., ::2], h[..., ::2])
+    with pytest.raises(TypeError, match="one dtype"):
+        cuflash.attention(h, h, h.astype(cupy_dtype("bfloat16")))
