@@ -16,10 +16,6 @@ def gpu_available() -> bool:
         return False
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped where there is none")
-
-
 def pytest_collection_modifyitems(config, items):
     if gpu_available():
         return

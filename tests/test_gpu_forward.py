@@ -75,7 +75,7 @@ def check_against_reference(q, k, v, out, lse, causal, scale=None):
 shapes = attention_shapes(max_batch=4, max_seqlen=2048, max_headdim=256, max_nheads_kv=2, max_group=4)
 
 
-@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=shapes, dtype=st.sampled_from(["float16", "bfloat16"]), seed=st.integers(0, 2**32 - 1))
 def test_forward_matches_reference(shape: Shape, dtype, seed):
     import cupy
@@ -88,6 +88,27 @@ def test_forward_matches_reference(shape: Shape, dtype, seed):
     (pointers, _), = launches.calls
     assert pointers[:3] == [q.data.ptr, k.data.ptr, v.data.ptr]  # read in place
     assert pointers[3:] == [out.data.ptr, lse.data.ptr]
+    check_against_reference(q, k, v, out, lse, shape.causal)
+
+
+# Hypothesis favours small sizes; these pin down long, ragged and lopsided ones.
+@pytest.mark.parametrize("shape,dtype", [
+    (Shape(4, 2048, 2048, 4, 1, 128, True), "bfloat16"),
+    (Shape(1, 2047, 1999, 6, 2, 64, True), "float16"),
+    (Shape(2, 1, 2048, 8, 8, 256, False), "bfloat16"),
+    (Shape(1, 2048, 1, 2, 1, 59, True), "float16"),
+    (Shape(3, 1025, 2048, 4, 2, 200, True), "bfloat16"),
+    (Shape(2, 1031, 1031, 2, 2, 111, False), "float16"),
+    (Shape(1, 1500, 2048, 4, 4, 32, False), "bfloat16"),
+    (Shape(1, 777, 1200, 4, 2, 160, True), "float16"),
+    (Shape(1, 640, 513, 2, 1, 224, True), "bfloat16"),
+    (Shape(1, 900, 900, 2, 1, 96, True), "bfloat16"),
+])
+def test_long_sequences(shape, dtype):
+    import cupy
+    q, k, v = random_qkv(shape, cupy_dtype(dtype), np.random.default_rng(shape.seqlen_q), xp=cupy)
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, causal=shape.causal, return_lse=True)
     check_against_reference(q, k, v, out, lse, shape.causal)
 
 

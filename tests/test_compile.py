@@ -1,0 +1,81 @@
+"""The compile layer without a GPU: every variant builds for sm_80 and sm_90 with
+no spills, the cache key follows every source byte, ptxas reports are parsed."""
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cuflash import _compile, _plan
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (the cuda12/cuda13 extra) is not installed")
+
+
+def test_compile_all_for_sm80_and_sm90_without_spills(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "cuflash", "compile", "--arch", "sm_80,sm_90"],
+                            capture_output=True, text=True, env={"CUFLASH_CACHE_DIR": str(tmp_path), "PATH": ""},
+                            timeout=1800)
+    print(result.stdout[-3000:], result.stderr[-3000:])
+    assert result.returncode == 0
+    expected = 2 * len(_plan.all_forward_kernels("sm_90"))
+    assert f"{expected} variants compiled, 0 spill" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("sm_80", "sm_90"))]
+    assert len(rows) == expected
+    for row in rows:
+        arch, regs, smem, spill = row.split()[:4]
+        assert 0 < int(regs) <= 255 and int(spill) == 0
+        assert float(smem) * 1024 <= _plan.shared_memory_limit(arch)
+
+
+@pytest.fixture
+def private_sources(tmp_path, monkeypatch):
+    """A copy of cuflash/cuda and an empty cache, both in tmp_path."""
+    cuda = tmp_path / "cuda"
+    shutil.copytree(_compile.CUDA_DIR, cuda)
+    monkeypatch.setattr(_compile, "CUDA_DIR", cuda)
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    _compile._sources.cache_clear()
+    yield cuda
+    _compile._sources.cache_clear()
+
+
+def test_an_edited_header_recompiles(private_sources, monkeypatch):
+    kernel = _plan.forward_kernel("float16", 64, causal=True, vectorized=True, shared_limit=_plan.shared_memory_limit("sm_80"))
+    runs = []
+    real = _compile._run_nvrtc
+    monkeypatch.setattr(_compile, "_run_nvrtc", lambda *a: runs.append(a) or real(*a))
+
+    first = _compile.compile_kernel("fwd.cu", kernel.instance, "sm_80")
+    again = _compile.compile_kernel("fwd.cu", kernel.instance, "sm_80")
+    assert len(runs) == 1 and again == first  # the second came from the disk cache
+
+    header = private_sources / "softmax.cuh"
+    header.write_text(header.read_text() + "\n// an edit\n")
+    _compile._sources.cache_clear()
+    _compile.compile_kernel("fwd.cu", kernel.instance, "sm_80")
+    assert len(runs) == 2
+    _compile.compile_kernel("fwd.cu", kernel.instance, "sm_90")  # another arch is another key
+    assert len(runs) == 3
+    assert first.cubin[:4] == b"\x7fELF" and first.lowered_name.startswith("_ZN7cuflash17attention_forward")
+
+
+def test_compile_errors_carry_the_nvrtc_log(private_sources):
+    (private_sources / "fwd.cu").write_text((private_sources / "fwd.cu").read_text() + "\nthis is not C++;\n")
+    _compile._sources.cache_clear()
+    with pytest.raises(RuntimeError, match="(?s)NVRTC failed to compile .*error: expected a declaration"):
+        _compile.compile_kernel("fwd.cu", _plan.all_forward_kernels("sm_80")[0].instance, "sm_80")
+
+
+def test_resources_from_ptxas_log():
+    log = ("ptxas         .     24 bytes stack frame, 56 bytes spill stores, 48 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 1 barriers\n")
+    assert _compile.Resources.from_log(log) == _compile.Resources(255, 56, 48, 24)
+    with pytest.raises(RuntimeError, match="no ptxas resource report"):
+        _compile.Resources.from_log("nothing here")
+
+
+def test_tile_table_fits_every_arch():
+    for arch in _plan.SHARED_MEMORY_LIMIT:
+        for kernel in _plan.all_forward_kernels(arch):
+            assert kernel.shared_bytes <= _plan.shared_memory_limit(arch)
+            assert kernel.tile.block_m % (16 * kernel.tile.warps) == 0
