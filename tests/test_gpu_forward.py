@@ -6,6 +6,7 @@ is half an ulp at 1 of that dtype. Outputs land in freshly poisoned memory, so
 an element the kernel never writes shows up as NaN.
 """
 import contextlib
+import math
 
 import numpy as np
 import pytest
@@ -172,9 +173,16 @@ def test_torch_tensors_zero_copy_on_current_stream(dtype):
     tdtype = getattr(torch, dtype)
     q, k, v = (torch.randn(2, s, h, 128, device="cuda", dtype=tdtype) for s, h in ((333, 8), (257, 2), (257, 2)))
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), Launches() as launches:
-        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    with torch.cuda.stream(stream):
+        # torch's caching allocator hands a freed block of the same size on the same
+        # stream back first: fill the blocks out and lse will get with NaN.
+        poison = [torch.full(shape, math.nan, dtype=t, device="cuda") for shape, t in ((q.shape, tdtype), ((2, 8, 333), torch.float32))]
+        poisoned = [p.data_ptr() for p in poison]
+        del poison
+        with Launches() as launches:
+            out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     stream.synchronize()
+    assert [out.data_ptr(), lse.data_ptr()] == poisoned
     assert isinstance(out, torch.Tensor) and out.dtype == tdtype and out.device == q.device
     assert lse.dtype == torch.float32 and lse.shape == (2, 8, 333)
     (pointers, launch_stream), = launches.calls
