@@ -31,7 +31,7 @@ def _root_module(x) -> str:
     return type(x).__module__.split(".")[0]
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
+def contiguous_strides(shape) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -59,9 +59,15 @@ def inspect(x, name: str) -> ArrayInfo:
         device = next(iter(devices))
         if len(devices) != 1 or device.platform not in ("gpu", "cuda"):
             raise TypeError(f"{name} must be a JAX array on a single CUDA device, got one on {devices}")
-        return ArrayInfo(x, "jax", x.unsafe_buffer_pointer(), tuple(x.shape), _contiguous_strides(x.shape),
+        return ArrayInfo(x, "jax", x.unsafe_buffer_pointer(), tuple(x.shape), contiguous_strides(x.shape),
                          str(x.dtype), getattr(device, "local_hardware_id", device.id))
     raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got {type(x).__qualname__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    array: Any  # what the caller's library holds
+    info: ArrayInfo  # what a kernel needs
 
 
 class Framework:
@@ -80,17 +86,22 @@ class Framework:
             if like.framework == "jax":
                 like.obj.block_until_ready()  # JAX works on its own stream: wait for the inputs
 
-    def empty(self, shape: tuple[int, ...], dtype: str):
-        """An uninitialised array of the caller's kind on the caller's device and
-        stream; returns (array, pointer)."""
+    def empty(self, shape: tuple[int, ...], dtype: str, *, zeros: bool = False) -> "Allocation":
+        """An array of the caller's kind on the caller's device and stream
+        (uninitialised, or zeroed on the stream with ``zeros``)."""
         if self.like.framework == "torch":
             import torch
-            out = torch.empty(shape, dtype=getattr(torch, dtype), device=self.like.obj.device)
-            return out, out.data_ptr()
-        import cupy
-        with self.device:
-            out = cupy.empty(shape, dtype=_cupy_dtype(dtype))
-        return out, out.data.ptr
+            make = torch.zeros if zeros else torch.empty
+            out = make(shape, dtype=getattr(torch, dtype), device=self.like.obj.device)
+            ptr = out.data_ptr()
+        else:
+            import cupy
+            with self.device:
+                out = (cupy.zeros if zeros else cupy.empty)(shape, dtype=_cupy_dtype(dtype))
+            ptr = out.data.ptr
+        info = ArrayInfo(out, self.like.framework, ptr, tuple(shape), contiguous_strides(shape), dtype,
+                         self.like.device)
+        return Allocation(out, info)
 
     def finish(self, out):
         """Hand a result allocated by ``empty`` back as the caller's kind."""

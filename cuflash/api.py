@@ -1,21 +1,15 @@
 """The NumPy-like public functions: validate -> plan -> launch."""
 from __future__ import annotations
 
-import ctypes
 import math
 import numbers
 
 import numpy as np
 
-from . import _arrays, _compile, _plan
+from . import _arrays, _kernels, _plan
 
 GPU_DTYPES = ("float16", "bfloat16")
 CPU_DTYPES = ("float16", "float32", "float64")
-_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-
-# Tests set this to a callable(pointers, stream) to see every launch's array
-# pointers and stream (zero-copy and stream-order checks).
-_launch_observer = None
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
@@ -91,52 +85,8 @@ def _check(q: _arrays.ArrayInfo, k: _arrays.ArrayInfo, v: _arrays.ArrayInfo, cau
 
 
 def _forward_gpu(q, k, v, causal: bool, scale: float):
-    batch, seqlen_q, nheads, head_dim = q.shape
     framework = _arrays.Framework(q)
-    out, out_ptr = framework.empty(q.shape, q.dtype)
-    lse, lse_ptr = framework.empty((batch, nheads, seqlen_q), "float32")
-    if math.prod(q.shape):
-        kernel = _plan.forward_kernel(q.dtype, head_dim, causal, _vectorizable(q, k, v, out_ptr),
-                                      _shared_limit(q.device))
-        function = _compile.load_kernel("fwd.cu", kernel.instance, q.device, kernel.shared_bytes)
-        out_strides = _arrays._contiguous_strides(q.shape)
-        # exp2 works in log2 units; a zero scale becomes the smallest normal float so
-        # that masked scores (-inf) times the scale stay -inf instead of NaN.
-        scale_log2 = max(scale * math.log2(math.e), _FLOAT32_TINY)
-        args = [ctypes.c_void_p(p) for p in (q.ptr, k.ptr, v.ptr, out_ptr, lse_ptr)]
-        args += [ctypes.c_int(n) for n in (seqlen_q, k.shape[1], nheads, nheads // k.shape[2], head_dim)]
-        args += [ctypes.c_int64(s) for a in (q.strides, k.strides, v.strides, out_strides) for s in (a[0], a[1], a[2])]
-        args.append(ctypes.c_float(scale_log2))
-        _launch(function, kernel.grid(batch, nheads, seqlen_q), kernel.threads, kernel.shared_bytes,
-                framework, args)
-    return framework.finish(out), framework.finish(lse)
-
-
-def _vectorizable(q, k, v, out_ptr: int) -> bool:
-    """Can every row be moved in 16-byte chunks? (cp.async needs aligned addresses.)"""
-    if q.shape[3] % 8:
-        return False
-    if any(p % 16 for p in (q.ptr, k.ptr, v.ptr, out_ptr)):
-        return False
-    return all(s % 8 == 0 for a in (q, k, v) for s in a.strides[:3])
-
-
-_shared_limits: dict[int, int] = {}
-
-
-def _shared_limit(device: int) -> int:
-    if device not in _shared_limits:
-        import cupy
-        attr = cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin
-        _shared_limits[device] = cupy.cuda.runtime.deviceGetAttribute(attr, device)
-    return _shared_limits[device]
-
-
-def _launch(function: int, grid, threads: int, shared_bytes: int, framework, args) -> None:
-    from cupy_backends.cuda.api import driver
-    if _launch_observer is not None:
-        _launch_observer([a.value for a in args[:5]], framework.stream)
-    params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    with framework.device:
-        driver.launchKernel(function, *grid, threads, 1, 1, shared_bytes, framework.stream,
-                            ctypes.addressof(params), 0)
+    out = framework.empty(q.shape, q.dtype)
+    lse = framework.empty((q.shape[0], q.shape[2], q.shape[1]), "float32")
+    _kernels.forward(q, k, v, out.info, lse.info, causal=causal, scale=scale, stream=framework.stream)
+    return framework.finish(out.array), framework.finish(lse.array)

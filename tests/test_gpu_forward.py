@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import api
+from cuflash import _kernels
 from cuflash.reference import attention_lowp, attention_reference
 
 from .strategies import Shape, assert_close, attention_shapes, random_qkv
@@ -37,11 +37,11 @@ class Launches:
         self.calls = []
 
     def __enter__(self):
-        api._launch_observer = lambda pointers, stream: self.calls.append((pointers, stream))
+        _kernels._launch_observer = lambda pointers, stream: self.calls.append((pointers, stream))
         return self
 
     def __exit__(self, *exc):
-        api._launch_observer = None
+        _kernels._launch_observer = None
 
 
 @contextlib.contextmanager
