@@ -40,10 +40,10 @@ def compile_all(args) -> int:
     ptxas reports; fails if any variant fails to compile or spills (--allow-spills)."""
     from cuflash import _compile, _plan
 
-    jobs = [(arch, kernel) for arch in args.arch.split(",") for kernel in _plan.all_forward_kernels(arch)]
+    jobs = [(arch, kernel) for arch in args.arch.split(",") for kernel in _plan.all_kernels(arch)]
     # NVRTC holds the GIL: compile in processes.
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(_compile.compile_kernel, ["fwd.cu"] * len(jobs),
+        results = list(pool.map(_compile.compile_kernel, [kernel.source for _, kernel in jobs],
                                 [kernel.instance for _, kernel in jobs], [arch for arch, _ in jobs]))
     spilled = 0
     print(f"{'arch':6} {'regs':>4} {'smem KiB':>8} {'spill B':>7}  variant")
@@ -71,8 +71,9 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count())
     p.add_argument("--allow-spills", action="store_true")
     p.set_defaults(run=compile_all)
-    p = sub.add_parser("bench", help="forward TFLOP/s beside torch SDPA's flash and cuDNN backends")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    p = sub.add_parser("bench", help="TFLOP/s beside torch SDPA's flash and cuDNN backends")
+    p.add_argument("--quick", action="store_true", help="every other sequence length")
+    p.add_argument("--mode", choices=("fwd", "fwdbwd", "all"), default="all", help="forward, forward+backward, or both")
     p.add_argument("--csv", help="also write the rows to this CSV file")
     p.set_defaults(run=bench)
     args = parser.parse_args(argv)

@@ -1,13 +1,15 @@
 """Which kernel runs: variant, tile shape, grid and shared memory from shapes and arch.
 
-This is the one dispatch table. A variant is a template instance of
-``attention_forward`` in ``cuda/fwd.cu``; the tile shape is chosen per head-dim
-bucket as the first entry of ``FORWARD_TILES`` whose shared memory fits the arch.
+This is the one dispatch table. A variant is a template instance of one of the
+tiled kernels in ``cuda/`` (``KINDS``); its tile shape is the first entry of the
+kind's table, per head-dim bucket, whose shared memory fits the arch. Register
+budgets behind these choices are checked by ``python -m cuflash compile``.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Callable
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -23,29 +25,60 @@ SHARED_MEMORY_LIMIT = {
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-    """@block_m query rows per CTA, @block_n key rows per step, @warps warps per
-    CTA (each owns block_m / warps rows, a multiple of 16), @stages K/V buffers."""
+    """@block_m query rows and @block_n key rows per tile, @warps warps per CTA,
+    @stages shared buffers for the streamed operand, @col_split passes over the
+    head dim (backward only: keeps the gradient accumulators in registers)."""
     block_m: int
     block_n: int
     warps: int
     stages: int
-
-    def shared_bytes(self, head_dim: int) -> int:
-        # Q tile + stages x (K tile + V tile), rows padded by 8 elements (copy.cuh).
-        return (self.block_m + 2 * self.stages * self.block_n) * (head_dim + 8) * 2
+    col_split: int = 1
 
 
-# Candidates in order of preference; the first that fits the arch is used.
-FORWARD_TILES = {
-    32: (Tile(128, 64, 4, 2),),
-    64: (Tile(128, 64, 4, 2),),
-    96: (Tile(64, 64, 4, 2),),
-    128: (Tile(64, 64, 4, 2),),
-    160: (Tile(64, 64, 4, 2), Tile(64, 32, 4, 2)),
-    192: (Tile(64, 64, 4, 2), Tile(64, 32, 4, 2)),
-    224: (Tile(64, 64, 4, 2), Tile(64, 32, 4, 2)),
-    256: (Tile(64, 64, 4, 2), Tile(64, 32, 4, 2), Tile(64, 32, 4, 1)),
+def _padded(d: int) -> int:
+    return (d + 8) * 2  # bytes of one shared-memory row (copy.cuh pads by 8 elements)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    source: str
+    template: str
+    tiles: dict[int, tuple[Tile, ...]]  # head-dim bucket -> candidates, preferred first
+    shared_bytes: Callable[[Tile, int], int]
+    grid_rows: str  # the tile dimension the grid's x runs over: "block_m" or "block_n"
+    has_col_split: bool
+
+
+_T = Tile
+KINDS = {
+    # Q tile + stages x (K tile + V tile)
+    "forward": Kind("fwd.cu", "attention_forward", {
+        32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(64, 64, 4, 2),), 128: (_T(64, 64, 4, 2),),
+        160: (_T(64, 64, 4, 2), _T(64, 32, 4, 2)), 192: (_T(64, 64, 4, 2), _T(64, 32, 4, 2)),
+        224: (_T(64, 64, 4, 2), _T(64, 32, 4, 2)),
+        256: (_T(64, 64, 4, 2), _T(64, 32, 4, 2), _T(64, 32, 4, 1)),
+    }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", False),
+    # K and V tiles + stages x (Q tile + dO tile + LSE + D) + dS^T tile
+    "backward_dkdv": Kind("bwd.cu", "attention_backward_dkdv", {
+        32: (_T(64, 64, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(32, 32, 2, 2),),
+        128: (_T(32, 64, 4, 2), _T(32, 64, 4, 1)),
+        160: (_T(32, 32, 2, 2, 2),), 192: (_T(32, 32, 2, 2, 2),),
+        224: (_T(64, 64, 4, 2, 7), _T(32, 32, 2, 2, 7)),
+        256: (_T(32, 64, 4, 2, 4), _T(32, 32, 2, 1, 4)),
+    }, lambda t, d: (2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m)
+                     + t.block_n * (t.block_m + 8) * 2), "block_n", True),
+    # Q tile + dO tile + stages x (K tile + V tile)
+    "backward_dq": Kind("bwd.cu", "attention_backward_dq", {
+        32: (_T(64, 128, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(64, 64, 4, 2),),
+        128: (_T(64, 64, 4, 2), _T(64, 64, 4, 1)), 160: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)),
+        192: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)), 224: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)),
+        256: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)),
+    }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", True),
 }
+
+# Untiled helpers of the backward, one instance per dtype.
+ELEMENTWISE = {"backward_preprocess": ("bwd.cu", "attention_backward_preprocess", 256),
+               "backward_convert_dq": ("bwd.cu", "attention_backward_convert_dq", 256)}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -56,16 +89,10 @@ def shared_memory_limit(arch: str) -> int:
     return SHARED_MEMORY_LIMIT.get(arch, 99 * 1024)
 
 
-def forward_tile(bucket: int, shared_limit: int) -> Tile:
-    for tile in FORWARD_TILES[bucket]:
-        if tile.shared_bytes(bucket) <= shared_limit:
-            return tile
-    raise RuntimeError(f"no forward tile for head dim {bucket} fits {shared_limit} bytes of shared memory")
-
-
 @dataclasses.dataclass(frozen=True)
-class ForwardKernel:
-    """One template instance of attention_forward with its launch shape."""
+class Kernel:
+    """One template instance of a tiled kernel with its launch shape."""
+    kind: str
     dtype: str
     head_dim: int  # bucket
     tile: Tile
@@ -73,31 +100,64 @@ class ForwardKernel:
     vectorized: bool
 
     @property
+    def source(self) -> str:
+        return KINDS[self.kind].source
+
+    @property
     def instance(self) -> str:
-        t = self.tile
-        flags = ", ".join("true" if f else "false" for f in (self.causal, self.vectorized))
-        return (f"cuflash::attention_forward<{DTYPES[self.dtype]}, {self.head_dim}, "
-                f"{t.block_m}, {t.block_n}, {t.warps}, {t.stages}, {flags}>")
+        t, kind = self.tile, KINDS[self.kind]
+        args = [DTYPES[self.dtype], self.head_dim, t.block_m, t.block_n, t.warps, t.stages,
+                str(self.causal).lower(), str(self.vectorized).lower()]
+        if kind.has_col_split:
+            args.append(t.col_split)
+        return f"cuflash::{kind.template}<{', '.join(map(str, args))}>"
 
     @property
     def shared_bytes(self) -> int:
-        return self.tile.shared_bytes(self.head_dim)
+        return KINDS[self.kind].shared_bytes(self.tile, self.head_dim)
 
     @property
     def threads(self) -> int:
         return self.tile.warps * 32
 
-    def grid(self, batch: int, nheads: int, seqlen_q: int) -> tuple[int, int, int]:
-        return (-(-seqlen_q // self.tile.block_m), nheads, batch)
+    def grid(self, rows: int, heads: int, batch: int) -> tuple[int, int, int]:
+        """Tiles over ``rows`` (query rows, or key rows for dK/dV), heads, batch."""
+        tile_rows = getattr(self.tile, KINDS[self.kind].grid_rows)
+        return (-(-rows // tile_rows), heads, batch)
 
 
-def forward_kernel(dtype: str, head_dim: int, causal: bool, vectorized: bool, shared_limit: int) -> ForwardKernel:
+@dataclasses.dataclass(frozen=True)
+class Elementwise:
+    kind: str
+    dtype: str
+
+    @property
+    def source(self) -> str:
+        return ELEMENTWISE[self.kind][0]
+
+    @property
+    def instance(self) -> str:
+        return f"cuflash::{ELEMENTWISE[self.kind][1]}<{DTYPES[self.dtype]}>"
+
+    @property
+    def threads(self) -> int:
+        return ELEMENTWISE[self.kind][2]
+
+    shared_bytes = 0
+
+
+def kernel(kind: str, dtype: str, head_dim: int, causal: bool, vectorized: bool, shared_limit: int) -> Kernel:
     bucket = head_dim_bucket(head_dim)
-    return ForwardKernel(dtype, bucket, forward_tile(bucket, shared_limit), causal, vectorized)
+    for tile in KINDS[kind].tiles[bucket]:
+        if KINDS[kind].shared_bytes(tile, bucket) <= shared_limit:
+            return Kernel(kind, dtype, bucket, tile, causal, vectorized)
+    raise RuntimeError(f"no {kind} tile for head dim {bucket} fits {shared_limit} bytes of shared memory")
 
 
-def all_forward_kernels(arch: str) -> list[ForwardKernel]:
-    """Every variant the forward can launch on ``arch``."""
+def all_kernels(arch: str) -> list[Kernel | Elementwise]:
+    """Every variant cuflash can launch on ``arch``."""
     limit = shared_memory_limit(arch)
-    return [forward_kernel(dtype, bucket, causal, vec, limit)
-            for dtype, bucket, causal, vec in itertools.product(DTYPES, HEAD_DIM_BUCKETS, (False, True), (True, False))]
+    tiled = [kernel(kind, dtype, bucket, causal, vec, limit)
+             for kind, dtype, bucket, causal, vec in
+             itertools.product(KINDS, DTYPES, HEAD_DIM_BUCKETS, (False, True), (True, False))]
+    return tiled + [Elementwise(kind, dtype) for kind, dtype in itertools.product(ELEMENTWISE, DTYPES)]

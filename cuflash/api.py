@@ -35,6 +35,52 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     return (out, lse) if return_lse else out
 
 
+def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
+                       deterministic: bool = False):
+    """Gradients (dq, dk, dv) of ``attention`` given the upstream gradient ``dout``.
+
+    ``out`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)``
+    returned for the same arguments; P is recomputed from ``lse``, never stored.
+    With GQA, dk and dv are summed over the query heads that share a KV head.
+    ``deterministic=True`` gives bitwise-identical results from run to run (dQ is
+    then computed by its own pass instead of fp32 atomics; see docs/api.md for the
+    cost). Same array kinds, devices and streams as ``attention``.
+    """
+    qi, ki, vi = (_arrays.inspect(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    scale = _check(qi, ki, vi, causal, softmax_scale)
+    doi, oi, li = (_arrays.inspect(x, name) for x, name in ((dout, "dout"), (out, "out"), (lse, "lse")))
+    for name, a in (("dout", doi), ("out", oi)):
+        _check_like(name, a, qi, qi.shape, qi.dtype)
+    lse_shape = (qi.shape[0], qi.shape[2], qi.shape[1])
+    _check_like("lse", li, qi, lse_shape, "float32")
+    if li.device is not None and math.prod(lse_shape) and li.strides != _arrays.contiguous_strides(lse_shape):
+        raise ValueError(f"lse must be contiguous, got strides {li.strides} for shape {li.shape}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if qi.device is None:
+        from . import cpu
+        return cpu.attention_backward(dout, q, k, v, out, lse, causal=bool(causal), softmax_scale=scale)
+    framework = _arrays.Framework(qi)
+    grads = [framework.empty(a.shape, a.dtype) for a in (qi, ki, vi)]
+    work = {name: framework.empty(shape, dtype) for name, (shape, dtype) in _kernels.backward_workspace(qi.shape).items()}
+    _kernels.backward(doi, qi, ki, vi, oi, li, *(g.info for g in grads), work["delta"].info, work["dq_accum"].info,
+                      causal=bool(causal), scale=scale, deterministic=bool(deterministic), stream=framework.stream)
+    return tuple(framework.finish(g.array) for g in grads)
+
+
+def _check_like(name: str, a: _arrays.ArrayInfo, q: _arrays.ArrayInfo, shape, dtype: str) -> None:
+    """``a`` must be ``shape`` and ``dtype``, and live where q does."""
+    if a.framework != q.framework or a.where != q.where:
+        raise TypeError(f"{name} must be the same kind of array on the same device as q "
+                        f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
+    if a.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {a.shape}")
+    if a.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {a.dtype}")
+    if a.device is not None and len(shape) == 4 and shape[3] > 1 and math.prod(shape) and a.strides[3] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {a.strides}")
+
+
 def _check(q: _arrays.ArrayInfo, k: _arrays.ArrayInfo, v: _arrays.ArrayInfo, causal, softmax_scale) -> float:
     """Every user error becomes an exception here, before anything is launched.
     Returns the softmax scale."""

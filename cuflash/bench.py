@@ -1,8 +1,9 @@
-"""Forward TFLOP/s on the standard grid, beside torch SDPA's flash and cuDNN backends.
+"""TFLOP/s on the standard grid, beside torch SDPA's flash and cuDNN backends.
 
 Grid (FlashAttention's): bf16, hidden 2048 (nheads = 2048 / d), batch * seqlen =
-16k, seqlen 512..16k, d 64 and 128, causal off and on. FLOPs = 4 b h sq sk d,
-halved when causal. Each figure is the median of ``REPEATS`` CUDA-event timings
+16k, seqlen 512..16k, d 64 and 128, causal off and on. Forward FLOPs = 4 b h sq sk d,
+halved when causal; forward + backward = 3.5 x forward (the backward does 2.5x the
+forward's matmul work). Each figure is the median of ``REPEATS`` CUDA-event timings
 after ``WARMUP`` calls, all implementations in the same run on the same inputs.
 """
 from __future__ import annotations
@@ -41,18 +42,30 @@ def _median_ms(fn, torch) -> float:
     return statistics.median(times)
 
 
-def _implementations(torch, b, s, h, d, causal):
-    """name -> zero-argument callable running one forward on fresh random inputs."""
+def _implementations(torch, b, s, h, d, causal, backward):
+    """name -> zero-argument callable running one forward (and backward) on fresh random inputs."""
     import cuflash
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    impls = {"cuflash": lambda: cuflash.attention(q, k, v, causal=causal)}
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    if backward:
+        def run_cuflash():
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+            return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    else:
+        def run_cuflash():
+            return cuflash.attention(q, k, v, causal=causal)
+    impls = {"cuflash": run_cuflash}
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA wants (b, h, s, d)
+    # SDPA wants (b, h, s, d): views of the same storage.
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_(backward) for x in (q, k, v))
+    dout_t = dout.transpose(1, 2)
     for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
         def run(backend=backend):
             with sdpa_kernel(backend):
-                return sdpa(qt, kt, vt, is_causal=causal)
+                out = sdpa(qt, kt, vt, is_causal=causal)
+                if backward:
+                    return torch.autograd.grad(out, (qt, kt, vt), dout_t)
+                return out
         try:
             run()
             impls[name] = run
@@ -73,29 +86,33 @@ def main(args) -> int:
         print("python -m cuflash bench needs PyTorch for the side-by-side SDPA comparison: pip install torch")
         return 1
     seqlens = SEQLENS[::2] if args.quick else SEQLENS
+    passes = {"fwd": (False,), "fwdbwd": (True,), "all": (False, True)}[args.mode]
     rows = []
-    for d in HEAD_DIMS:
-        for causal in (False, True):
-            for s in seqlens:
-                b, h = TOKENS // s, HIDDEN // d
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                row = {"d": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
-                for name, fn in _implementations(torch, b, s, h, d, causal).items():
-                    row[name] = flops / (_median_ms(fn, torch) * 1e-3) / 1e12
-                rows.append(row)
-                torch.cuda.empty_cache()
+    for backward in passes:
+        for d in HEAD_DIMS:
+            for causal in (False, True):
+                for s in seqlens:
+                    b, h = TOKENS // s, HIDDEN // d
+                    flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1)
+                    row = {"pass": "fwd+bwd" if backward else "fwd", "d": d, "causal": causal, "seqlen": s,
+                           "batch": b, "nheads": h}
+                    for name, fn in _implementations(torch, b, s, h, d, causal, backward).items():
+                        row[name] = flops / (_median_ms(fn, torch) * 1e-3) / 1e12
+                    rows.append(row)
+                    torch.cuda.empty_cache()
 
     names = ["cuflash", "sdpa-flash", "sdpa-cudnn"]
-    print(f"forward TFLOP/s, bf16, hidden {HIDDEN}, batch*seqlen {TOKENS}, {gpu}, "
+    print(f"TFLOP/s, bf16, hidden {HIDDEN}, batch*seqlen {TOKENS}, {gpu}, "
           f"torch {torch.__version__}; median of {REPEATS} after {WARMUP} warm-up")
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>10}" for n in names) + "  cuflash/flash cuflash/cudnn")
+    print(f"{'pass':>7} {'d':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>10}" for n in names)
+          + "  cuflash/flash cuflash/cudnn")
     for r in rows:
         vals = " ".join(f"{r[n]:10.1f}" if n in r else f"{'-':>10}" for n in names)
         ratios = [f"{r['cuflash'] / r[n]:13.2f}" if n in r else f"{'-':>13}" for n in names[1:]]
-        print(f"{r['d']:4d} {str(r['causal']):>6} {r['seqlen']:6d} {vals} {' '.join(ratios)}")
+        print(f"{r['pass']:>7} {r['d']:4d} {str(r['causal']):>6} {r['seqlen']:6d} {vals} {' '.join(ratios)}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["d", "causal", "seqlen", "batch", "nheads"] + names)
+            writer = csv.DictWriter(f, fieldnames=["pass", "d", "causal", "seqlen", "batch", "nheads"] + names)
             writer.writeheader()
             writer.writerows(rows)
     return 0

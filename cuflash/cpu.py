@@ -6,6 +6,10 @@ running sum l and an unnormalised accumulator O, rescale both by exp(m_old - m_n
 max moves, and finish with O / l and LSE = m + log(l). Only a block_q x block_k tile of
 scores exists at any time, never the full seqlen_q x seqlen_k matrix.
 
+The backward (FlashAttention-2's) recomputes each tile of P from the saved LSE instead of
+keeping P: key blocks in the outer loop own their dK, dV accumulators, query blocks stream
+past them and add their share to a dQ accumulator of the size of q.
+
 Every block operation is vectorised over batch and heads; query heads are viewed as
 (nheads_kv, group) so that a kv head broadcasts over the query heads that share it (GQA).
 """
@@ -14,7 +18,7 @@ import math
 
 import numpy as np
 
-__all__ = ["attention_forward"]
+__all__ = ["attention_forward", "attention_backward"]
 
 
 def attention_forward(q, k, v, *, causal, softmax_scale, block_q=128, block_k=128):
@@ -89,3 +93,83 @@ def attention_forward(q, k, v, *, causal, softmax_scale, block_q=128, block_k=12
 
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, seqlen_q, nheads, d)
     return out.astype(in_dtype), lse.reshape(batch, nheads, seqlen_q).astype(np.float32)
+
+
+def attention_backward(
+    dout, q, k, v, out, lse, *, causal, softmax_scale, block_q=128, block_k=128
+):
+    """Gradients of attention_forward's out for validated NumPy arrays: returns (dq, dk, dv).
+
+    dout and out are laid out like q; lse is attention_forward's float32 (batch, nheads,
+    seqlen_q), cast to the compute dtype, so float64 inputs are only as exact as their lse.
+    Computes in float32 (float64 for float64 inputs) and returns dq, dk, dv in the input
+    dtype, shaped like q, k, v. Rows that see no key (lse = +inf) get dq = 0 and
+    add nothing to dk, dv. Beyond dq and dk, dv, the extra memory is O(seqlen) per head
+    plus one block_q x block_k tile.
+    """
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads // nheads_kv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    in_dtype = q.dtype
+    acc_dtype = np.float64 if in_dtype == np.float64 else np.float32
+
+    # The forward's layout: (batch, nheads_kv, group, seqlen, d) for the query-side tensors,
+    # (batch, nheads_kv, 1, seqlen_k, d) for k and v.
+    def by_head(x):
+        x = x.astype(acc_dtype).reshape(batch, seqlen_q, nheads_kv, group, x.shape[-1])
+        return x.transpose(0, 2, 3, 1, 4)
+
+    q, dout = by_head(q), by_head(dout)
+    k = k.astype(acc_dtype).transpose(0, 2, 1, 3)[:, :, None]
+    v = v.astype(acc_dtype).transpose(0, 2, 1, 3)[:, :, None]
+    lse = lse.astype(acc_dtype).reshape(batch, nheads_kv, group, seqlen_q)
+    scale = acc_dtype(scale)
+
+    # D = rowsum(dO ∘ O): the softmax backward's rowsum(P ∘ dP), known before any P exists.
+    delta = (dout * by_head(out)).sum(axis=-1)
+
+    dq = np.zeros(q.shape, dtype=acc_dtype)
+    dk = np.zeros((batch, nheads_kv, seqlen_k, d), dtype=acc_dtype)
+    dv = np.zeros((batch, nheads_kv, seqlen_k, v.shape[-1]), dtype=acc_dtype)
+    # Bottom-right alignment: query i sees key j iff j <= i + diagonal.
+    diagonal = seqlen_k - seqlen_q
+
+    # for each key block K_j, V_j:  dK_j = 0, dV_j = 0
+    for k_start in range(0, seqlen_k, block_k):
+        k_end = min(k_start + block_k, seqlen_k)
+        k_block, v_block = k[..., k_start:k_end, :], v[..., k_start:k_end, :]
+        # Views: the += below accumulate straight into dk and dv.
+        dk_block, dv_block = dk[..., k_start:k_end, :], dv[..., k_start:k_end, :]
+
+        # Causal: rows before k_start - diagonal see none of these keys, so the query blocks
+        # wholly above the diagonal are never computed.
+        first_row = max(0, k_start - diagonal) if causal else 0
+        q_first = first_row // block_q * block_q
+
+        # for each query block Q_i:
+        #   P = exp(scale * Q_i K_jᵀ - LSE_i);  dV_j += Pᵀ dO_i;  dP = dO_i V_jᵀ
+        #   dS = P ∘ (dP - D_i);  dK_j += scale * dSᵀ Q_i;  dQ_i += scale * dS K_j
+        for q_start in range(q_first, seqlen_q, block_q):
+            q_end = min(q_start + block_q, seqlen_q)
+            q_block, dout_block = q[..., q_start:q_end, :], dout[..., q_start:q_end, :]
+            s = (q_block @ k_block.swapaxes(-1, -2)) * scale
+            # Only blocks crossing the diagonal pay for the mask, applied after scaling so
+            # that a scale of 0 never meets -inf.
+            if causal and k_end - 1 > q_start + diagonal:
+                rows = np.arange(q_start, q_end)[:, None]
+                cols = np.arange(k_start, k_end)[None, :]
+                s = np.where(cols <= rows + diagonal, s, -np.inf)
+            # P = 0 wherever S = -inf (masked) or LSE = +inf (a row that sees no key):
+            # -inf - finite and finite - +inf both give exp(-inf) = 0, and S = -inf never
+            # meets LSE = -inf, which a row with any visible key cannot have.
+            p = np.exp(s - lse[..., q_start:q_end, None])
+            dv_block += (p.swapaxes(-1, -2) @ dout_block).sum(axis=2)
+            dp = dout_block @ v_block.swapaxes(-1, -2)
+            ds = p * (dp - delta[..., q_start:q_end, None])
+            dk_block += scale * (ds.swapaxes(-1, -2) @ q_block).sum(axis=2)
+            dq[..., q_start:q_end, :] += scale * (ds @ k_block)
+
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(batch, seqlen_q, nheads, d)
+    dk, dv = (x.transpose(0, 2, 1, 3) for x in (dk, dv))
+    return dq.astype(in_dtype), dk.astype(in_dtype), dv.astype(in_dtype)

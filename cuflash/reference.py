@@ -14,7 +14,15 @@ import math
 
 import numpy
 
-__all__ = ["attention_reference", "attention_lowp", "attention_textbook", "round_to"]
+__all__ = [
+    "attention_reference",
+    "attention_reference_backward",
+    "attention_lowp",
+    "attention_lowp_backward",
+    "attention_textbook",
+    "attention_textbook_backward",
+    "round_to",
+]
 
 
 def _array_module(x):
@@ -46,21 +54,43 @@ def _grouped_scores(q_b, k_b, scale, visible):
     h * group + g, which is the rule h_q // group = h_kv.
     """
     xp = _array_module(q_b)
-    seqlen_q, nheads, d = q_b.shape
-    nheads_kv = k_b.shape[1]
-    q_g = q_b.reshape(seqlen_q, nheads_kv, nheads // nheads_kv, d).transpose(1, 2, 0, 3)
+    q_g = _grouped(q_b, k_b.shape[1])
     k_t = k_b.transpose(1, 2, 0)[:, None]  # (nheads_kv, 1, d, seqlen_k): broadcasts over group
     s = xp.matmul(q_g, k_t) * scale
     # Mask after scaling: a scale of 0 must not turn -inf into NaN.
     return xp.where(visible, s, -xp.inf)
 
 
+def _grouped(x_b, nheads_kv):
+    """(seqlen, nheads, d) -> (nheads_kv, group, seqlen, d), the layout of _grouped_scores."""
+    seqlen, nheads, d = x_b.shape
+    return x_b.reshape(seqlen, nheads_kv, nheads // nheads_kv, d).transpose(1, 2, 0, 3)
+
+
+def _ungrouped(x_g):
+    """(nheads_kv, group, seqlen, d) -> (seqlen, nheads, d), the inverse of _grouped."""
+    nheads_kv, group, seqlen, d = x_g.shape
+    return x_g.transpose(2, 0, 1, 3).reshape(seqlen, nheads_kv * group, d)
+
+
 def _grouped_pv(p, v_b):
     """O = P V for one batch element: p (nheads_kv, group, sq, sk) -> (sq, nheads, d)."""
     xp = _array_module(p)
-    nheads_kv, group, seqlen_q, _ = p.shape
-    out = xp.matmul(p, v_b.transpose(1, 0, 2)[:, None])  # (nheads_kv, group, sq, d)
-    return out.transpose(2, 0, 1, 3).reshape(seqlen_q, nheads_kv * group, v_b.shape[-1])
+    return _ungrouped(xp.matmul(p, v_b.transpose(1, 0, 2)[:, None]))
+
+
+def _softmax(s):
+    """Row softmax of scores with -inf where masked: returns (P, lse), lse keeping a last axis
+    of 1. A fully masked row gives P = 0 and lse = +inf."""
+    xp = _array_module(s)
+    m = s.max(axis=-1, keepdims=True)
+    # A fully masked row has m = -inf; offset by 0 there so -inf - -inf never appears.
+    m = xp.where(m == -xp.inf, 0.0, m)
+    p = xp.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    empty = l == 0
+    l_safe = xp.where(empty, 1.0, l)
+    return p / l_safe, xp.where(empty, xp.inf, m + xp.log(l_safe))
 
 
 def attention_reference(q, k, v, *, causal=False, softmax_scale=None):
@@ -84,18 +114,50 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None):
 
     visible = _visible(xp, seqlen_q, seqlen_k, causal)
     for b in range(batch):  # one batch element at a time bounds the (h, sq, sk) scores
-        s = _grouped_scores(q[b], k[b], scale, visible)
-        m = s.max(axis=-1, keepdims=True)
-        # A fully masked row has m = -inf; offset by 0 there so -inf - -inf never appears.
-        m = xp.where(m == -xp.inf, 0.0, m)
-        p = xp.exp(s - m)
-        l = p.sum(axis=-1, keepdims=True)
-        empty = l == 0
-        l_safe = xp.where(empty, 1.0, l)
-        out[b] = _grouped_pv(p / l_safe, v[b])
-        row_lse = xp.where(empty, xp.inf, m + xp.log(l_safe))
+        p, row_lse = _softmax(_grouped_scores(q[b], k[b], scale, visible))
+        out[b] = _grouped_pv(p, v[b])
         lse[b] = row_lse[..., 0].reshape(nheads, seqlen_q)
     return out, lse
+
+
+def _sum_over_group(x_g):
+    """(nheads_kv, group, seqlen_k, d) -> (seqlen_k, nheads_kv, d): a kv head's gradient is
+    the sum over the query heads that read it."""
+    return x_g.sum(axis=1).transpose(1, 0, 2)
+
+
+def attention_reference_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
+    """Exact gradients of attention_reference's out in float64: returns (dq, dk, dv).
+
+    `dout` is the upstream gradient, laid out like out. With P the materialised softmax,
+    O = P V and D = rowsum(dO ∘ O):
+    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - D), dQ = scale dS K, dK = scale dSᵀ Q.
+    Under GQA, dk and dv of a kv head sum over the query heads that share it. A fully masked
+    row (or seqlen_k == 0) has P = 0, so it contributes nothing and its dq row is 0.
+    """
+    xp = _array_module(q)
+    dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    scale = _default_scale(softmax_scale, d)
+
+    dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
+    if seqlen_q == 0 or seqlen_k == 0:
+        return dq, dk, dv
+
+    visible = _visible(xp, seqlen_q, seqlen_k, causal)
+    for b in range(batch):  # one batch element at a time bounds the (h, sq, sk) matrices
+        p, _ = _softmax(_grouped_scores(q[b], k[b], scale, visible))
+        q_g, do_g = _grouped(q[b], nheads_kv), _grouped(dout[b], nheads_kv)
+        k_g, v_g = (x.transpose(1, 0, 2)[:, None] for x in (k[b], v[b]))  # (h_kv, 1, sk, d)
+
+        dv[b] = _sum_over_group(xp.matmul(p.swapaxes(-1, -2), do_g))
+        dp = xp.matmul(do_g, v_g.swapaxes(-1, -2))
+        delta = (do_g * xp.matmul(p, v_g)).sum(axis=-1, keepdims=True)
+        ds = p * (dp - delta)
+        dq[b] = _ungrouped(scale * xp.matmul(ds, k_g))
+        dk[b] = _sum_over_group(scale * xp.matmul(ds.swapaxes(-1, -2), q_g))
+    return dq, dk, dv
 
 
 def _is_bfloat16(dtype):
@@ -154,14 +216,68 @@ def attention_lowp(q, k, v, *, causal=False, softmax_scale=None, dtype=None):
 
     visible = _visible(xp, seqlen_q, seqlen_k, causal)
     for b in range(batch):
-        s = round_to(_grouped_scores(q[b], k[b], xp.float32(scale), visible), dtype, xp)
-        m = s.max(axis=-1, keepdims=True)
-        m = xp.where(m == -xp.inf, xp.float32(0), m)
-        p = xp.exp(s - m)
-        l = p.sum(axis=-1, keepdims=True)
-        p = round_to(p / xp.where(l == 0, xp.float32(1), l), dtype, xp)
+        p = _lowp_probabilities(q[b], k[b], xp.float32(scale), visible, dtype)
         out[b] = round_to(_grouped_pv(p, v[b]), dtype, xp)
     return out
+
+
+def _lowp_probabilities(q_b, k_b, scale, visible, dtype):
+    """P = round(softmax(round(scale * Q Kᵀ))) for one batch element, from float32 q_b, k_b
+    holding `dtype` values; grouped like _grouped_scores. Masked -> 0."""
+    xp = _array_module(q_b)
+    s = round_to(_grouped_scores(q_b, k_b, scale, visible), dtype, xp)
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(m == -xp.inf, xp.float32(0), m)
+    p = xp.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    return round_to(p / xp.where(l == 0, xp.float32(1), l), dtype, xp)
+
+
+def attention_lowp_backward(dout, q, k, v, *, causal=False, softmax_scale=None, dtype=None):
+    """Plain attention's backward in low precision, the yardstick of the gradient rule.
+
+    Mimics autograd through attention_lowp's stages in `dtype` (default q.dtype): every
+    tensor op runs in float32 on inputs rounded to `dtype` and rounds its result, as fp16/bf16
+    tensor ops do. After the forward's S = round(scale * Q Kᵀ) and P = round(softmax(S)):
+
+        dV_h = round(Pᵀ dO)                       per query head
+        dP   = round(dO Vᵀ)
+        dS   = round(P ∘ (dP - rowsum(P ∘ dP)))   the softmax backward, from rounded P and dP
+        dQ   = round(scale * dS K)                the backward of the scaled product
+        dK_h = round(scale * dSᵀ Q)               per query head
+        dK, dV = round(sum of dK_h, dV_h over the query heads of a kv head)   (GQA only)
+
+    The last line is the backward of broadcasting a kv head to its query heads: a float32
+    sum rounded once. Unlike FlashAttention, D comes from P and dP, not from dO and O.
+    Returns float32 (dq, dk, dv) shaped like q, k, v with values exact in `dtype`.
+    """
+    xp = _array_module(q)
+    dtype = q.dtype if dtype is None else dtype
+
+    def rounded(x):
+        return round_to(x, dtype, xp)
+
+    dout, q, k, v = (rounded(x.astype(xp.float32)) for x in (dout, q, k, v))
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    scale = xp.float32(_default_scale(softmax_scale, d))
+
+    dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
+    if seqlen_q == 0 or seqlen_k == 0:
+        return dq, dk, dv
+
+    visible = _visible(xp, seqlen_q, seqlen_k, causal)
+    for b in range(batch):
+        p = _lowp_probabilities(q[b], k[b], scale, visible, dtype)
+        q_g, do_g = _grouped(q[b], nheads_kv), _grouped(dout[b], nheads_kv)
+        k_g, v_g = (x.transpose(1, 0, 2)[:, None] for x in (k[b], v[b]))
+        dv[b] = rounded(_sum_over_group(rounded(xp.matmul(p.swapaxes(-1, -2), do_g))))
+        dp = rounded(xp.matmul(do_g, v_g.swapaxes(-1, -2)))
+        ds = rounded(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+        dq[b] = _ungrouped(rounded(scale * xp.matmul(ds, k_g)))
+        dk_h = rounded(scale * xp.matmul(ds.swapaxes(-1, -2), q_g))
+        dk[b] = rounded(_sum_over_group(dk_h))
+    return dq, dk, dv
 
 
 def attention_textbook(q, k, v, causal=False, scale=None):
@@ -195,3 +311,41 @@ def attention_textbook(q, k, v, causal=False, scale=None):
                 out[b, i, h] = sum(p * v[b, j, h_kv] for p, j in zip(probabilities, keys))
                 lse[b, h, i] = scores.max() + numpy.log(weights.sum())
     return out, lse
+
+
+def attention_textbook_backward(dout, q, k, v, causal=False, scale=None):
+    """Gradients of attention_textbook's out, one (batch, head, query) at a time, in float64.
+
+    The chain rule written out for one query row i with probabilities p over its keys:
+    dp_j = dO_i · v_j, ds_j = p_j (dp_j - Σ_l p_l dp_l) (the softmax Jacobian), then
+    dq_i += scale ds_j k_j, dk_j += scale ds_j q_i, dv_j += p_j dO_i. Tiny shapes only;
+    it exists to test attention_reference_backward. NumPy only. Returns (dq, dk, dv).
+    """
+    dout, q, k, v = (numpy.asarray(x, dtype=numpy.float64) for x in (dout, q, k, v))
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads // nheads_kv
+    scale = _default_scale(scale, d)
+
+    dq, dk, dv = numpy.zeros_like(q), numpy.zeros_like(k), numpy.zeros_like(v)
+    for b in range(batch):
+        for h in range(nheads):
+            h_kv = h // group
+            for i in range(seqlen_q):
+                keys = [
+                    j
+                    for j in range(seqlen_k)
+                    if not causal or j <= i + seqlen_k - seqlen_q
+                ]
+                if not keys:
+                    continue  # nothing attended to: no gradient flows through this row
+                scores = numpy.array([scale * (q[b, i, h] @ k[b, j, h_kv]) for j in keys])
+                weights = numpy.exp(scores - scores.max())
+                probabilities = weights / weights.sum()
+                dp = numpy.array([dout[b, i, h] @ v[b, j, h_kv] for j in keys])
+                ds = probabilities * (dp - probabilities @ dp)
+                for p_j, ds_j, j in zip(probabilities, ds, keys):
+                    dq[b, i, h] += scale * ds_j * k[b, j, h_kv]
+                    dk[b, j, h_kv] += scale * ds_j * q[b, i, h]
+                    dv[b, j, h_kv] += p_j * dout[b, i, h]
+    return dq, dk, dv

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: compile every variant, run the GPU tests, benchmark.
 # Full logs go to $OUT; a short summary is printed last.
-#   usage: bash scripts/h200.sh [tests|bench|all] [extra pytest args]
+#   usage: bash scripts/h200.sh [tests|bench|all] [pytest args, default: tests]
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/cuflash-out}; mkdir -p "$OUT"
@@ -12,7 +12,7 @@ python3 -m cuflash compile --arch sm_90 > "$OUT/compile.txt" 2>&1; rc_compile=$?
 tail -1 "$OUT/compile.txt"
 rc_tests=0; rc_bench=0
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -rs -m gpu tests --hypothesis-show-statistics "$@" > "$OUT/tests.txt" 2>&1; rc_tests=$?
+  python3 -m pytest -q -rs -m gpu --hypothesis-show-statistics -p no:cacheprovider "${@:-tests}" > "$OUT/tests.txt" 2>&1; rc_tests=$?
   grep -E "passed|failed|error" "$OUT/tests.txt" | tail -3
 fi
 if [[ $what == bench || $what == all ]]; then

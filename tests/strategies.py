@@ -137,3 +137,15 @@ def assert_close(actual, expected, *, atol, rtol=0.0, name="output"):
             f"first at {where}: got {actual[where]}, expected {expected[where]} "
             f"({int(bad.sum())} of {bad.size} elements)"
         )
+
+
+def random_dout(shape, dtype, rng, xp=np):
+    """A fresh standard normal upstream gradient shaped like the output (that is, like q).
+
+    Drawn like random_qkv: on the host from `rng`, or on the device from a seed taken from
+    `rng` when xp is cupy.
+    """
+    if xp is np:
+        return rng.standard_normal(shape.q_shape).astype(dtype)
+    device_rng = xp.random.default_rng(int(rng.integers(2**63)))
+    return device_rng.standard_normal(shape.q_shape, dtype=xp.float32).astype(dtype)

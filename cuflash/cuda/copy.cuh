@@ -71,4 +71,31 @@ __device__ __forceinline__ void store_tile(elem_t* dst, const elem_t* tile, int6
   }
 }
 
+// mma accumulators of one warp's 16 rows (C layout, acc[kNTiles][4]) -> global
+// rows row0 + g and row0 + g + 8, columns col0 + 8 nt + 2 t (+1), times mul,
+// clipped to nrows x headdim. kVec: headdim % 8 == 0 and aligned rows, so each
+// column pair is one 4-byte store.
+template <typename T, int kNTiles, bool kVec>
+__device__ __forceinline__ void store_accumulators(elem_t* dst, int64 row_stride, const float (&acc)[kNTiles][4],
+                                                   int row0, int nrows, int col0, int headdim, float mul, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + 8 * h;
+    if (row >= nrows) continue;
+    elem_t* out = dst + row * row_stride;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      const int col = col0 + nt * 8 + 2 * t;
+      const unsigned pair = DType<T>::pack(acc[nt][2 * h] * mul, acc[nt][2 * h + 1] * mul);
+      if (kVec) {
+        if (col < headdim) *reinterpret_cast<unsigned*>(out + col) = pair;
+      } else {
+        if (col < headdim) out[col] = elem_t(pair & 0xffffu);
+        if (col + 1 < headdim) out[col + 1] = elem_t(pair >> 16);
+      }
+    }
+  }
+}
+
 }  // namespace cuflash

@@ -99,7 +99,7 @@ attention_forward(const elem_t* __restrict__ q, const elem_t* __restrict__ k, co
     gemm_qk<T, kMTiles, kBlockN, kHeadDim>(acc_s, q_tile, warp_row0, k_tiles + stage * kBlockN * kStride, lane);
     if (n >= n_masked) mask.apply(acc_s, m0 + warp_row0, n * kBlockN, lane);
     softmax.update(acc_s, acc_o, scale_log2);
-    gemm_pv<T, kMTiles, kBlockN, kHeadDim>(acc_o, acc_s, v_tiles + stage * kBlockN * kStride, lane);
+    gemm_pv<T, kMTiles, kBlockN, kHeadDim, kStride>(acc_o, acc_s, v_tiles + stage * kBlockN * kStride, lane);
     __syncthreads();
 
     if (kStages == 1 && n > 0) load_kv(n - 1, 0);

@@ -70,12 +70,12 @@ __device__ __forceinline__ void gemm_qk(float (&acc)[kMTiles][kN / 8][4], const 
   }
 }
 
-// acc[kM][kHeadDim / 8][4] += P . V with P taken straight from the S accumulators:
+// acc[kM][kCols / 8][4] += P . B with P taken straight from S-shaped accumulators:
 // the C layout of two adjacent n8 tiles is exactly the A layout of one k16 step.
-template <typename T, int kMTiles, int kN, int kHeadDim>
-__device__ __forceinline__ void gemm_pv(float (&acc)[kMTiles][kHeadDim / 8][4],
-                                        const float (&p)[kMTiles][kN / 8][4], const elem_t* v, int lane) {
-  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+// B is stored [k][n] (V in O = P V; dO, Q in the backward), kCols columns from b.
+template <typename T, int kMTiles, int kN, int kCols, int kStride>
+__device__ __forceinline__ void gemm_pv(float (&acc)[kMTiles][kCols / 8][4],
+                                        const float (&p)[kMTiles][kN / 8][4], const elem_t* b, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kN / 16; ++kk) {
     unsigned a[kMTiles][4];
@@ -87,13 +87,45 @@ __device__ __forceinline__ void gemm_pv(float (&acc)[kMTiles][kHeadDim / 8][4],
       a[mt][3] = DType<T>::pack(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
     }
 #pragma unroll
-    for (int dt = 0; dt < kHeadDim / 8; dt += 2) {
-      unsigned b[4];
-      load_b<kStride>(b, v, kk * 16, dt * 8, lane);
+    for (int dt = 0; dt < kCols / 8; dt += 2) {
+      unsigned bf[4];
+      load_b<kStride>(bf, b, kk * 16, dt * 8, lane);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
-        DType<T>::mma(acc[mt][dt], a[mt], b[0], b[1]);
-        DType<T>::mma(acc[mt][dt + 1], a[mt], b[2], b[3]);
+        DType<T>::mma(acc[mt][dt], a[mt], bf[0], bf[1]);
+        DType<T>::mma(acc[mt][dt + 1], a[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// A fragment of rows [m0, m0+16) x cols [k0, k0+16) of A, where A is stored
+// transposed, [k][m] (dS^T in the backward); .trans hands each lane A's pairs.
+template <int kStride>
+__device__ __forceinline__ void load_a_transposed(unsigned a[4], const elem_t* tile_t, int m0, int k0, int lane) {
+  const int row = k0 + (lane & 7) + (lane >> 4) * 8;
+  const int col = m0 + ((lane >> 3) & 1) * 8;
+  ldmatrix_x4_trans(a, tile_t + row * kStride + col);
+}
+
+// acc[kMTiles][kCols / 8][4] += A . B over kK, with A stored transposed ([k][m],
+// kStrideA) and B stored [k][n] (kStrideB): dQ = dS K from dS^T in shared memory.
+template <typename T, int kMTiles, int kK, int kCols, int kStrideA, int kStrideB>
+__device__ __forceinline__ void gemm_tn(float (&acc)[kMTiles][kCols / 8][4], const elem_t* a_t, int m0,
+                                        const elem_t* b, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kK; kk += 16) {
+    unsigned a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) load_a_transposed<kStrideA>(a[mt], a_t, m0 + mt * 16, kk, lane);
+#pragma unroll
+    for (int dt = 0; dt < kCols / 8; dt += 2) {
+      unsigned bf[4];
+      load_b<kStrideB>(bf, b, kk, dt * 8, lane);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        DType<T>::mma(acc[mt][dt], a[mt], bf[0], bf[1]);
+        DType<T>::mma(acc[mt][dt + 1], a[mt], bf[2], bf[3]);
       }
     }
   }

@@ -1,0 +1,129 @@
+"""The backward kernels against float64 reference gradients on the GPU.
+
+Rule (flash-attn's): max|grad - ref64| <= 3 * max|grad_lowp - ref64| + floor, where
+grad_lowp is plain attention's backward rounded to the input dtype at every
+stage and floor is one ulp of the dtype at the gradient's scale (D = rowsum(dO O)
+is taken from the rounded O, as in FlashAttention, which tiny shapes feel). Gradients
+land in NaN-poisoned memory, so an element never written fails the NaN check.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import _kernels
+from cuflash.reference import attention_lowp_backward, attention_reference_backward
+
+from .strategies import Shape, assert_close, attention_shapes, random_qkv
+from .test_gpu_forward import FLOOR, Launches, cupy_dtype, poisoned_allocations
+
+pytestmark = pytest.mark.gpu
+
+
+def run_backward(shape: Shape, dtype: str, seed: int, deterministic: bool):
+    import cupy
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(shape, cupy_dtype(dtype), rng, xp=cupy)
+    dout = random_qkv(Shape(shape.batch, shape.seqlen_q, shape.seqlen_q, shape.nheads, shape.nheads,
+                            shape.headdim, False), cupy_dtype(dtype), rng, xp=cupy)[0]
+    out, lse = cuflash.attention(q, k, v, causal=shape.causal, return_lse=True)
+    with poisoned_allocations(), Launches() as launches:
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=shape.causal,
+                                           deterministic=deterministic)
+    return (dout, q, k, v), grads, launches
+
+
+def check_gradients(dout, q, k, v, grads, causal, scale=None):
+    refs = attention_reference_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
+    lowps = attention_lowp_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
+    floor = FLOOR[str(q.dtype)]
+    for name, grad, ref, lowp, like in zip(("dq", "dk", "dv"), grads, refs, lowps, (q, k, v)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype, name
+        if not ref.size:
+            continue
+        lowp_err = float(abs(lowp.astype(np.float64) - ref).max())
+        assert_close(grad, ref, atol=3 * lowp_err + 2 * floor * (1.0 + float(abs(ref).max())), name=name)
+
+
+shapes = attention_shapes(max_batch=3, max_seqlen=1024, max_headdim=256, max_nheads_kv=2, max_group=4)
+
+
+@settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=shapes, dtype=st.sampled_from(["float16", "bfloat16"]), deterministic=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_backward_matches_reference(shape: Shape, dtype, deterministic, seed):
+    (dout, q, k, v), grads, launches = run_backward(shape, dtype, seed, deterministic)
+    pointers = {p for call, _ in launches.calls for p in call}
+    assert {x.data.ptr for x in (dout, q, k, v)} <= pointers  # read in place
+    assert {g.data.ptr for g in grads if g.size} <= pointers  # written in place
+    check_gradients(dout, q, k, v, grads, shape.causal)
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    (Shape(2, 2048, 2048, 4, 1, 128, True), "bfloat16"),
+    (Shape(1, 1999, 2047, 4, 2, 64, True), "float16"),
+    (Shape(1, 2048, 129, 2, 1, 256, True), "bfloat16"),
+    (Shape(2, 1, 1500, 4, 4, 59, False), "float16"),
+    (Shape(1, 1025, 700, 6, 2, 200, False), "bfloat16"),
+    (Shape(1, 640, 640, 2, 2, 224, True), "float16"),
+    (Shape(1, 777, 1031, 2, 1, 160, True), "bfloat16"),
+    (Shape(1, 513, 900, 4, 4, 96, False), "float16"),
+    (Shape(1, 300, 1200, 2, 1, 32, True), "bfloat16"),
+    (Shape(1, 700, 300, 2, 1, 192, True), "float16"),
+])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_long_sequences(shape, dtype, deterministic):
+    (dout, q, k, v), grads, _ = run_backward(shape, dtype, shape.seqlen_k, deterministic)
+    check_gradients(dout, q, k, v, grads, shape.causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deterministic_is_bitwise_stable_across_runs_and_streams(head_dim):
+    import cupy
+    shape = Shape(2, 777, 1029, 8, 2, head_dim, True)
+    (dout, q, k, v), first, _ = run_backward(shape, "bfloat16", 7, deterministic=True)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    for _ in range(3):
+        with cupy.cuda.Stream():
+            again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+            cupy.cuda.get_current_stream().synchronize()
+        for a, b in zip(first, again):
+            assert (a.view(cupy.uint16) == b.view(cupy.uint16)).all()
+
+
+def test_fully_masked_rows_have_zero_gradients():
+    import cupy
+    # causal with seqlen_q > seqlen_k: queries 0..99 see no key.
+    shape = Shape(1, 164, 64, 4, 2, 128, True)
+    for deterministic in (False, True):
+        (dout, q, k, v), (dq, dk, dv), _ = run_backward(shape, "float16", 3, deterministic)
+        assert not any(cupy.isnan(g).any() for g in (dq, dk, dv))
+        assert (dq[:, :100] == 0).all()
+        check_gradients(dout, q, k, v, (dq, dk, dv), causal=True)
+
+
+def test_empty_sequences():
+    import cupy
+    q = cupy.ones((1, 5, 2, 64), dtype=cupy.float16)
+    empty = cupy.empty((1, 0, 2, 64), dtype=cupy.float16)
+    out, lse = cuflash.attention(q, empty, empty, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(q, q, empty, empty, out, lse)
+    assert (dq == 0).all() and dk.shape == dv.shape == (1, 0, 2, 64)
+    out, lse = cuflash.attention(empty, q, q, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(empty, empty, q, q, out, lse)
+    assert dq.shape == (1, 0, 2, 64) and (dk == 0).all() and (dv == 0).all()
+
+
+def test_backward_input_errors():
+    import cupy
+    q = cupy.ones((1, 8, 2, 64), dtype=cupy.float16)
+    out, lse = cuflash.attention(q, q, q, return_lse=True)
+    with pytest.raises(ValueError, match=r"lse must have shape \(1, 2, 8\)"):
+        cuflash.attention_backward(q, q, q, q, out, lse[:, :1])
+    with pytest.raises(TypeError, match="lse must have dtype float32"):
+        cuflash.attention_backward(q, q, q, q, out, lse.astype(cupy.float16))
+    with pytest.raises(ValueError, match=r"dout must have shape"):
+        cuflash.attention_backward(q[:, :4], q, q, q, out, lse)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cuflash.attention_backward(q, q, q, q, out, lse, deterministic="yes")
