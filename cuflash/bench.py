@@ -46,14 +46,14 @@ def _implementations(torch, b, s, h, d, causal, backward):
     """name -> zero-argument callable running one forward (and backward) on fresh random inputs."""
     import cuflash
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    if backward:
-        def run_cuflash():
-            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-            return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
-    else:
-        def run_cuflash():
+    def run_cuflash(deterministic=False):
+        if not backward:
             return cuflash.attention(q, k, v, causal=causal)
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
     impls = {"cuflash": run_cuflash}
+    if backward:
+        impls["cuflash-det"] = lambda: run_cuflash(deterministic=True)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     # SDPA wants (b, h, s, d): views of the same storage.
@@ -101,14 +101,14 @@ def main(args) -> int:
                     rows.append(row)
                     torch.cuda.empty_cache()
 
-    names = ["cuflash", "sdpa-flash", "sdpa-cudnn"]
+    names = ["cuflash", "cuflash-det", "sdpa-flash", "sdpa-cudnn"]
     print(f"TFLOP/s, bf16, hidden {HIDDEN}, batch*seqlen {TOKENS}, {gpu}, "
           f"torch {torch.__version__}; median of {REPEATS} after {WARMUP} warm-up")
     print(f"{'pass':>7} {'d':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>10}" for n in names)
           + "  cuflash/flash cuflash/cudnn")
     for r in rows:
         vals = " ".join(f"{r[n]:10.1f}" if n in r else f"{'-':>10}" for n in names)
-        ratios = [f"{r['cuflash'] / r[n]:13.2f}" if n in r else f"{'-':>13}" for n in names[1:]]
+        ratios = [f"{r['cuflash'] / r[n]:13.2f}" if n in r else f"{'-':>13}" for n in names[2:]]
         print(f"{r['pass']:>7} {r['d']:4d} {str(r['causal']):>6} {r['seqlen']:6d} {vals} {' '.join(ratios)}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: compile every variant, run the GPU tests, benchmark.
 # Full logs go to $OUT; a short summary is printed last.
-#   usage: bash scripts/h200.sh [tests|bench|all] [pytest args, default: tests]
+#   usage: [BENCH_ARGS="--mode fwd"] bash scripts/h200.sh [tests|bench|all] [pytest args, default: tests]
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/cuflash-out}; mkdir -p "$OUT"
@@ -16,7 +16,7 @@ if [[ $what == tests || $what == all ]]; then
   grep -E "passed|failed|error" "$OUT/tests.txt" | tail -3
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 -m cuflash bench --csv "$OUT/bench.csv" > "$OUT/bench.txt" 2>&1; rc_bench=$?
+  python3 -m cuflash bench ${BENCH_ARGS:-} --csv "$OUT/bench.csv" > "$OUT/bench.txt" 2>&1; rc_bench=$?
 fi
 [[ $rc_tests == 0 ]] || grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.txt" | head -40
 [[ -f $OUT/bench.txt ]] && cat "$OUT/bench.txt"
