@@ -1,19 +1,23 @@
 """Launch the CUDA kernels on buffers that already exist.
 
 Every buffer is an ``ArrayInfo`` (pointer, shape, strides in elements, dtype,
-device); inputs are validated by the caller (``api``). The framework glue
+device); options are an ``Options`` (validated by ``api``). The framework glue
 (torch custom op, JAX buffer_callback) calls these directly with buffers its
-framework allocated and the stream it runs on.
+framework allocated and the stream it runs on. Dense arrays are (batch, seqlen,
+nheads, headdim); packed variable-length arrays are (total, nheads, headdim) with
+a ``Varlen`` describing the sequences.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 
 import numpy as np
 
 from . import _compile, _plan
 from ._arrays import ArrayInfo
+from ._params import ArrayView, Params
 
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
@@ -22,62 +26,44 @@ _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _launch_observer = None
 
 
-def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo, *,
-            causal: bool, scale: float, stream: int) -> None:
-    """out = softmax(scale q k^T) v and lse (contiguous float32 (batch, nheads, seqlen_q))."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    if not math.prod(q.shape):
-        return
-    kernel = _plan.kernel("forward", q.dtype, head_dim, causal, _vectorizable(q, k, v, out), _shared_limit(q.device))
-    args = _pointers(q, k, v, out, lse)
-    args += [ctypes.c_int(n) for n in (seqlen_q, k.shape[1], nheads, nheads // k.shape[2], head_dim)]
-    args += _row_strides(q, k, v, out)
-    args.append(ctypes.c_float(scale_log2(scale)))
-    _launch(kernel, kernel.grid(seqlen_q, nheads, batch), q.device, stream, args)
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a call asks for, validated. window: (left, right) with -1 = unbounded,
+    causal already folded in (right = 0)."""
+    causal: bool = False
+    scale: float = 1.0
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: ArrayInfo | None = None  # float32 (nheads,) or (batch, nheads)
+    dropout_p: float = 0.0
+    seed: int = 0
+    rng_offset: int = 0
+
+    @property
+    def local(self) -> bool:
+        return self.window != (-1, -1)
+
+    @property
+    def extras(self) -> bool:
+        return self.softcap > 0 or self.alibi is not None or self.dropout_p > 0
 
 
-def backward_workspace(q_shape) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Scratch buffers of ``backward`` (contents on entry do not matter): D = rowsum(dO * O)
-    per (batch, head, row), and the fp32 dQ accumulator, (batch, seqlen_q, nheads, headdim)."""
-    batch, seqlen_q, nheads, head_dim = q_shape
-    return {"delta": ((batch, nheads, seqlen_q), "float32"), "dq_accum": (tuple(q_shape), "float32")}
+@dataclasses.dataclass(frozen=True)
+class Varlen:
+    """Packed sequences: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]."""
+    cu_seqlens_q: ArrayInfo  # int32 (batch + 1,)
+    cu_seqlens_k: ArrayInfo
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
 
 
-def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
-             dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, delta: ArrayInfo, dq_accum: ArrayInfo, *,
-             causal: bool, scale: float, deterministic: bool, stream: int) -> None:
-    """dq, dk, dv of attention (lse contiguous; dq contiguous: the non-deterministic path
-    converts the fp32 accumulator into it element by element)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_kv, _ = k.shape
-    vec = _vectorizable(dout, q, k, v, dq, dk, dv)
-    limit = _shared_limit(q.device)
-    accumulate = ctypes.c_void_p(None if deterministic else dq_accum.ptr)
-    sizes = [ctypes.c_int(n) for n in (seqlen_q, seqlen_k, nheads, nheads // nheads_kv, head_dim)]
-    scales = [ctypes.c_float(scale), ctypes.c_float(scale_log2(scale))]
-
-    rows = batch * seqlen_q * nheads
-    if rows:  # D, and a zeroed dQ accumulator
-        pre = _plan.Elementwise("backward_preprocess", q.dtype)
-        args = _pointers(dout, out, delta) + [accumulate]
-        args += [ctypes.c_int(n) for n in (batch, seqlen_q, nheads, head_dim)] + _row_strides(dout, out)
-        _launch(pre, (-(-rows // 8), 1, 1), q.device, stream, args)
-    if batch * seqlen_k * nheads_kv:
-        kernel = _plan.kernel("backward_dkdv", q.dtype, head_dim, causal, vec, limit)
-        args = _pointers(dout, q, k, v, lse, delta, dk, dv) + [accumulate] + sizes
-        args += _row_strides(dout, q, k, v, dk, dv) + scales
-        _launch(kernel, kernel.grid(seqlen_k, nheads_kv, batch), q.device, stream, args)
-    if not rows:
-        return
-    if deterministic:
-        kernel = _plan.kernel("backward_dq", q.dtype, head_dim, causal, vec, limit)
-        args = _pointers(dout, q, k, v, lse, delta, dq) + sizes + _row_strides(dout, q, k, v, dq) + scales
-        _launch(kernel, kernel.grid(seqlen_q, nheads, batch), q.device, stream, args)
-    else:
-        convert = _plan.Elementwise("backward_convert_dq", q.dtype)
-        n = rows * head_dim
-        args = _pointers(dq_accum, dq) + [ctypes.c_int64(n), ctypes.c_float(scale)]
-        _launch(convert, (min(-(-n // convert.threads), 4096), 1, 1), q.device, stream, args)
+def dropout_threshold(p: float) -> int:
+    """A probability is dropped iff its 32-bit Philox word is below this."""
+    return min(int(p * 2**32), 2**32 - 1)
 
 
 def scale_log2(scale: float) -> float:
@@ -86,20 +72,103 @@ def scale_log2(scale: float) -> float:
     return max(scale * math.log2(math.e), _FLOAT32_TINY)
 
 
-def _pointers(*arrays: ArrayInfo) -> list:
-    return [ctypes.c_void_p(a.ptr) for a in arrays]
+def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo, options: Options, *,
+            stream: int, varlen: Varlen | None = None) -> None:
+    """out = attention(q, k, v) and its LSE ((batch, nheads, seqlen_q), or (nheads, total_q))."""
+    p, batch = _params(q, k, v, lse, options, varlen, o=out)
+    if not (batch and p.seqlen_q and p.nheads):
+        return
+    kernel = _kernel("forward", q, options, _vectorizable(q, k, v, out))
+    _launch(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device, stream, [p])
 
 
-def _row_strides(*arrays: ArrayInfo) -> list:
-    """(batch, seqlen, head) strides of (batch, seqlen, nheads, headdim) arrays."""
-    return [ctypes.c_int64(s) for a in arrays for s in a.strides[:3]]
+def backward_workspace(q_shape) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Scratch buffers of ``backward`` (contents on entry do not matter): D = rowsum(dO * O)
+    laid out like the LSE, and the fp32 dQ accumulator, shaped like q."""
+    if len(q_shape) == 4:
+        batch, seqlen_q, nheads, _ = q_shape
+        delta = (batch, nheads, seqlen_q)
+    else:
+        total_q, nheads, _ = q_shape
+        delta = (nheads, total_q)
+    return {"delta": (delta, "float32"), "dq_accum": (tuple(q_shape), "float32")}
+
+
+def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
+             dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, delta: ArrayInfo, dq_accum: ArrayInfo,
+             options: Options, *, deterministic: bool, stream: int, varlen: Varlen | None = None) -> None:
+    """dq, dk, dv of attention. delta and dq_accum come from ``backward_workspace``;
+    dq must be contiguous (the fp32 accumulator is converted into it row by row)."""
+    p, batch = _params(q, k, v, lse, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
+    p.delta = delta.ptr
+    p.dq_accum = None if deterministic else dq_accum.ptr
+    vec = _vectorizable(dout, q, k, v, dq, dk, dv)
+    nheads_kv = k.shape[-2]
+    rows_per_batch = p.seqlen_q if varlen is None else q.shape[0]
+    groups = batch if varlen is None else 1
+    tasks = groups * rows_per_batch * p.nheads
+    if tasks:  # D, and a zeroed dQ accumulator
+        pre = _plan.Elementwise("backward_preprocess", q.dtype)
+        _launch(pre, (-(-tasks // 8), 1, 1), q.device, stream,
+                [p, ctypes.c_int(groups), ctypes.c_int(rows_per_batch)])
+    if batch and p.seqlen_k and nheads_kv:
+        kernel = _kernel("backward_dkdv", q, options, vec)
+        _launch(kernel, kernel.grid(p.seqlen_k, nheads_kv, batch), q.device, stream, [p])
+    if not tasks:
+        return
+    if deterministic:
+        kernel = _kernel("backward_dq", q, options, vec)
+        _launch(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device, stream, [p])
+    else:
+        convert = _plan.Elementwise("backward_convert_dq", q.dtype)
+        n = tasks * p.headdim
+        _launch(convert, (min(-(-n // convert.threads), 4096), 1, 1), q.device, stream, [p, ctypes.c_int64(n)])
+
+
+def _kernel(kind: str, q: ArrayInfo, options: Options, vectorized: bool) -> _plan.Kernel:
+    return _plan.kernel(kind, q.dtype, q.shape[-1], options.local, vectorized, options.extras,
+                        _shared_limit(q.device))
+
+
+def _view(a: ArrayInfo | None) -> ArrayView:
+    if a is None:
+        return ArrayView()
+    strides = a.strides if len(a.shape) == 4 else (0, *a.strides)  # packed: no batch stride
+    return ArrayView(a.ptr, *strides[:3])
+
+
+def _params(q, k, v, lse, options: Options, varlen: Varlen | None, **arrays) -> tuple[Params, int]:
+    """The Params of a call, and the number of (batch) sequences."""
+    p = Params()
+    for name, a in dict(q=q, k=k, v=v, **arrays).items():
+        setattr(p, name, _view(a))
+    p.lse = lse.ptr
+    head_dim, nheads, nheads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
+    if varlen is None:
+        batch, p.seqlen_q, p.seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        p.lse_batch_stride, p.lse_head_stride = lse.strides[0], lse.strides[1]
+    else:
+        batch, p.seqlen_q, p.seqlen_k = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
+        p.lse_batch_stride, p.lse_head_stride = 0, lse.strides[0]
+        p.cu_seqlens_q, p.cu_seqlens_k = varlen.cu_seqlens_q.ptr, varlen.cu_seqlens_k.ptr
+    p.nheads, p.heads_per_kv, p.headdim = nheads, nheads // max(nheads_kv, 1), head_dim
+    p.window_left, p.window_right = options.window  # normalised per sequence by the kernel (mask.cuh)
+    p.scale, p.scale_log2, p.softcap = options.scale, scale_log2(options.scale), options.softcap
+    if options.alibi is not None:
+        p.alibi_slopes = options.alibi.ptr
+        p.alibi_batch_stride = options.alibi.strides[0] if len(options.alibi.shape) == 2 else 0
+    if options.dropout_p > 0:
+        p.dropout_threshold = dropout_threshold(options.dropout_p)
+        p.dropout_scale = 1.0 / (1.0 - options.dropout_p)
+        p.seed, p.rng_offset = options.seed, options.rng_offset
+    return p, batch
 
 
 def _vectorizable(*arrays: ArrayInfo) -> bool:
     """Can every row be moved in 16-byte chunks? (cp.async needs aligned addresses.)"""
-    if arrays[0].shape[3] % 8:
+    if arrays[0].shape[-1] % 8:
         return False
-    return all(a.ptr % 16 == 0 and all(s % 8 == 0 for s in a.strides[:3]) for a in arrays)
+    return all(a.ptr % 16 == 0 and all(s % 8 == 0 for s in a.strides[:-1]) for a in arrays)
 
 
 _shared_limits: dict[int, int] = {}
@@ -113,13 +182,14 @@ def _shared_limit(device: int) -> int:
     return _shared_limits[device]
 
 
-def _launch(kernel, grid, device: int, stream: int, args) -> None:
-    """Launch ``kernel`` (a _plan.Kernel or Elementwise) on ``stream``, compiling it on first use."""
+def _launch(kernel, grid, device: int, stream: int, args: list) -> None:
+    """Launch ``kernel`` (a _plan.Kernel or Elementwise) with ``args`` (Params first)
+    on ``stream``, compiling it on first use."""
     import cupy
     from cupy_backends.cuda.api import driver
     function = _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes)
     if _launch_observer is not None:
-        _launch_observer([a.value for a in args if isinstance(a, ctypes.c_void_p)], stream)
+        _launch_observer(args[0].pointers(), stream)
     params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
     with cupy.cuda.Device(device):
         driver.launchKernel(function, *grid, kernel.threads, 1, 1, kernel.shared_bytes, stream,

@@ -70,9 +70,9 @@ KINDS = {
     # Q tile + dO tile + stages x (K tile + V tile)
     "backward_dq": Kind("bwd.cu", "attention_backward_dq", {
         32: (_T(64, 128, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(64, 64, 4, 2),),
-        128: (_T(64, 64, 4, 2), _T(64, 64, 4, 1)), 160: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)),
-        192: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)), 224: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)),
-        256: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)),
+        128: (_T(64, 32, 4, 2), _T(64, 32, 4, 1)), 160: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)),
+        192: (_T(64, 32, 4, 2, 3), _T(64, 32, 4, 1, 3)), 224: (_T(64, 32, 4, 2, 7), _T(64, 32, 4, 1, 7)),
+        256: (_T(64, 32, 4, 2, 4), _T(64, 32, 4, 1, 4)),
     }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", True),
 }
 
@@ -96,8 +96,9 @@ class Kernel:
     dtype: str
     head_dim: int  # bucket
     tile: Tile
-    causal: bool
-    vectorized: bool
+    local: bool  # causal or sliding-window band
+    vectorized: bool  # 16-byte aligned rows, head dim % 8 == 0
+    extras: bool  # softcap, ALiBi or dropout
 
     @property
     def source(self) -> str:
@@ -107,7 +108,7 @@ class Kernel:
     def instance(self) -> str:
         t, kind = self.tile, KINDS[self.kind]
         args = [DTYPES[self.dtype], self.head_dim, t.block_m, t.block_n, t.warps, t.stages,
-                str(self.causal).lower(), str(self.vectorized).lower()]
+                *(str(flag).lower() for flag in (self.local, self.vectorized, self.extras))]
         if kind.has_col_split:
             args.append(t.col_split)
         return f"cuflash::{kind.template}<{', '.join(map(str, args))}>"
@@ -146,18 +147,20 @@ class Elementwise:
     shared_bytes = 0
 
 
-def kernel(kind: str, dtype: str, head_dim: int, causal: bool, vectorized: bool, shared_limit: int) -> Kernel:
+def kernel(kind: str, dtype: str, head_dim: int, local: bool, vectorized: bool, extras: bool,
+           shared_limit: int) -> Kernel:
     bucket = head_dim_bucket(head_dim)
     for tile in KINDS[kind].tiles[bucket]:
         if KINDS[kind].shared_bytes(tile, bucket) <= shared_limit:
-            return Kernel(kind, dtype, bucket, tile, causal, vectorized)
+            return Kernel(kind, dtype, bucket, tile, local, vectorized, extras)
     raise RuntimeError(f"no {kind} tile for head dim {bucket} fits {shared_limit} bytes of shared memory")
 
 
 def all_kernels(arch: str) -> list[Kernel | Elementwise]:
     """Every variant cuflash can launch on ``arch``."""
     limit = shared_memory_limit(arch)
-    tiled = [kernel(kind, dtype, bucket, causal, vec, limit)
-             for kind, dtype, bucket, causal, vec in
-             itertools.product(KINDS, DTYPES, HEAD_DIM_BUCKETS, (False, True), (True, False))]
+    flags = (False, True)
+    tiled = [kernel(kind, dtype, bucket, local, vec, extras, limit)
+             for kind, dtype, bucket, local, vec, extras in
+             itertools.product(KINDS, DTYPES, HEAD_DIM_BUCKETS, flags, flags, flags)]
     return tiled + [Elementwise(kind, dtype) for kind, dtype in itertools.product(ELEMENTWISE, DTYPES)]

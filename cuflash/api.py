@@ -3,93 +3,172 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import numpy as np
 
 from . import _arrays, _kernels, _plan
+from ._kernels import Options, Varlen
 
 GPU_DTYPES = ("float16", "bfloat16")
 CPU_DTYPES = ("float16", "float32", "float64")
 
+_OPTIONS_DOC = """
+    Options (flash-attn's semantics; scores s = scale q.k, diagonal = seqlen_k - seqlen_q):
+    ``causal``: query i sees key j iff j <= i + diagonal (aligned bottom-right).
+    ``softmax_scale``: default 1 / sqrt(headdim).
+    ``window_size=(left, right)``: keys in [i + diagonal - left, i + diagonal + right];
+    -1 (or >= seqlen_k) is unbounded; causal means right = 0.
+    ``softcap > 0``: s = softcap * tanh(s / softcap).
+    ``alibi_slopes``: float32 (nheads,) or (batch, nheads): s -= slope * |i + diagonal - j|.
+    ``dropout_p``: drop normalised probabilities with this probability, scale the kept
+    ones by 1 / (1 - p); the mask is a counter-based Philox stream keyed by (``seed``,
+    ``rng_offset``, batch, head, row, col) (``cuflash._philox.keep_mask``), so a seed
+    reproduces it exactly. Without a seed one is drawn per call (pass one to run the
+    backward). LSE is unaffected by dropout.
+"""
 
-def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, return_lse=False):
     """Exact softmax attention, softmax(scale * q k^T) v, as FlashAttention.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
     with nheads % nheads_kv == 0 (GQA/MQA: query head h reads KV head
-    h // (nheads // nheads_kv)). ``causal`` is aligned bottom-right: query i sees
-    key j iff j <= i + seqlen_k - seqlen_q. ``softmax_scale`` defaults to
-    1 / sqrt(headdim). CUDA arrays (CuPy, PyTorch, JAX; float16 or bfloat16) run
-    the tensor-core kernel on the caller's stream and return the same kind of
-    array; NumPy arrays run the CPU path. Returns ``out`` (like q) or, with
+    h // (nheads // nheads_kv)). CUDA arrays (CuPy, PyTorch, JAX; float16 or
+    bfloat16) run the tensor-core kernel on the caller's stream and return the same
+    kind of array; NumPy arrays run the CPU path. Returns ``out`` (like q) or, with
     ``return_lse``, ``(out, lse)`` where lse is float32 (batch, nheads, seqlen_q),
-    the natural log-sum-exp of the scaled scores (+inf for a row that sees no key).
+    the natural log-sum-exp of the modified scores (+inf for a row that sees no key).
     """
-    qi, ki, vi = (_arrays.inspect(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    scale = _check(qi, ki, vi, causal, softmax_scale)
-    if qi.device is None:
+    arrays = _inspect(q=q, k=k, v=v)
+    _check_qkv(*arrays.values(), packed=False)
+    options = _options(arrays["q"], arrays["k"], causal, softmax_scale, window_size, softcap, alibi_slopes,
+                       dropout_p, seed, rng_offset, backward=False)
+    if arrays["q"].device is None:
         from . import cpu
-        out, lse = cpu.attention_forward(q, k, v, causal=bool(causal), softmax_scale=scale)
+        out, lse = cpu.attention_forward(q, k, v, **_cpu_options(options, alibi_slopes))
     else:
-        out, lse = _forward_gpu(qi, ki, vi, bool(causal), scale)
+        out, lse = _forward_gpu(*arrays.values(), options, None)
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                       deterministic: bool = False):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                     seed=None, rng_offset=0, return_lse=False):
+    """``attention`` over packed sequences of different lengths, with no padding.
+
+    q: (total_q, nheads, headdim), k and v: (total_k, nheads_kv, headdim); sequence b
+    is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
+    of k and v (int32, shape (batch + 1,), starting at 0; empty sequences allowed);
+    max_seqlen_q/k bound the lengths. Every option applies per sequence (causal and
+    windows use that sequence's own lengths; ALiBi slopes of shape (batch, nheads)
+    and the dropout stream use its index b). lse is float32 (nheads, total_q).
+    """
+    arrays = _inspect(q=q, k=k, v=v)
+    _check_qkv(*arrays.values(), packed=True)
+    varlen = _varlen(arrays["q"], arrays["k"], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = _options(arrays["q"], arrays["k"], causal, softmax_scale, window_size, softcap, alibi_slopes,
+                       dropout_p, seed, rng_offset, backward=False, batch=varlen.batch,
+                       seqlen_k=varlen.max_seqlen_k)
+    if arrays["q"].device is None:
+        from . import cpu
+        out, lse = cpu.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                **_cpu_options(options, alibi_slopes))
+    else:
+        out, lse = _forward_gpu(*arrays.values(), options, varlen)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0,
+                       deterministic=False):
     """Gradients (dq, dk, dv) of ``attention`` given the upstream gradient ``dout``.
 
-    ``out`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)``
-    returned for the same arguments; P is recomputed from ``lse``, never stored.
-    With GQA, dk and dv are summed over the query heads that share a KV head.
-    ``deterministic=True`` gives bitwise-identical results from run to run (dQ is
-    then computed by its own pass instead of fp32 atomics; see docs/api.md for the
-    cost). Same array kinds, devices and streams as ``attention``.
+    ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the
+    same arguments (with dropout: the same ``seed`` and ``rng_offset``); P is
+    recomputed from ``lse``, never stored. With GQA, dk and dv are summed over the
+    query heads that share a KV head. ``deterministic=True`` gives bitwise-identical
+    results from run to run (dQ by its own pass instead of fp32 atomics).
     """
-    qi, ki, vi = (_arrays.inspect(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    scale = _check(qi, ki, vi, causal, softmax_scale)
-    doi, oi, li = (_arrays.inspect(x, name) for x, name in ((dout, "dout"), (out, "out"), (lse, "lse")))
-    for name, a in (("dout", doi), ("out", oi)):
-        _check_like(name, a, qi, qi.shape, qi.dtype)
-    lse_shape = (qi.shape[0], qi.shape[2], qi.shape[1])
-    _check_like("lse", li, qi, lse_shape, "float32")
-    if li.device is not None and math.prod(lse_shape) and li.strides != _arrays.contiguous_strides(lse_shape):
-        raise ValueError(f"lse must be contiguous, got strides {li.strides} for shape {li.shape}")
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
+    _check_qkv(qi, ki, vi, packed=False)
+    _check_outputs(arrays, (qi.shape[0], qi.shape[2], qi.shape[1]))
+    options = _options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
+                       rng_offset, backward=True)
+    _check_bool("deterministic", deterministic)
     if qi.device is None:
         from . import cpu
-        return cpu.attention_backward(dout, q, k, v, out, lse, causal=bool(causal), softmax_scale=scale)
-    framework = _arrays.Framework(qi)
-    grads = [framework.empty(a.shape, a.dtype) for a in (qi, ki, vi)]
-    work = {name: framework.empty(shape, dtype) for name, (shape, dtype) in _kernels.backward_workspace(qi.shape).items()}
-    _kernels.backward(doi, qi, ki, vi, oi, li, *(g.info for g in grads), work["delta"].info, work["dq_accum"].info,
-                      causal=bool(causal), scale=scale, deterministic=bool(deterministic), stream=framework.stream)
+        return cpu.attention_backward(dout, q, k, v, out, lse, **_cpu_options(options, alibi_slopes))
+    return _backward_gpu(arrays, options, bool(deterministic), None)
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, deterministic=False):
+    """Gradients (dq, dk, dv) of ``attention_varlen``; see ``attention_backward``."""
+    arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
+    _check_qkv(qi, ki, vi, packed=True)
+    _check_outputs(arrays, (qi.shape[1], qi.shape[0]))
+    varlen = _varlen(qi, ki, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = _options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
+                       rng_offset, backward=True, batch=varlen.batch, seqlen_k=varlen.max_seqlen_k)
+    _check_bool("deterministic", deterministic)
+    if qi.device is None:
+        from . import cpu
+        return cpu.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, **_cpu_options(options, alibi_slopes))
+    return _backward_gpu(arrays, options, bool(deterministic), varlen)
+
+
+for _f in (attention, attention_varlen, attention_backward, attention_varlen_backward):
+    _f.__doc__ += _OPTIONS_DOC
+
+
+# -- GPU ---------------------------------------------------------------------------------
+
+def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None):
+    framework = _arrays.Framework(q)
+    out = framework.empty(q.shape, q.dtype)
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if varlen is None else (q.shape[1], q.shape[0])
+    lse = framework.empty(lse_shape, "float32")
+    _kernels.forward(q, k, v, out.info, lse.info, options, stream=framework.stream, varlen=varlen)
+    return framework.finish(out.array), framework.finish(lse.array)
+
+
+def _backward_gpu(arrays: dict, options: Options, deterministic: bool, varlen: Varlen | None):
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    framework = _arrays.Framework(q)
+    grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
+    work = {name: framework.empty(shape, dtype) for name, (shape, dtype) in _kernels.backward_workspace(q.shape).items()}
+    _kernels.backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], *(g.info for g in grads),
+                      work["delta"].info, work["dq_accum"].info, options, deterministic=deterministic,
+                      stream=framework.stream, varlen=varlen)
     return tuple(framework.finish(g.array) for g in grads)
 
 
-def _check_like(name: str, a: _arrays.ArrayInfo, q: _arrays.ArrayInfo, shape, dtype: str) -> None:
-    """``a`` must be ``shape`` and ``dtype``, and live where q does."""
-    if a.framework != q.framework or a.where != q.where:
-        raise TypeError(f"{name} must be the same kind of array on the same device as q "
-                        f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
-    if a.shape != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {a.shape}")
-    if a.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {a.dtype}")
-    if a.device is not None and len(shape) == 4 and shape[3] > 1 and math.prod(shape) and a.strides[3] != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {a.strides}")
+def _cpu_options(options: Options, alibi_slopes) -> dict:
+    return dict(causal=options.causal, softmax_scale=options.scale, window_size=options.window,
+                softcap=options.softcap, alibi_slopes=alibi_slopes, dropout_p=options.dropout_p,
+                seed=options.seed, rng_offset=options.rng_offset)
 
 
-def _check(q: _arrays.ArrayInfo, k: _arrays.ArrayInfo, v: _arrays.ArrayInfo, causal, softmax_scale) -> float:
-    """Every user error becomes an exception here, before anything is launched.
-    Returns the softmax scale."""
+# -- validation: every user error becomes an exception here, before anything runs ---------
+
+def _inspect(**arrays) -> dict[str, _arrays.ArrayInfo]:
+    return {name: _arrays.inspect(x, name) for name, x in arrays.items()}
+
+
+def _check_qkv(q, k, v, *, packed: bool) -> None:
+    ndim = 3 if packed else 4
+    layout = "(total, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
     arrays = {"q": q, "k": k, "v": v}
     for name, a in arrays.items():
-        if len(a.shape) != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {a.shape}")
-    kinds = {a.framework for a in arrays.values()}
-    if len(kinds) > 1:
+        if len(a.shape) != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {a.shape}")
+    if len({a.framework for a in arrays.values()}) > 1:
         raise TypeError(f"q, k and v must be the same kind of array, got {q.framework}, {k.framework}, {v.framework}")
     if len({a.where for a in arrays.values()}) > 1:
         raise ValueError(f"q, k and v must be on one device, got {q.where}, {k.where}, {v.where}")
@@ -99,40 +178,150 @@ def _check(q: _arrays.ArrayInfo, k: _arrays.ArrayInfo, v: _arrays.ArrayInfo, cau
     if q.dtype not in allowed:
         hint = "; cast to float16 or bfloat16" if q.device is not None else ""
         raise TypeError(f"dtype must be one of {', '.join(allowed)} on {q.where}, got {q.dtype}{hint}")
-
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_kv, _ = k.shape
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape (batch, seqlen_k, nheads_kv, headdim), got {k.shape} and {v.shape}")
-    if k.shape[0] != batch:
-        raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[3]}")
+        raise ValueError(f"k and v must have one shape {layout}, got {k.shape} and {v.shape}")
+    if not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must have q's batch size {q.shape[0]}, got {k.shape[0]}")
+    head_dim, nheads, nheads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[-1]}")
     if not 1 <= head_dim <= _plan.MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in 1..{_plan.MAX_HEAD_DIM}, got {head_dim}")
     if nheads_kv == 0 or nheads % nheads_kv:
         raise ValueError(f"q's nheads must be a multiple of k/v's nheads, got {nheads} and {nheads_kv}")
     if q.device is not None:
         for name, a in arrays.items():
-            if a.strides[3] != 1 and head_dim > 1 and math.prod(a.shape):
-                raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {a.strides}")
-        if batch > 65535 or nheads > 65535:
-            raise ValueError(f"batch and nheads must be at most 65535 on the GPU, got {batch} and {nheads}")
-
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
-        raise TypeError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale) or softmax_scale < 0:
-        raise ValueError(f"softmax_scale must be finite and >= 0, got {softmax_scale}")
-    return float(softmax_scale)
+            _check_last_dim_contiguous(name, a)
+        if nheads > 65535 or (not packed and q.shape[0] > 65535):
+            raise ValueError(f"batch and nheads must be at most 65535 on the GPU, got shape {q.shape}")
 
 
-def _forward_gpu(q, k, v, causal: bool, scale: float):
-    framework = _arrays.Framework(q)
-    out = framework.empty(q.shape, q.dtype)
-    lse = framework.empty((q.shape[0], q.shape[2], q.shape[1]), "float32")
-    _kernels.forward(q, k, v, out.info, lse.info, causal=causal, scale=scale, stream=framework.stream)
-    return framework.finish(out.array), framework.finish(lse.array)
+def _check_last_dim_contiguous(name: str, a: _arrays.ArrayInfo) -> None:
+    if a.strides[-1] != 1 and a.shape[-1] > 1 and math.prod(a.shape):
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride 1), got strides {a.strides}")
+
+
+def _check_outputs(arrays: dict, lse_shape) -> None:
+    """dout and out shaped and typed like q, lse float32 and contiguous, all beside q."""
+    q = arrays["q"]
+    for name, shape, dtype in (("dout", q.shape, q.dtype), ("out", q.shape, q.dtype), ("lse", lse_shape, "float32")):
+        a = arrays[name]
+        if a.framework != q.framework or a.where != q.where:
+            raise TypeError(f"{name} must be the same kind of array on the same device as q "
+                            f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
+        if a.shape != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {a.shape}")
+        if a.dtype != dtype:
+            raise TypeError(f"{name} must have dtype {dtype}, got {a.dtype}")
+        if q.device is not None and name != "lse":
+            _check_last_dim_contiguous(name, a)
+    lse = arrays["lse"]
+    if lse.device is not None and math.prod(lse.shape) and lse.strides != _arrays.contiguous_strides(lse.shape):
+        raise ValueError(f"lse must be contiguous, got strides {lse.strides} for shape {lse.shape}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_real(name: str, value, *, low: float, high: float | None = None, high_open: bool = False) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    in_range = math.isfinite(value) and value >= low and (high is None or (value < high if high_open else value <= high))
+    if not in_range:
+        bound = "" if high is None else (f" and < {high}" if high_open else f" and <= {high}")
+        raise ValueError(f"{name} must be finite, >= {low}{bound}, got {value}")
+    return value
+
+
+def _options(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, rng_offset, *,
+             backward: bool, batch: int | None = None, seqlen_k: int | None = None) -> Options:
+    _check_bool("causal", causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else _check_real("softmax_scale", softmax_scale, low=0)
+    window = _window(window_size, bool(causal), k.shape[1] if seqlen_k is None else seqlen_k)
+    softcap = _check_real("softcap", softcap, low=0)
+    dropout_p = _check_real("dropout_p", dropout_p, low=0, high=1, high_open=True)
+    alibi = None if alibi_slopes is None else _alibi(alibi_slopes, q, q.shape[0] if batch is None else batch)
+    if not isinstance(rng_offset, numbers.Integral) or not 0 <= rng_offset < 2**64:
+        raise ValueError(f"rng_offset must be an integer in [0, 2**64), got {rng_offset!r}")
+    if seed is None:
+        if dropout_p > 0 and backward:
+            raise ValueError("seed is required for the backward with dropout_p > 0: pass the forward's seed")
+        seed = int.from_bytes(os.urandom(8), "little") if dropout_p > 0 else 0
+    elif not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return Options(bool(causal), scale, window, softcap, alibi, dropout_p, int(seed), int(rng_offset))
+
+
+def _window(window_size, causal: bool, seqlen_k: int) -> tuple[int, int]:
+    """flash-attn's normalisation: >= seqlen_k is unbounded (-1); causal is right = 0."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    for name, w in (("left", left), ("right", right)):
+        if not isinstance(w, numbers.Integral) or isinstance(w, bool) or w < -1:
+            raise ValueError(f"window_size {name} must be an integer >= -1 (-1: unbounded), got {w!r}")
+    left, right = (-1 if w >= seqlen_k else int(w) for w in (left, right))
+    return (left, 0) if causal else (left, right)
+
+
+def _alibi(alibi_slopes, q: _arrays.ArrayInfo, batch: int) -> _arrays.ArrayInfo:
+    a = _arrays.inspect(alibi_slopes, "alibi_slopes")
+    nheads = q.shape[-2]
+    if a.framework != q.framework or a.where != q.where:
+        raise TypeError(f"alibi_slopes must be the same kind of array on the same device as q "
+                        f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
+    if a.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32, got {a.dtype}")
+    if a.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {a.shape}")
+    if a.strides[-1] != 1 and nheads > 1:
+        raise ValueError(f"alibi_slopes must be contiguous in its last dimension, got strides {a.strides}")
+    return a
+
+
+def _varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen:
+    """Check the packing: int32 offsets from 0, monotone, ending at the totals, and
+    maxima no smaller than any length. Reading the offsets costs one small copy."""
+    infos = {}
+    lengths = {}
+    for name, cu, total, max_name, max_len in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+                                                ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)):
+        a = _arrays.inspect(cu, name)
+        if a.framework != q.framework or a.where != q.where:
+            raise TypeError(f"{name} must be the same kind of array on the same device as q "
+                            f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
+        if a.dtype != "int32":
+            raise TypeError(f"{name} must be int32, got {a.dtype}")
+        if len(a.shape) != 1 or a.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {a.shape}")
+        if a.strides[0] != 1 and a.shape[0] > 1:
+            raise ValueError(f"{name} must be contiguous, got strides {a.strides}")
+        values = _to_numpy(a)
+        if values[0] != 0 or (np.diff(values) < 0).any():
+            raise ValueError(f"{name} must start at 0 and never decrease, got {values.tolist()}")
+        if values[-1] != total:
+            raise ValueError(f"{name} must end at the number of packed rows {total}, got {int(values[-1])}")
+        if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool):
+            raise TypeError(f"{max_name} must be an integer, got {max_len!r}")
+        longest = int(np.diff(values).max(initial=0))
+        if max_len < longest:
+            raise ValueError(f"{max_name} must be at least the longest sequence, {longest}, got {max_len}")
+        infos[name], lengths[name] = a, int(max_len)
+    if infos["cu_seqlens_q"].shape != infos["cu_seqlens_k"].shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got "
+                         f"{infos['cu_seqlens_q'].shape[0]} and {infos['cu_seqlens_k'].shape[0]}")
+    return Varlen(infos["cu_seqlens_q"], infos["cu_seqlens_k"], lengths["cu_seqlens_q"], lengths["cu_seqlens_k"])
+
+
+def _to_numpy(a: _arrays.ArrayInfo) -> np.ndarray:
+    if a.framework == "numpy":
+        return a.obj
+    if a.framework == "torch":
+        return a.obj.detach().cpu().numpy()
+    if a.framework == "cupy":
+        return a.obj.get()
+    return np.asarray(a.obj)

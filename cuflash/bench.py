@@ -42,18 +42,24 @@ def _median_ms(fn, torch) -> float:
     return statistics.median(times)
 
 
-def _implementations(torch, b, s, h, d, causal, backward):
+def _run(module, q, k, v, dout, backward, **options):
+    """One forward (and backward) through ``module``'s API (cuflash, or a baseline copy)."""
+    deterministic = options.pop("deterministic", False)
+    if not backward:
+        return module.attention(q, k, v, **options)
+    out, lse = module.attention(q, k, v, return_lse=True, **options)
+    return module.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+
+
+def _implementations(torch, b, s, h, d, causal, backward, baseline=None):
     """name -> zero-argument callable running one forward (and backward) on fresh random inputs."""
     import cuflash
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    def run_cuflash(deterministic=False):
-        if not backward:
-            return cuflash.attention(q, k, v, causal=causal)
-        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-        return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
-    impls = {"cuflash": run_cuflash}
+    impls = {"cuflash": lambda: _run(cuflash, q, k, v, dout, backward, causal=causal)}
     if backward:
-        impls["cuflash-det"] = lambda: run_cuflash(deterministic=True)
+        impls["cuflash-det"] = lambda: _run(cuflash, q, k, v, dout, backward, causal=causal, deterministic=True)
+    if baseline is not None:
+        impls["baseline"] = lambda: _run(baseline, q, k, v, dout, backward, causal=causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     # SDPA wants (b, h, s, d): views of the same storage.
@@ -85,6 +91,10 @@ def main(args) -> int:
     except ImportError:
         print("python -m cuflash bench needs PyTorch for the side-by-side SDPA comparison: pip install torch")
         return 1
+    baseline = _load_baseline(args.baseline) if args.baseline else None
+    if args.variants:
+        _variants(torch, gpu)
+        return 0
     seqlens = SEQLENS[::2] if args.quick else SEQLENS
     passes = {"fwd": (False,), "fwdbwd": (True,), "all": (False, True)}[args.mode]
     rows = []
@@ -96,23 +106,72 @@ def main(args) -> int:
                     flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1)
                     row = {"pass": "fwd+bwd" if backward else "fwd", "d": d, "causal": causal, "seqlen": s,
                            "batch": b, "nheads": h}
-                    for name, fn in _implementations(torch, b, s, h, d, causal, backward).items():
+                    for name, fn in _implementations(torch, b, s, h, d, causal, backward, baseline).items():
                         row[name] = flops / (_median_ms(fn, torch) * 1e-3) / 1e12
                     rows.append(row)
                     torch.cuda.empty_cache()
 
-    names = ["cuflash", "cuflash-det", "sdpa-flash", "sdpa-cudnn"]
+    names = [n for n in ("cuflash", "cuflash-det", "baseline", "sdpa-flash", "sdpa-cudnn") if any(n in r for r in rows)]
+    peers = [n for n in names if n not in ("cuflash", "cuflash-det")]
     print(f"TFLOP/s, bf16, hidden {HIDDEN}, batch*seqlen {TOKENS}, {gpu}, "
           f"torch {torch.__version__}; median of {REPEATS} after {WARMUP} warm-up")
-    print(f"{'pass':>7} {'d':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>10}" for n in names)
-          + "  cuflash/flash cuflash/cudnn")
+    print(f"{'pass':>7} {'d':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>11}" for n in names) + "  "
+          + " ".join(f"{'cuflash/' + n.removeprefix('sdpa-'):>16}" for n in peers))
     for r in rows:
-        vals = " ".join(f"{r[n]:10.1f}" if n in r else f"{'-':>10}" for n in names)
-        ratios = [f"{r['cuflash'] / r[n]:13.2f}" if n in r else f"{'-':>13}" for n in names[2:]]
-        print(f"{r['pass']:>7} {r['d']:4d} {str(r['causal']):>6} {r['seqlen']:6d} {vals} {' '.join(ratios)}")
+        vals = " ".join(f"{r[n]:11.1f}" if n in r else f"{'-':>11}" for n in names)
+        ratios = " ".join(f"{r['cuflash'] / r[n]:16.3f}" if n in r else f"{'-':>16}" for n in peers)
+        print(f"{r['pass']:>7} {r['d']:4d} {str(r['causal']):>6} {r['seqlen']:6d} {vals}  {ratios}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=["pass", "d", "causal", "seqlen", "batch", "nheads"] + names)
             writer.writeheader()
             writer.writerows(rows)
     return 0
+
+
+def _load_baseline(path: str):
+    """Another copy of the cuflash package (e.g. the previous release), imported under
+    its folder's name so both run in one process."""
+    import importlib.util
+    import pathlib
+    import sys
+    folder = pathlib.Path(path)
+    spec = importlib.util.spec_from_file_location(folder.name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[folder.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _variants(torch, gpu) -> None:
+    """The variants' speed checks: a sliding window against full causal at 16k, and
+    packed variable-length sequences against the padded rectangle."""
+    import cuflash
+    import numpy as np
+    print(f"variants, bf16, d 128, {gpu}; median ms of {REPEATS} after {WARMUP} warm-up")
+    h, d, s = 16, 128, 16384
+    q, k, v, dout = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for backward in (False, True):
+        causal = _median_ms(lambda: _run(cuflash, q, k, v, dout, backward, causal=True), torch)
+        window = _median_ms(lambda: _run(cuflash, q, k, v, dout, backward, causal=True, window_size=(256, 0)), torch)
+        print(f"{'fwd+bwd' if backward else 'fwd':>7}  seqlen {s}: causal {causal:8.3f} ms, window (256, 0) "
+              f"{window:7.3f} ms, speedup {causal / window:6.1f}x")
+    del q, k, v, dout
+
+    rng = np.random.default_rng(0)  # lognormal lengths, mean about 1k, capped at 4096
+    lengths = np.clip(rng.lognormal(np.log(1024), 0.8, size=32).astype(int), 1, 4096)
+    total, longest = int(lengths.sum()), int(lengths.max())
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    qp, kp, vp, dp = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    qr, kr, vr, dr = (torch.randn(len(lengths), longest, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for backward in (False, True):
+        def packed():
+            if not backward:
+                return cuflash.attention_varlen(qp, kp, vp, cu, cu, longest, longest, causal=True)
+            out, lse = cuflash.attention_varlen(qp, kp, vp, cu, cu, longest, longest, causal=True, return_lse=True)
+            return cuflash.attention_varlen_backward(dp, qp, kp, vp, out, lse, cu, cu, longest, longest, causal=True)
+        varlen = _median_ms(packed, torch)
+        padded = _median_ms(lambda: _run(cuflash, qr, kr, vr, dr, backward, causal=True), torch)
+        print(f"{'fwd+bwd' if backward else 'fwd':>7}  {len(lengths)} sequences, {total} tokens, longest {longest}: "
+              f"padded {padded:7.3f} ms, packed {varlen:7.3f} ms, speedup {padded / varlen:5.2f}x")

@@ -12,29 +12,178 @@ past them and add their share to a dQ accumulator of the size of q.
 
 Every block operation is vectorised over batch and heads; query heads are viewed as
 (nheads_kv, group) so that a kv head broadcasts over the query heads that share it (GQA).
+
+The variants, per tile, in this order (query i, key j, diag = seqlen_k - seqlen_q):
+S = scale * Q Kᵀ; softcap: S = softcap * tanh(S / softcap); ALiBi: S -= slope * |i + diag - j|;
+mask (the sliding window [i + diag - left, i + diag + right], causal being right = 0); online
+softmax. Dropout multiplies the tile of P by keep / (1 - p) before P V only (l and the LSE see
+the undropped P); the keep bits come from cuflash._philox, tile by tile, keyed by (seed,
+rng_offset, batch, head, row, col). Tiles wholly outside the window are never computed.
 """
 
 import math
 
 import numpy as np
 
-__all__ = ["attention_forward", "attention_backward"]
+from . import _philox
+
+__all__ = [
+    "attention_forward",
+    "attention_backward",
+    "attention_varlen_forward",
+    "attention_varlen_backward",
+]
 
 
-def attention_forward(q, k, v, *, causal, softmax_scale, block_q=128, block_k=128):
+class _Variant:
+    """One (fixed-length or single varlen) problem's options, and the tile operations that
+    depend on them: which tiles to visit, scores, mask, dropout.
+
+    `batch_index` holds the global batch index of each batch element here (the ALiBi row and
+    the dropout counter's batch); alibi is (len(batch_index), nheads) or None.
+    """
+
+    def __init__(self, seqlen_q, seqlen_k, nheads, nheads_kv, acc_dtype, *, causal, scale,
+                 window_size, softcap, alibi, dropout_p, seed, rng_offset, batch_index):
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.nheads, self.nheads_kv = nheads, nheads_kv
+        self.acc_dtype = acc_dtype
+        self.scale = acc_dtype(scale)
+        # Bottom-right alignment: key diag + i is query i's diagonal.
+        self.diagonal = seqlen_k - seqlen_q
+        # flash-attn's normalisation: a negative side or one >= seqlen_k is unbounded (-1);
+        # causal is right = 0.
+        left, right = (int(w) for w in window_size)
+        self.left = -1 if left < 0 or left >= seqlen_k else left
+        self.right = 0 if causal else (-1 if right < 0 or right >= seqlen_k else right)
+        self.softcap = float(softcap)
+        self.alibi = None
+        if alibi is not None:
+            group = nheads // nheads_kv
+            self.alibi = alibi.astype(acc_dtype).reshape(-1, nheads_kv, group, 1, 1)
+        self.dropout_p = float(dropout_p)
+        self.seed, self.rng_offset, self.batch_index = seed, rng_offset, batch_index
+
+    def key_range(self, q_start, q_end):
+        """[first, stop) of the keys any of the rows q_start .. q_end - 1 may see."""
+        first, stop = 0, self.seqlen_k
+        if self.left >= 0:
+            first = max(first, q_start + self.diagonal - self.left)
+        if self.right >= 0:
+            stop = min(stop, q_end - 1 + self.diagonal + self.right + 1)
+        return first, stop
+
+    def query_range(self, k_start, k_end):
+        """[first, stop) of the rows that may see any of the keys k_start .. k_end - 1."""
+        first, stop = 0, self.seqlen_q
+        if self.right >= 0:
+            first = max(first, k_start - self.diagonal - self.right)
+        if self.left >= 0:
+            stop = min(stop, k_end - 1 - self.diagonal + self.left + 1)
+        return first, stop
+
+    def scores(self, q_block, k_block, q_start, q_end, k_start, k_end):
+        """The masked tile S (-inf where invisible) and, under softcap, tanh(S_pre / softcap)
+        (for the backward's chain factor; None otherwise)."""
+        s = (q_block @ k_block.swapaxes(-1, -2)) * self.scale
+        tanh = None
+        if self.softcap > 0:
+            tanh = np.tanh(s / self.acc_dtype(self.softcap))
+            s = self.acc_dtype(self.softcap) * tanh
+        rows = cols = None
+        if self.alibi is not None:
+            rows, cols = np.arange(q_start, q_end)[:, None], np.arange(k_start, k_end)[None, :]
+            distance = np.abs(rows + self.diagonal - cols).astype(self.acc_dtype)
+            s = s - self.alibi * distance
+        # Only tiles crossing a window edge pay for the mask. It comes after scaling so that
+        # a scale of 0 never meets -inf.
+        clips_left = self.left >= 0 and k_start < q_end - 1 + self.diagonal - self.left
+        clips_right = self.right >= 0 and k_end - 1 > q_start + self.diagonal + self.right
+        if clips_left or clips_right:
+            if rows is None:
+                rows, cols = np.arange(q_start, q_end)[:, None], np.arange(k_start, k_end)[None, :]
+            offset = cols - (rows + self.diagonal)  # the key's distance right of the diagonal
+            visible = np.ones(offset.shape, dtype=bool)
+            if clips_left:
+                visible &= offset >= -self.left
+            if clips_right:
+                visible &= offset <= self.right
+            s = np.where(visible, s, -np.inf)
+        return s, tanh
+
+    def dropout(self, q_start, q_end, k_start, k_end):
+        """keep / (1 - p) for the tile, grouped (batch, nheads_kv, group, rows, cols), or None
+        without dropout. Only the tile's bits are generated."""
+        if self.dropout_p == 0:
+            return None
+        keep = _philox.keep_block(self.seed, self.rng_offset, self.dropout_p, self.nheads,
+                                  self.batch_index, q_start, q_end, k_start, k_end)
+        group = self.nheads // self.nheads_kv
+        keep = keep.reshape(len(self.batch_index), self.nheads_kv, group, *keep.shape[2:])
+        return keep * self.acc_dtype(1 / (1 - self.dropout_p))
+
+
+def _check_options(dropout_p, seed, softcap):
+    if not 0 <= float(dropout_p) < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if float(dropout_p) > 0 and seed is None:
+        raise ValueError("dropout_p > 0 needs a seed")
+    if float(softcap) < 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+
+
+def _alibi_rows(alibi_slopes, batch_index, nheads):
+    """The (len(batch_index), nheads) slopes of the given batch elements, or None."""
+    if alibi_slopes is None:
+        return None
+    slopes = np.asarray(alibi_slopes)
+    if slopes.ndim == 1:
+        return np.broadcast_to(slopes, (len(batch_index), nheads))
+    return slopes[list(batch_index)]
+
+
+def attention_forward(
+    q, k, v, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+    dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128,
+):
     """Exact attention of validated NumPy arrays: returns (out, lse).
 
     q (batch, seqlen_q, nheads, d), k and v (batch, seqlen_k, nheads_kv, d), all one dtype
     of float16, float32 or float64. Computes in float32 (float64 for float64 inputs) and
     returns out in the input dtype and lse as float32 (batch, nheads, seqlen_q). A fully
     masked row gives out 0 and lse +inf; NaN inputs propagate to the outputs that read them.
+
+    window_size (left, right), softcap, alibi_slopes (float32 (nheads,) or (batch, nheads))
+    and dropout_p are flash-attn's (see the module docstring); dropout draws its keep mask
+    from Philox keyed by `seed` (a 64-bit unsigned int, required when dropout_p > 0) and
+    `rng_offset`.
     """
+    _check_options(dropout_p, seed, softcap)
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    batch_index = np.arange(batch)
+    variant = _Variant(
+        seqlen_q, seqlen_k, nheads, nheads_kv, _acc_dtype(q), causal=causal,
+        scale=_scale(softmax_scale, q), window_size=window_size, softcap=softcap,
+        alibi=_alibi_rows(alibi_slopes, batch_index, nheads), dropout_p=dropout_p, seed=seed,
+        rng_offset=rng_offset, batch_index=batch_index,
+    )
+    return _forward(q, k, v, variant, block_q, block_k)
+
+
+def _acc_dtype(x):
+    return np.float64 if x.dtype == np.float64 else np.float32
+
+
+def _scale(softmax_scale, q):
+    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+
+
+def _forward(q, k, v, variant, block_q, block_k):
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads // nheads_kv
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    in_dtype = q.dtype
-    acc_dtype = np.float64 if in_dtype == np.float64 else np.float32
+    in_dtype, acc_dtype = q.dtype, variant.acc_dtype
 
     # (batch, nheads_kv, group, seqlen, d): heads lead so the matmuls batch over them, and the
     # kv tensors get a group axis of 1 that broadcasts over the query heads of each kv head.
@@ -42,12 +191,9 @@ def attention_forward(q, k, v, *, causal, softmax_scale, block_q=128, block_k=12
     q = q.transpose(0, 2, 3, 1, 4)
     k = k.astype(acc_dtype).transpose(0, 2, 1, 3)[:, :, None]
     v = v.astype(acc_dtype).transpose(0, 2, 1, 3)[:, :, None]
-    scale = acc_dtype(scale)
 
-    out = np.empty((batch, nheads_kv, group, seqlen_q, d), dtype=acc_dtype)
+    out = np.empty((batch, nheads_kv, group, seqlen_q, v.shape[-1]), dtype=acc_dtype)
     lse = np.empty((batch, nheads_kv, group, seqlen_q), dtype=acc_dtype)
-    # Bottom-right alignment: query i sees key j iff j <= i + diagonal.
-    diagonal = seqlen_k - seqlen_q
 
     # for each query block Q_i:  m = -inf, l = 0, O = 0
     for q_start in range(0, seqlen_q, block_q):
@@ -56,24 +202,18 @@ def attention_forward(q, k, v, *, causal, softmax_scale, block_q=128, block_k=12
         row_shape = q_block.shape[:-1]
         m = np.full(row_shape, -np.inf, dtype=acc_dtype)
         l = np.zeros(row_shape, dtype=acc_dtype)
-        acc = np.zeros(q_block.shape, dtype=acc_dtype)
+        acc = np.zeros(row_shape + (v.shape[-1],), dtype=acc_dtype)
 
-        # Causal: the last row of the block sees keys up to q_end - 1 + diagonal, so later key
-        # blocks are entirely masked and never computed.
-        k_stop = min(seqlen_k, q_end + diagonal) if causal else seqlen_k
+        # Only the key blocks that meet the rows' window are visited (causal: none past the
+        # diagonal of the block's last row; a left window: none before its first row's).
+        first_key, key_stop = variant.key_range(q_start, q_end)
 
         # for each key block K_j, V_j:
-        #   S = scale * Q_i K_jᵀ;  m_new = max(m, rowmax(S));  P = exp(S - m_new)
-        #   l = exp(m - m_new) l + rowsum(P);  O = exp(m - m_new) O + P V_j
-        for k_start in range(0, max(k_stop, 0), block_k):
+        #   S = scores(Q_i, K_j);  m_new = max(m, rowmax(S));  P = exp(S - m_new)
+        #   l = exp(m - m_new) l + rowsum(P);  O = exp(m - m_new) O + (P ∘ Z) V_j
+        for k_start in range(first_key // block_k * block_k, key_stop, block_k):
             k_end = min(k_start + block_k, seqlen_k)
-            s = (q_block @ k[..., k_start:k_end, :].swapaxes(-1, -2)) * scale
-            # Only blocks crossing the diagonal pay for the mask. It is applied after scaling
-            # so that a scale of 0 never meets -inf.
-            if causal and k_end - 1 > q_start + diagonal:
-                rows = np.arange(q_start, q_end)[:, None]
-                cols = np.arange(k_start, k_end)[None, :]
-                s = np.where(cols <= rows + diagonal, s, -np.inf)
+            s, _ = variant.scores(q_block, k[..., k_start:k_end, :], q_start, q_end, k_start, k_end)
 
             m_new = np.maximum(m, s.max(axis=-1))
             # A row with nothing visible yet has m_new = -inf; offset by 0 there so that
@@ -82,7 +222,10 @@ def attention_forward(q, k, v, *, causal, softmax_scale, block_q=128, block_k=12
             p = np.exp(s - offset[..., None])
             rescale = np.exp(m - offset)
             l = rescale * l + p.sum(axis=-1)
-            acc = rescale[..., None] * acc + p @ v[..., k_start:k_end, :]
+            # Dropout touches P V only: l (and so the LSE) sums the undropped P.
+            keep = variant.dropout(q_start, q_end, k_start, k_end)
+            p_v = (p if keep is None else p * keep) @ v[..., k_start:k_end, :]
+            acc = rescale[..., None] * acc + p_v
             m = m_new
 
         # O = O / l,  LSE = m + log(l);  l == 0 (nothing visible) -> O = 0, LSE = +inf
@@ -91,28 +234,43 @@ def attention_forward(q, k, v, *, causal, softmax_scale, block_q=128, block_k=12
         out[..., q_start:q_end, :] = acc / l_safe[..., None]
         lse[..., q_start:q_end] = np.where(empty, np.inf, m + np.log(l_safe))
 
-    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, seqlen_q, nheads, d)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, seqlen_q, nheads, v.shape[-1])
     return out.astype(in_dtype), lse.reshape(batch, nheads, seqlen_q).astype(np.float32)
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, *, causal, softmax_scale, block_q=128, block_k=128
+    dout, q, k, v, out, lse, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128,
 ):
     """Gradients of attention_forward's out for validated NumPy arrays: returns (dq, dk, dv).
 
     dout and out are laid out like q; lse is attention_forward's float32 (batch, nheads,
     seqlen_q), cast to the compute dtype, so float64 inputs are only as exact as their lse.
-    Computes in float32 (float64 for float64 inputs) and returns dq, dk, dv in the input
-    dtype, shaped like q, k, v. Rows that see no key (lse = +inf) get dq = 0 and
+    The options must be the forward's (the same seed and rng_offset regenerate its dropout
+    mask). Computes in float32 (float64 for float64 inputs) and returns dq, dk, dv in the
+    input dtype, shaped like q, k, v. Rows that see no key (lse = +inf) get dq = 0 and
     add nothing to dk, dv. Beyond dq and dk, dv, the extra memory is O(seqlen) per head
     plus one block_q x block_k tile.
     """
+    _check_options(dropout_p, seed, softcap)
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    batch_index = np.arange(batch)
+    variant = _Variant(
+        seqlen_q, seqlen_k, nheads, nheads_kv, _acc_dtype(q), causal=causal,
+        scale=_scale(softmax_scale, q), window_size=window_size, softcap=softcap,
+        alibi=_alibi_rows(alibi_slopes, batch_index, nheads), dropout_p=dropout_p, seed=seed,
+        rng_offset=rng_offset, batch_index=batch_index,
+    )
+    return _backward(dout, q, k, v, out, lse, variant, block_q, block_k)
+
+
+def _backward(dout, q, k, v, out, lse, variant, block_q, block_k):
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads // nheads_kv
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    in_dtype = q.dtype
-    acc_dtype = np.float64 if in_dtype == np.float64 else np.float32
+    in_dtype, acc_dtype = q.dtype, variant.acc_dtype
+    scale = variant.scale
 
     # The forward's layout: (batch, nheads_kv, group, seqlen, d) for the query-side tensors,
     # (batch, nheads_kv, 1, seqlen_k, d) for k and v.
@@ -124,16 +282,14 @@ def attention_backward(
     k = k.astype(acc_dtype).transpose(0, 2, 1, 3)[:, :, None]
     v = v.astype(acc_dtype).transpose(0, 2, 1, 3)[:, :, None]
     lse = lse.astype(acc_dtype).reshape(batch, nheads_kv, group, seqlen_q)
-    scale = acc_dtype(scale)
 
-    # D = rowsum(dO ∘ O): the softmax backward's rowsum(P ∘ dP), known before any P exists.
+    # D = rowsum(dO ∘ O): the softmax backward's rowsum(P ∘ dP), known before any P exists
+    # (O is the dropped output, so this holds under dropout too).
     delta = (dout * by_head(out)).sum(axis=-1)
 
     dq = np.zeros(q.shape, dtype=acc_dtype)
     dk = np.zeros((batch, nheads_kv, seqlen_k, d), dtype=acc_dtype)
     dv = np.zeros((batch, nheads_kv, seqlen_k, v.shape[-1]), dtype=acc_dtype)
-    # Bottom-right alignment: query i sees key j iff j <= i + diagonal.
-    diagonal = seqlen_k - seqlen_q
 
     # for each key block K_j, V_j:  dK_j = 0, dV_j = 0
     for k_start in range(0, seqlen_k, block_k):
@@ -142,34 +298,111 @@ def attention_backward(
         # Views: the += below accumulate straight into dk and dv.
         dk_block, dv_block = dk[..., k_start:k_end, :], dv[..., k_start:k_end, :]
 
-        # Causal: rows before k_start - diagonal see none of these keys, so the query blocks
-        # wholly above the diagonal are never computed.
-        first_row = max(0, k_start - diagonal) if causal else 0
-        q_first = first_row // block_q * block_q
+        # Only the query blocks whose window meets these keys are visited (causal: none
+        # wholly above the diagonal; a left window: none wholly below it).
+        first_row, row_stop = variant.query_range(k_start, k_end)
 
         # for each query block Q_i:
-        #   P = exp(scale * Q_i K_jᵀ - LSE_i);  dV_j += Pᵀ dO_i;  dP = dO_i V_jᵀ
-        #   dS = P ∘ (dP - D_i);  dK_j += scale * dSᵀ Q_i;  dQ_i += scale * dS K_j
-        for q_start in range(q_first, seqlen_q, block_q):
+        #   P = exp(scores(Q_i, K_j) - LSE_i);  dV_j += (P ∘ Z)ᵀ dO_i;  dP = (dO_i V_jᵀ) ∘ Z
+        #   dS = P ∘ (dP - D_i) [∘ (1 - tanh²), softcap];  dK_j += scale * dSᵀ Q_i;
+        #   dQ_i += scale * dS K_j
+        for q_start in range(first_row // block_q * block_q, row_stop, block_q):
             q_end = min(q_start + block_q, seqlen_q)
             q_block, dout_block = q[..., q_start:q_end, :], dout[..., q_start:q_end, :]
-            s = (q_block @ k_block.swapaxes(-1, -2)) * scale
-            # Only blocks crossing the diagonal pay for the mask, applied after scaling so
-            # that a scale of 0 never meets -inf.
-            if causal and k_end - 1 > q_start + diagonal:
-                rows = np.arange(q_start, q_end)[:, None]
-                cols = np.arange(k_start, k_end)[None, :]
-                s = np.where(cols <= rows + diagonal, s, -np.inf)
+            s, tanh = variant.scores(q_block, k_block, q_start, q_end, k_start, k_end)
             # P = 0 wherever S = -inf (masked) or LSE = +inf (a row that sees no key):
             # -inf - finite and finite - +inf both give exp(-inf) = 0, and S = -inf never
             # meets LSE = -inf, which a row with any visible key cannot have.
             p = np.exp(s - lse[..., q_start:q_end, None])
-            dv_block += (p.swapaxes(-1, -2) @ dout_block).sum(axis=2)
             dp = dout_block @ v_block.swapaxes(-1, -2)
+            keep = variant.dropout(q_start, q_end, k_start, k_end)
+            if keep is None:
+                dv_block += (p.swapaxes(-1, -2) @ dout_block).sum(axis=2)
+            else:
+                dv_block += ((p * keep).swapaxes(-1, -2) @ dout_block).sum(axis=2)
+                dp = dp * keep
             ds = p * (dp - delta[..., q_start:q_end, None])
+            if tanh is not None:  # d(softcap * tanh(x / softcap)) / dx
+                ds = ds * (1 - tanh * tanh)
             dk_block += scale * (ds.swapaxes(-1, -2) @ q_block).sum(axis=2)
             dq[..., q_start:q_end, :] += scale * (ds @ k_block)
 
     dq = dq.transpose(0, 3, 1, 2, 4).reshape(batch, seqlen_q, nheads, d)
     dk, dv = (x.transpose(0, 2, 1, 3) for x in (dk, dv))
     return dq.astype(in_dtype), dk.astype(in_dtype), dv.astype(in_dtype)
+
+
+def _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """(b, rows of q, rows of k) of each sequence of a packed batch."""
+    cu_q, cu_k = (np.asarray(c).tolist() for c in (cu_seqlens_q, cu_seqlens_k))
+    for b in range(len(cu_q) - 1):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        for rows, longest, name in ((rows_q, max_seqlen_q, "q"), (rows_k, max_seqlen_k, "k")):
+            if rows.stop - rows.start > longest:
+                raise ValueError(
+                    f"sequence {b} has {rows.stop - rows.start} {name} rows, more than "
+                    f"max_seqlen_{name}={longest}"
+                )
+        yield b, rows_q, rows_k
+
+
+def _varlen_variant(q, k, b, rows_q, rows_k, *, causal, softmax_scale, window_size, softcap,
+                    alibi_slopes, dropout_p, seed, rng_offset):
+    nheads, nheads_kv = q.shape[1], k.shape[1]
+    return _Variant(
+        rows_q.stop - rows_q.start, rows_k.stop - rows_k.start, nheads, nheads_kv,
+        _acc_dtype(q), causal=causal, scale=_scale(softmax_scale, q), window_size=window_size,
+        softcap=softcap, alibi=_alibi_rows(alibi_slopes, [b], nheads), dropout_p=dropout_p,
+        seed=seed, rng_offset=rng_offset, batch_index=np.array([b]),
+    )
+
+
+def attention_varlen_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
+    softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+    seed=None, rng_offset=0, block_q=128, block_k=128,
+):
+    """attention_forward of a packed variable-length batch: returns (out, lse).
+
+    q (total_q, nheads, d), k and v (total_k, nheads_kv, d); cu_seqlens_q and cu_seqlens_k
+    int32 (batch + 1,) cumulative offsets (zero-length sequences allowed), no sequence longer
+    than max_seqlen_q / max_seqlen_k. Each sequence b is attention_forward of its own rows
+    with its own seqlen_q and seqlen_k (causal/window diagonal, window normalisation), ALiBi
+    row b of (batch, nheads) slopes and batch index b in the dropout counter (rows and
+    columns counted within the sequence). out like q; lse float32 (nheads, total_q).
+    """
+    _check_options(dropout_p, seed, softcap)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                   rng_offset=rng_offset)
+    out = np.zeros(q.shape[:2] + v.shape[-1:], dtype=q.dtype)
+    lse = np.full((q.shape[1], q.shape[0]), np.inf, dtype=np.float32)
+    sequences = _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for b, rows_q, rows_k in sequences:
+        variant = _varlen_variant(q, k, b, rows_q, rows_k, **options)
+        args = (q[None, rows_q], k[None, rows_k], v[None, rows_k])
+        o, l = _forward(*args, variant, block_q, block_k)
+        out[rows_q], lse[:, rows_q] = o[0], l[0]
+    return out, lse
+
+
+def attention_varlen_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+    causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+    dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128,
+):
+    """attention_backward of a packed variable-length batch: returns (dq, dk, dv) shaped and
+    typed like q, k, v. out and lse ((nheads, total_q) float32) are
+    attention_varlen_forward's for the same arguments."""
+    _check_options(dropout_p, seed, softcap)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                   rng_offset=rng_offset)
+    dq, dk, dv = (np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+    sequences = _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for b, rows_q, rows_k in sequences:
+        variant = _varlen_variant(q, k, b, rows_q, rows_k, **options)
+        grads = _backward(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                          out[None, rows_q], lse[None, :, rows_q], variant, block_q, block_k)
+        dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
+    return dq, dk, dv

@@ -1,24 +1,40 @@
 """Drop-in names and signatures of flash-attn 2.x (``flash_attn.flash_attn_interface``).
 
     from cuflash.flash_attn_interface import flash_attn_func
-    out = flash_attn_func(q, k, v, causal=True)
+    out = flash_attn_func(q, k, v, dropout_p=0.1, causal=True, window_size=(256, 0))
 
-Torch tensors in, torch tensors out, differentiable, like flash-attn. Same defaults and
-return conventions; what differs:
+Torch tensors in, torch tensors out, differentiable, like flash-attn: ``flash_attn_func``,
+``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``, ``flash_attn_varlen_func``,
+``flash_attn_varlen_qkvpacked_func`` and ``flash_attn_varlen_kvpacked_func``, with the same
+arguments, defaults and return conventions, and every option (dropout, sliding windows,
+softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. What differs:
 
-- ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``. flash-attn returns the
-  attention probabilities only when dropout is on (an empty tensor otherwise); cuflash has
-  no dropout yet, so the third item is None.
-- Features cuflash does not have yet raise NotImplementedError naming the feature:
-  ``dropout_p > 0``, ``softcap > 0``, ``alibi_slopes``, and any ``window_size`` that is not
-  the full (or, with ``causal``, the causal) mask after flash-attn's own normalisation.
+- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` where S_dmask is the
+  dropout keep mask, bool (batch, nheads, seqlen_q, seqlen_k) on q's device (True = kept),
+  regenerated from the call's seed by ``cuflash._philox`` (exactly the mask the kernel
+  applied), or None without dropout. flash-attn returns scaled probabilities whose sign
+  encodes the mask, padded to multiples of 128; like flash-attn's, this is for tests only.
+  Varlen: (batch, nheads, max_seqlen_q, max_seqlen_k), of which sequence b uses
+  [:seqlen_q_b, :seqlen_k_b].
+- Dropout seeds come from torch's default generator of q's device (its seed and its Philox
+  offset, which each call advances), so ``torch.manual_seed`` reproduces a run; the backward
+  reuses the forward's seed (see ``cuflash.torch``).
 - Head dims need no padding to a multiple of 8, and CPU tensors run the NumPy path.
 - The packed variants pass strided views of qkv / kv to the kernel (no copy); their
   gradients reach qkv / kv through those views.
+- ``flash_attn_varlen_func``'s ``block_table`` (a paged KV cache) raises NotImplementedError.
 """
+from . import _philox
 from . import torch as cuflash_torch
 
-__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
 
 
 def flash_attn_func(
@@ -37,53 +53,169 @@ def flash_attn_func(
     """flash-attn's ``flash_attn_func``: exact attention of q (batch, seqlen_q, nheads,
     headdim) over k, v (batch, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0.
 
-    causal is aligned to the bottom-right corner of the score matrix; softmax_scale
-    defaults to 1 / sqrt(headdim); deterministic makes the backward bitwise reproducible.
-    Returns out (batch, seqlen_q, nheads, headdim) or, with return_attn_probs,
-    (out, softmax_lse, None) where softmax_lse is float32 (batch, nheads, seqlen_q).
+    causal is aligned to the bottom-right corner of the score matrix; window_size (left,
+    right) keeps keys in [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]
+    (-1: unbounded); softcap > 0 caps the scores with softcap * tanh(s / softcap);
+    alibi_slopes (nheads,) or (batch, nheads) float32 subtracts slope * |i + seqlen_k -
+    seqlen_q - j|; dropout_p drops probabilities (set it to 0.0 in evaluation);
+    softmax_scale defaults to 1 / sqrt(headdim); deterministic makes the backward bitwise
+    reproducible. Returns out (batch, seqlen_q, nheads, headdim) or, with
+    return_attn_probs, (out, softmax_lse, S_dmask) where softmax_lse is float32 (batch,
+    nheads, seqlen_q) and S_dmask the dropout keep mask (None without dropout).
     """
-    if dropout_p > 0:
-        raise NotImplementedError(f"dropout is not implemented in cuflash yet (dropout_p={dropout_p}); "
-                                  f"use dropout_p=0.0")
-    if softcap > 0:
-        raise NotImplementedError(f"softcap (softcapping of the scores) is not implemented in cuflash yet "
-                                  f"(softcap={softcap}); use softcap=0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes (ALiBi) is not implemented in cuflash yet; use alibi_slopes=None")
-    causal = _causal_from_window(window_size, causal, seqlen_k=k.shape[1])
-    # The op takes a float; flash-attn takes any real number (a NumPy float, an int).
-    scale = None if softmax_scale is None else float(softmax_scale)
-    # flash-attn copies inputs whose last dimension is strided; cuflash needs it unit-stride too.
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out, softmax_lse = cuflash_torch.attention_forward(q, k, v, causal, scale, deterministic)
-    return (out, softmax_lse, None) if return_attn_probs else out
+    q, k, v = _unit_stride(q, k, v)
+    out, softmax_lse, rng_state = cuflash_torch.attention_forward(
+        q, k, v, causal, _scale(softmax_scale), deterministic, *_window(window_size), float(softcap),
+        alibi_slopes, float(dropout_p), None)
+    if not return_attn_probs:
+        return out
+    batch, seqlen_q, nheads, _ = q.shape
+    return out, softmax_lse, _keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, k.shape[1], q)
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # <=0.0 means deactivate
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn_func of qkv (batch, seqlen, 3, nheads, headdim) stacked on dim 2."""
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn_func of q and kv (batch, seqlen_k, 2, nheads_k, headdim) stacked on dim 2."""
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
-def _causal_from_window(window_size, causal: bool, seqlen_k: int) -> bool:
-    """Reduce (window_size, causal) the way flash-attn's mha_fwd does and return causal, or
-    raise if what is left is a sliding window. A side of at least seqlen_k is unbounded (-1);
-    causal sets the right side to 0; (unbounded, 0) is causal and (unbounded, unbounded) full."""
-    left, right = (-1 if w >= seqlen_k else w for w in window_size)
-    if causal:
-        right = 0
-    if left < 0 and right < 0:
-        return False
-    if left < 0 and right == 0:
-        return True
-    raise NotImplementedError(f"window_size (sliding window local attention) is not implemented in cuflash yet "
-                              f"(window_size={tuple(window_size)}, causal={causal}); use (-1, -1)")
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """flash-attn's ``flash_attn_varlen_func``: flash_attn_func over packed sequences.
 
+    q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim); sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k
+    and v (int32 (batch + 1,) on q's device); max_seqlen_q/k bound the lengths. Every
+    option applies per sequence, with that sequence's own lengths. Returns out (total_q,
+    nheads, headdim) or, with return_attn_probs, (out, softmax_lse, S_dmask), softmax_lse
+    float32 (nheads, total_q).
+    """
+    if block_table is not None:
+        raise NotImplementedError("block_table (a paged KV cache) is not implemented in cuflash; "
+                                  "pass contiguous packed k and v")
+    q, k, v = _unit_stride(q, k, v)
+    out, softmax_lse, rng_state = cuflash_torch.attention_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, _scale(softmax_scale),
+        deterministic, *_window(window_size), float(softcap), alibi_slopes, float(dropout_p), None)
+    if not return_attn_probs:
+        return out
+    batch = cu_seqlens_q.shape[0] - 1
+    mask = _keep_mask(rng_state, dropout_p, batch, q.shape[1], int(max_seqlen_q), int(max_seqlen_k), q)
+    return out, softmax_lse, mask
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash_attn_varlen_func of qkv (total, 3, nheads, headdim) stacked on dim 1, one
+    cu_seqlens and max_seqlen for queries and keys."""
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash_attn_varlen_func of q and kv (total_k, 2, nheads_k, headdim) stacked on dim 1."""
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def _scale(softmax_scale):
+    # The ops take a float; flash-attn takes any real number (a NumPy float, an int).
+    return None if softmax_scale is None else float(softmax_scale)
+
+
+def _window(window_size) -> tuple[int, int]:
+    left, right = window_size
+    return int(left), int(right)
+
+
+def _unit_stride(*tensors):
+    # flash-attn copies inputs whose last dimension is strided; cuflash needs it unit-stride too.
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in tensors]
+
+
+def _keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k, like):
+    """The forward's dropout keep mask as a bool tensor on like's device, or None."""
+    if not dropout_p > 0:
+        return None
+    import torch
+
+    seed, rng_offset = cuflash_torch._from_rng_state(rng_state)
+    if like.device.type == "cuda":
+        import cupy
+
+        with cupy.cuda.Device(like.device.index):
+            mask = _philox.keep_mask(seed, rng_offset, batch, nheads, seqlen_q, seqlen_k, dropout_p, xp=cupy)
+            # bytes through DLPack (every version takes uint8), then bool
+            return torch.from_dlpack(mask.view(cupy.uint8)).bool()
+    return torch.from_numpy(_philox.keep_mask(seed, rng_offset, batch, nheads, seqlen_q, seqlen_k, dropout_p))

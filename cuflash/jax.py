@@ -7,8 +7,25 @@
 The forward and the backward are each one ``jax.experimental.buffer_callback``: XLA
 allocates the outputs (and the backward's scratch buffers), hands the callback its device
 buffers and its stream, and the kernels read and write those buffers in place on that
-stream. Nothing is copied and nothing synchronises. ``jax.custom_vjp`` ties the two
-together, so jax.grad, jax.jit and jax.vmap (one call per mapped element) all apply.
+stream. Nothing is copied and nothing synchronises (but see traced dropout seeds below).
+``jax.custom_vjp`` ties the two together, so jax.grad, jax.jit and jax.vmap (one call per
+mapped element) all apply. ``attention_varlen`` does the same for packed sequences.
+
+The options are flash-attn's (see ``cuflash.attention``). ``alibi_slopes`` is an array
+input (float32 (nheads,) or (batch, nheads)) that gets a zero cotangent. Dropout needs a
+``seed``, as JAX has no global random state:
+
+- a Python int: static, part of the compiled computation (under jit, a new int compiles
+  again), read by the kernel with no synchronisation;
+- an integer array (traced or not) of at most 64 bits: a scalar, or two uint32 words
+  [low, high] such as ``jax.random.bits(key, (2,), jnp.uint32)``, or a typed PRNG key
+  (its key data, e.g. [0, n] for ``jax.random.key(n)``). The seed is then an input of the
+  callback: on a GPU the callback copies its 8 bytes to the host before launching, which
+  waits for XLA's stream up to that point.
+
+Either way the mask is ``cuflash._philox``'s for (seed, rng_offset 0), and the backward
+regenerates it from the same seed. Under vmap every mapped element gets the same seed, so
+the same mask.
 
 Arrays on the CPU take the same route: buffer_callback gives host buffers there, and the
 callback runs the NumPy path on them (float16, float32, float64). One route for both means
@@ -17,6 +34,8 @@ jit needs no platform switch and the glue is testable without a GPU.
 Inputs are checked while tracing, where an array under jit has no device yet: the checks
 that differ between CPU and GPU (the dtypes) assume the default device, as jit does for
 uncommitted arrays. Under ``with jax.default_device(cpu)`` they follow the CPU rules.
+The values of cu_seqlens are checked when they are concrete (eagerly); under jit on a GPU
+they go to the kernel unchecked, as flash-attn's do.
 
 Needs JAX with ``jax.experimental.buffer_callback`` (0.7 or newer). Importing this module
 imports jax; ``import cuflash`` alone does not.
@@ -25,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -37,35 +57,103 @@ try:
 except ImportError:  # older JAX: attention() says what to upgrade to
     buffer_callback = None
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]
 
 _DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
 
 
-def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False):
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False,
+              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, seed=None):
     """Differentiable ``cuflash.attention`` for JAX arrays: returns out.
 
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim);
-    see ``cuflash.attention`` for the semantics. float16/bfloat16 on a GPU, float16/
-    float32/float64 on the CPU. ``deterministic`` makes the backward bitwise reproducible.
+    see ``cuflash.attention`` for the semantics of the options and the module for seeds.
+    float16/bfloat16 on a GPU, float16/float32/float64 on the CPU. ``deterministic``
+    makes the backward bitwise reproducible.
     """
+    config, extras = _prepare(q, k, v, None, causal, softmax_scale, deterministic, window_size, softcap,
+                              alibi_slopes, dropout_p, seed)
+    return _attention(q, k, v, extras, config)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                     causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False,
+                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
+                     seed=None):
+    """Differentiable ``cuflash.attention_varlen`` for JAX arrays: returns out.
+
+    q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim) packed; sequence
+    b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
+    of k and v (int32 (batch + 1,) arrays); max_seqlen_q/k (Python ints, static) bound
+    the lengths. Options as ``attention``.
+    """
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    config, extras = _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size, softcap,
+                              alibi_slopes, dropout_p, seed)
+    return _attention(q, k, v, extras, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about a call: hashable by value, so that JAX caches the compiled
+    executable of an eager call on it instead of compiling again."""
+    dtype: str  # of q, k, v, out and the gradients; lse and the workspace are float32
+    causal: bool
+    scale: float
+    window: tuple[int, int]  # normalised: -1 unbounded, causal folded in
+    softcap: float
+    dropout_p: float
+    seed: int | None  # a static seed; None: no dropout, or the seed is the "seed" input
+    deterministic: bool
+    max_seqlens: tuple[int, int] | None  # (max_seqlen_q, max_seqlen_k) of a packed batch
+    inputs: tuple[str, ...]  # names of the callback's inputs after q, k, v (the extras')
+
+    @property
+    def varlen(self) -> bool:
+        return self.max_seqlens is not None
+
+
+def _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes,
+             dropout_p, seed):
+    """Check everything that exists while tracing (shapes, dtypes, option values), so that
+    user errors are raised here, not from inside a callback. Returns the static _Config
+    and the array inputs beside q, k, v (a dict: alibi, seed, cu_seqlens_q/k)."""
     if buffer_callback is None:
         raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or newer); "
                           f"this is JAX {jax.__version__}: pip install -U jax")
-    scale = _validate(q, k, v, causal, softmax_scale)
-    return _attention(q, k, v, bool(causal), scale, bool(deterministic))
+    infos = [_describe(x, q) for x in (q, k, v)]
+    api._check_qkv(*infos, packed=varlen is not None)
+    api._check_bool("deterministic", deterministic)
+    extras = {}
+    if varlen is None:
+        batch, seqlen_k, max_seqlens = q.shape[0], k.shape[1], None
+    else:
+        extras["cu_seqlens_q"], extras["cu_seqlens_k"] = _check_cu_seqlens(q, k, *varlen)
+        max_seqlens = tuple(int(n) for n in varlen[2:])
+        batch, seqlen_k = extras["cu_seqlens_q"].shape[0] - 1, max_seqlens[1]
+    if alibi_slopes is not None:
+        extras["alibi_slopes"] = _check_alibi(alibi_slopes, q.shape[-2], batch)
+    dropout_on = isinstance(dropout_p, numbers.Real) and dropout_p > 0
+    static_seed = None
+    if dropout_on and seed is None:
+        raise ValueError("dropout_p > 0 needs a seed: JAX has no global random state. Pass an int, or an "
+                         "integer array such as jax.random.bits(key, (2,), jnp.uint32)")
+    if dropout_on and isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        static_seed = int(seed)
+    elif dropout_on:
+        extras["seed"] = _seed_words(seed)
+    options = api._options(infos[0], infos[1], causal, softmax_scale, window_size, softcap, None, dropout_p,
+                           static_seed or 0, 0, backward=False, batch=batch, seqlen_k=seqlen_k)
+    config = _Config(np.dtype(q.dtype).name, options.causal, options.scale, options.window, options.softcap,
+                     options.dropout_p, static_seed, bool(deterministic), max_seqlens, tuple(extras))
+    return config, extras
 
 
-def _validate(q, k, v, causal, softmax_scale) -> float:
-    """api._check on the shapes and dtypes (all that exists while tracing), so that user
-    errors are raised here, not from inside a callback. Returns the softmax scale."""
+def _describe(x, q) -> _arrays.ArrayInfo:
+    """x as api's checks see it: shape, dtype, and CPU (None) or GPU (0) from q's platform."""
     device = None if _platform(q) == "cpu" else 0  # only CPU vs GPU matters to the checks
-
-    def describe(x):
-        shape = tuple(x.shape)
-        return _arrays.ArrayInfo(x, "jax", 0, shape, _arrays.contiguous_strides(shape), np.dtype(x.dtype).name, device)
-
-    return api._check(describe(q), describe(k), describe(v), causal, softmax_scale)
+    shape = tuple(x.shape)
+    return _arrays.ArrayInfo(x, "jax", 0, shape, _arrays.contiguous_strides(shape), np.dtype(x.dtype).name, device)
 
 
 def _platform(x) -> str:
@@ -81,43 +169,102 @@ def _platform(x) -> str:
         return default if isinstance(default, str) else default.platform
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, causal, scale, deterministic):
-    return _forward(q, k, v, causal, scale)[0]
+def _check_alibi(alibi_slopes, nheads: int, batch: int):
+    slopes = jnp.asarray(alibi_slopes)
+    if slopes.dtype != jnp.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if slopes.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {slopes.shape}")
+    return slopes
 
 
-def _attention_fwd(q, k, v, causal, scale, deterministic):
-    out, lse = _forward(q, k, v, causal, scale)
-    return out, (q, k, v, out, lse)
+def _seed_words(seed):
+    """An integer array seed (or a typed PRNG key) as uint32 [low, high]."""
+    seed = jnp.asarray(seed)
+    if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        seed = jax.random.key_data(seed)
+    if not jnp.issubdtype(seed.dtype, jnp.integer):
+        raise TypeError(f"seed must be an int, an integer array or a PRNG key, got dtype {seed.dtype}")
+    words = jax.lax.bitcast_convert_type(seed, jnp.uint32) if seed.dtype.itemsize >= 4 else seed.astype(jnp.uint32)
+    words = words.reshape(-1)
+    if words.shape[0] > 2:
+        raise ValueError(f"seed must hold at most 64 bits (two uint32 words), got {words.shape[0]} words")
+    return jnp.concatenate([words, jnp.zeros(2 - words.shape[0], jnp.uint32)])
 
 
-def _attention_bwd(causal, scale, deterministic, residuals, dout):
-    return _backward(dout, *residuals, causal, scale, deterministic)
+def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """int32 (batch + 1,) offsets; their values too when they are concrete."""
+    checked = []
+    sides = (("q", cu_seqlens_q, q.shape[0], max_seqlen_q), ("k", cu_seqlens_k, k.shape[0], max_seqlen_k))
+    for side, cu, total, max_len in sides:
+        name, max_name = f"cu_seqlens_{side}", f"max_seqlen_{side}"
+        cu = jnp.asarray(cu)
+        if cu.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.ndim != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {cu.shape}")
+        if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool):
+            raise TypeError(f"{max_name} must be an integer (static under jit), got {max_len!r}")
+        if not isinstance(cu, jax.core.Tracer):
+            values = np.asarray(cu)
+            if values[0] != 0 or (np.diff(values) < 0).any():
+                raise ValueError(f"{name} must start at 0 and never decrease, got {values.tolist()}")
+            if values[-1] != total:
+                raise ValueError(f"{name} must end at the number of packed rows {total}, got {int(values[-1])}")
+            longest = int(np.diff(values).max(initial=0))
+            if max_len < longest:
+                raise ValueError(f"{max_name} must be at least the longest sequence, {longest}, got {max_len}")
+        checked.append(cu)
+    if checked[0].shape != checked[1].shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got "
+                         f"{checked[0].shape[0]} and {checked[1].shape[0]}")
+    return checked
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, extras, config):
+    return _forward(q, k, v, extras, config)[0]
+
+
+def _attention_fwd(q, k, v, extras, config):
+    out, lse = _forward(q, k, v, extras, config)
+    return out, (q, k, v, out, lse, extras)
+
+
+def _attention_bwd(config, residuals, dout):
+    q, k, v, out, lse, extras = residuals
+    # alibi slopes, seeds and offsets get no gradient: a zero cotangent for each.
+    return (*_backward(dout, q, k, v, out, lse, extras, config), jax.tree.map(_zero_cotangent, extras))
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return np.zeros(x.shape, jax.dtypes.float0)
+    return jnp.zeros_like(x)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _forward(q, k, v, causal: bool, scale: float):
-    batch, seqlen_q, nheads, _ = q.shape
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32))
-    callback = _ForwardCallback(causal, scale, np.dtype(q.dtype).name)
-    return buffer_callback(callback, results, vmap_method="sequential")(q, k, v)
+def _lse_shape(q, config: _Config):
+    return (q.shape[1], q.shape[0]) if config.varlen else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def _backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool):
+def _forward(q, k, v, extras: dict, config: _Config):
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(_lse_shape(q, config), jnp.float32))
+    call = buffer_callback(_ForwardCallback(config), results, vmap_method="sequential")
+    return call(q, k, v, *(extras[name] for name in config.inputs))
+
+
+def _backward(dout, q, k, v, out, lse, extras: dict, config: _Config):
     grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     workspace = {name: jax.ShapeDtypeStruct(shape, dtype)
                  for name, (shape, dtype) in _kernels.backward_workspace(tuple(q.shape)).items()}
-    callback = _BackwardCallback(causal, scale, deterministic, np.dtype(q.dtype).name)
-    grads, _ = buffer_callback(callback, (grads, workspace), vmap_method="sequential")(dout, q, k, v, out, lse)
+    call = buffer_callback(_BackwardCallback(config), (grads, workspace), vmap_method="sequential")
+    grads, _ = call(dout, q, k, v, out, lse, *(extras[name] for name in config.inputs))
     return grads
 
 
-# The callbacks are frozen dataclasses, hashable by value: JAX caches the compiled
-# executable of an eager call on the callback's hash, so equal calls reuse it instead
-# of compiling again.
-#
 # command_buffer_compatible stays off: with it XLA would run the Python once and replay a
 # recorded CUDA graph, but the first call compiles the kernel with NVRTC, which must not
 # happen inside a capture.
@@ -125,37 +272,86 @@ def _backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic
 
 @dataclasses.dataclass(frozen=True)
 class _ForwardCallback:
-    causal: bool
-    scale: float
-    dtype: str  # of q, k, v, out; lse is float32
+    config: _Config
 
-    def __call__(self, ctx, outputs, q, k, v):
+    def __call__(self, ctx, outputs, q, k, v, *extras):
+        extras = dict(zip(self.config.inputs, extras))
         if _on_cpu(q):
-            results = api.attention(*_host(q, k, v), causal=self.causal, softmax_scale=self.scale, return_lse=True)
-            return _write(outputs, results)
+            return _write(outputs, _call_cpu(api.attention, api.attention_varlen, self.config, [q, k, v], extras,
+                                             return_lse=True))
         out, lse = outputs
-        infos = [_info(x, self.dtype) for x in (q, k, v, out)] + [_info(lse, "float32")]
-        _kernels.forward(*infos, causal=self.causal, scale=self.scale, stream=ctx.stream)
+        dtype = self.config.dtype
+        options, varlen = _gpu_options(self.config, extras, q, ctx.stream)
+        _kernels.forward(*(_info(x, dtype) for x in (q, k, v, out)), _info(lse, "float32"), options,
+                         stream=ctx.stream, varlen=varlen)
 
 
 @dataclasses.dataclass(frozen=True)
 class _BackwardCallback:
-    causal: bool
-    scale: float
-    deterministic: bool
-    dtype: str  # of dout, q, k, v, out and the gradients; lse and the workspace are float32
+    config: _Config
 
-    def __call__(self, ctx, outputs, dout, q, k, v, out, lse):
+    def __call__(self, ctx, outputs, dout, q, k, v, out, lse, *extras):
+        extras = dict(zip(self.config.inputs, extras))
         grads, workspace = outputs
         if _on_cpu(q):
-            results = api.attention_backward(*_host(dout, q, k, v, out, lse), causal=self.causal,
-                                             softmax_scale=self.scale, deterministic=self.deterministic)
-            return _write(grads, results)  # the workspace is GPU scratch; unused here
-        inputs = [_info(x, self.dtype) for x in (dout, q, k, v, out)] + [_info(lse, "float32")]
-        grads = [_info(x, self.dtype) for x in grads]
-        workspace = {name: _info(x, "float32") for name, x in workspace.items()}
-        _kernels.backward(*inputs, *grads, **workspace, causal=self.causal, scale=self.scale,
-                          deterministic=self.deterministic, stream=ctx.stream)
+            # The workspace is GPU scratch; unused here.
+            return _write(grads, _call_cpu(api.attention_backward, api.attention_varlen_backward, self.config,
+                                           [dout, q, k, v, out, lse], extras,
+                                           deterministic=self.config.deterministic))
+        dtype = self.config.dtype
+        options, varlen = _gpu_options(self.config, extras, q, ctx.stream)
+        inputs = [_info(x, dtype) for x in (dout, q, k, v, out)] + [_info(lse, "float32")]
+        grads = [_info(x, dtype) for x in grads]
+        workspace = [_info(workspace[name], "float32") for name in ("delta", "dq_accum")]
+        _kernels.backward(*inputs, *grads, *workspace, options, deterministic=self.config.deterministic,
+                          stream=ctx.stream, varlen=varlen)
+
+
+def _call_cpu(dense, packed, config: _Config, arrays: list, extras: dict, **kwargs):
+    """The NumPy path on host views of the buffers."""
+    host = {name: np.asarray(b) for name, b in extras.items()}
+    options = dict(causal=config.causal, softmax_scale=config.scale, window_size=config.window,
+                   softcap=config.softcap, alibi_slopes=host.get("alibi_slopes"), dropout_p=config.dropout_p,
+                   seed=_host_seed(config, host.get("seed")), **kwargs)
+    arrays = [np.asarray(b) for b in arrays]
+    if not config.varlen:
+        return dense(*arrays, **options)
+    return packed(*arrays, host["cu_seqlens_q"], host["cu_seqlens_k"], *config.max_seqlens, **options)
+
+
+def _gpu_options(config: _Config, extras: dict, q, stream: int):
+    """The kernels' Options and Varlen from the static config and the device buffers."""
+    alibi = extras.get("alibi_slopes")
+    seed_words = extras.get("seed")
+    if seed_words is not None:
+        seed_words = _device_to_host(seed_words, np.uint32, stream)
+    options = _kernels.Options(config.causal, config.scale, config.window, config.softcap,
+                               None if alibi is None else _info(alibi, "float32"), config.dropout_p,
+                               _host_seed(config, seed_words) or 0, 0)
+    varlen = None
+    if config.varlen:
+        varlen = _kernels.Varlen(_info(extras["cu_seqlens_q"], "int32"), _info(extras["cu_seqlens_k"], "int32"),
+                                 *config.max_seqlens)
+    return options, varlen
+
+
+def _host_seed(config: _Config, words) -> int | None:
+    if words is None:
+        return config.seed
+    low, high = (int(w) for w in words)
+    return low | high << 32
+
+
+def _device_to_host(buffer, dtype, stream: int) -> np.ndarray:
+    """A small device buffer's contents, read in stream order (this waits for the stream)."""
+    import cupy
+    host = np.empty(tuple(buffer.shape), dtype)
+    ptr = buffer.__cuda_array_interface__["data"][0]
+    with cupy.cuda.Device(buffer.__dlpack_device__()[1]):
+        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, ptr, host.nbytes, cupy.cuda.runtime.memcpyDeviceToHost,
+                                      stream)
+        cupy.cuda.runtime.streamSynchronize(stream)
+    return host
 
 
 def _on_cpu(buffer) -> bool:
@@ -170,10 +366,6 @@ def _info(buffer, dtype: str) -> _arrays.ArrayInfo:
     ptr = buffer.__cuda_array_interface__["data"][0]
     device = buffer.__dlpack_device__()[1]
     return _arrays.ArrayInfo(buffer, "jax", ptr, shape, _arrays.contiguous_strides(shape), dtype, device)
-
-
-def _host(*buffers) -> list:
-    return [np.asarray(b) for b in buffers]
 
 
 def _write(buffers, arrays) -> None:

@@ -1,13 +1,27 @@
 """Materialised attention: the float64 oracle every test compares against.
 
-Nothing here is fast. Each function builds the full score matrix S = scale * Q Kᵀ for one
-batch element at a time, so it is easy to read and easy to trust. All functions take NumPy or
-CuPy arrays and compute with the module the inputs came from, so GPU tests can run the oracle
-on the device in float64 without a round trip through the host.
+Nothing here is fast. Each function builds the full score matrix for one batch element at a
+time, so it is easy to read and easy to trust. All functions take NumPy or CuPy arrays and
+compute with the module the inputs came from, so GPU tests can run the oracle on the device in
+float64 without a round trip through the host.
 
 Layout (as flash-attn): q (batch, seqlen_q, nheads, d), k and v (batch, seqlen_k, nheads_kv, d)
-with nheads % nheads_kv == 0; query head h reads kv head h // (nheads // nheads_kv).
-Causal masking is aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+with nheads % nheads_kv == 0; query head h reads kv head h // (nheads // nheads_kv). Packed
+variable-length batches: q (total_q, nheads, d), k and v (total_k, nheads_kv, d), sequence b
+being rows cu_seqlens[b]:cu_seqlens[b + 1].
+
+The variants (flash-attn's), for query i and key j of a sequence, diag = seqlen_k - seqlen_q:
+
+    s = scale * q_i . k_j
+    s = softcap * tanh(s / softcap)                  softcap > 0
+    s = s - slope[b, h] * |i + diag - j|             ALiBi
+    visible iff i + diag - left <= j <= i + diag + right   (window_size = (left, right);
+        a negative side, or one >= seqlen_k, is unbounded; causal makes right = 0)
+    P = softmax over the visible keys;  LSE = log sum exp of the visible s (+inf if none)
+    O = (P * keep / (1 - dropout_p)) V               dropout; LSE is unaffected
+
+The dropout keep mask is an argument here (`dropout_keep`, bool (batch, nheads, seqlen_q,
+seqlen_k), True = kept): tests take it from cuflash._philox, the generator the kernels use.
 """
 
 import math
@@ -17,10 +31,15 @@ import numpy
 __all__ = [
     "attention_reference",
     "attention_reference_backward",
+    "attention_reference_varlen",
+    "attention_reference_varlen_backward",
     "attention_lowp",
     "attention_lowp_backward",
+    "attention_lowp_varlen",
+    "attention_lowp_varlen_backward",
     "attention_textbook",
     "attention_textbook_backward",
+    "normalized_window",
     "round_to",
 ]
 
@@ -38,31 +57,103 @@ def _default_scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
-def _visible(xp, seqlen_q, seqlen_k, causal):
-    """Boolean (seqlen_q, seqlen_k): may query i attend to key j (bottom-right causal)."""
-    if not causal:
-        return xp.ones((seqlen_q, seqlen_k), dtype=bool)
-    i = xp.arange(seqlen_q)[:, None]
-    j = xp.arange(seqlen_k)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+def normalized_window(window_size, causal, seqlen_k):
+    """(left, right) with -1 for an unbounded side, as flash-attn normalises them: a negative
+    side or one >= seqlen_k is unbounded, then causal sets right = 0 (left stays)."""
+    left, right = (int(w) for w in window_size)
+    left = -1 if left < 0 or left >= seqlen_k else left
+    right = -1 if right < 0 or right >= seqlen_k else right
+    return left, 0 if causal else right
 
 
-def _grouped_scores(q_b, k_b, scale, visible):
-    """S for one batch element, shape (nheads_kv, group, seqlen_q, seqlen_k); masked -> -inf.
+def _visible(xp, seqlen_q, seqlen_k, causal, window_size=(-1, -1)):
+    """Boolean (seqlen_q, seqlen_k): may query i attend to key j (bottom-right aligned)."""
+    left, right = normalized_window(window_size, causal, seqlen_k)
+    # A key's offset from the query's diagonal: j - (i + seqlen_k - seqlen_q).
+    offset = xp.arange(seqlen_k)[None, :] - (xp.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q)
+    visible = xp.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        visible &= offset >= -left
+    if right >= 0:
+        visible &= offset <= right
+    return visible
 
-    Query heads are split as (nheads_kv, group) so that group g of kv head h is query head
-    h * group + g, which is the rule h_q // group = h_kv.
+
+class _Variant:
+    """The options of one call, checked and laid out for the per-batch-element loops.
+
+    alibi: (batch, nheads) slopes or None; keep: the dropout multiplier keep / (1 - p) as
+    (batch, nheads, seqlen_q, seqlen_k) floats, or None without dropout; distance: the ALiBi
+    distance |i + diag - j| as (seqlen_q, seqlen_k).
     """
-    xp = _array_module(q_b)
-    q_g = _grouped(q_b, k_b.shape[1])
-    k_t = k_b.transpose(1, 2, 0)[:, None]  # (nheads_kv, 1, d, seqlen_k): broadcasts over group
-    s = xp.matmul(q_g, k_t) * scale
-    # Mask after scaling: a scale of 0 must not turn -inf into NaN.
-    return xp.where(visible, s, -xp.inf)
+
+    def __init__(self, xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                 dropout_p, dropout_keep, dtype):
+        batch, seqlen_q, nheads, d = q.shape
+        seqlen_k = k.shape[1]
+        self.scale = dtype(_default_scale(softmax_scale, d))
+        self.visible = _visible(xp, seqlen_q, seqlen_k, causal, window_size)
+        self.softcap = float(softcap)
+        if self.softcap < 0:
+            raise ValueError(f"softcap must be >= 0, got {softcap}")
+        self.alibi = self.distance = None
+        if alibi_slopes is not None:
+            slopes = xp.asarray(alibi_slopes, dtype=dtype)
+            if slopes.shape not in ((nheads,), (batch, nheads)):
+                raise ValueError(
+                    f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                    f"got {slopes.shape}"
+                )
+            self.alibi = xp.broadcast_to(slopes, (batch, nheads))
+            diagonal = xp.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+            self.distance = xp.abs(diagonal - xp.arange(seqlen_k)[None, :]).astype(dtype)
+        dropout_p = float(dropout_p)
+        if not 0 <= dropout_p < 1:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        self.keep = None
+        if dropout_keep is not None:
+            if dropout_keep.shape != (batch, nheads, seqlen_q, seqlen_k):
+                raise ValueError(
+                    f"dropout_keep must have shape {(batch, nheads, seqlen_q, seqlen_k)}, "
+                    f"got {dropout_keep.shape}"
+                )
+            self.keep = xp.asarray(dropout_keep, dtype=bool).astype(dtype) * dtype(
+                1 / (1 - dropout_p)
+            )
+        elif dropout_p > 0:
+            raise ValueError("dropout_p > 0 needs the keep mask: pass dropout_keep")
+
+    def scores(self, q_b, k_b, b, rounded=None):
+        """Masked scores of batch element b, grouped (nheads_kv, group, seqlen_q, seqlen_k)
+        (-inf where masked), and tanh(s_pre / softcap) for softcap's backward (else None).
+
+        `rounded`, if given, rounds the result of every stage (the low-precision yardstick).
+        """
+        xp = _array_module(q_b)
+        r = rounded or (lambda x: x)
+        nheads_kv = k_b.shape[1]
+        s = r(xp.matmul(_grouped(q_b, nheads_kv), k_b.transpose(1, 2, 0)[:, None]) * self.scale)
+        tanh = None
+        if self.softcap > 0:
+            tanh = r(xp.tanh(r(s / s.dtype.type(self.softcap))))
+            s = r(tanh * s.dtype.type(self.softcap))
+        if self.alibi is not None:
+            slopes = self.alibi[b].reshape(nheads_kv, -1)[..., None, None]
+            s = r(s - slopes * self.distance)
+        # Mask last: a scale of 0 must not turn -inf into NaN.
+        return xp.where(self.visible, s, -xp.inf), tanh
+
+    def dropout(self, b, nheads_kv):
+        """keep / (1 - p) of batch element b, grouped like the scores, or None."""
+        if self.keep is None:
+            return None
+        _, nheads, seqlen_q, seqlen_k = self.keep.shape
+        return self.keep[b].reshape(nheads_kv, nheads // nheads_kv, seqlen_q, seqlen_k)
 
 
 def _grouped(x_b, nheads_kv):
-    """(seqlen, nheads, d) -> (nheads_kv, group, seqlen, d), the layout of _grouped_scores."""
+    """(seqlen, nheads, d) -> (nheads_kv, group, seqlen, d): group g of kv head h is query head
+    h * group + g, which is the rule h_q // group = h_kv."""
     seqlen, nheads, d = x_b.shape
     return x_b.reshape(seqlen, nheads_kv, nheads // nheads_kv, d).transpose(1, 2, 0, 3)
 
@@ -93,70 +184,166 @@ def _softmax(s):
     return p / l_safe, xp.where(empty, xp.inf, m + xp.log(l_safe))
 
 
-def attention_reference(q, k, v, *, causal=False, softmax_scale=None):
-    """Exact attention in float64: returns (out, lse).
-
-    out: float64 (batch, seqlen_q, nheads, d); lse: float64 (batch, nheads, seqlen_q), the
-    natural log of the sum of exp of the scaled scores. A fully masked row (or seqlen_k == 0)
-    gives out 0 and lse +inf. NaN in the inputs is not suppressed: it reaches every output
-    that reads it.
-    """
-    xp = _array_module(q)
-    q, k, v = (x.astype(xp.float64) for x in (q, k, v))
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k = k.shape[1]
-    scale = _default_scale(softmax_scale, d)
-
-    out = xp.zeros((batch, seqlen_q, nheads, v.shape[-1]), dtype=xp.float64)
-    lse = xp.full((batch, nheads, seqlen_q), xp.inf, dtype=xp.float64)
-    if seqlen_q == 0 or seqlen_k == 0:
-        return out, lse
-
-    visible = _visible(xp, seqlen_q, seqlen_k, causal)
-    for b in range(batch):  # one batch element at a time bounds the (h, sq, sk) scores
-        p, row_lse = _softmax(_grouped_scores(q[b], k[b], scale, visible))
-        out[b] = _grouped_pv(p, v[b])
-        lse[b] = row_lse[..., 0].reshape(nheads, seqlen_q)
-    return out, lse
-
-
 def _sum_over_group(x_g):
     """(nheads_kv, group, seqlen_k, d) -> (seqlen_k, nheads_kv, d): a kv head's gradient is
     the sum over the query heads that read it."""
     return x_g.sum(axis=1).transpose(1, 0, 2)
 
 
-def attention_reference_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
+def attention_reference(
+    q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, dropout_p=0.0, dropout_keep=None,
+):
+    """Exact attention in float64: returns (out, lse).
+
+    out: float64 (batch, seqlen_q, nheads, d); lse: float64 (batch, nheads, seqlen_q), the
+    natural log of the sum of exp of the (soft-capped, ALiBi-biased) visible scores, before
+    dropout. A fully masked row (or seqlen_k == 0) gives out 0 and lse +inf. NaN in the inputs
+    is not suppressed: it reaches every output that reads it. The options are the module's
+    (see its docstring); dropout_p > 0 needs `dropout_keep`.
+    """
+    xp = _array_module(q)
+    q, k, v = (x.astype(xp.float64) for x in (q, k, v))
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    variant = _Variant(xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                       dropout_p, dropout_keep, xp.float64)
+
+    out = xp.zeros((batch, seqlen_q, nheads, v.shape[-1]), dtype=xp.float64)
+    lse = xp.full((batch, nheads, seqlen_q), xp.inf, dtype=xp.float64)
+    if seqlen_q == 0 or seqlen_k == 0:
+        return out, lse
+
+    for b in range(batch):  # one batch element at a time bounds the (h, sq, sk) scores
+        s, _ = variant.scores(q[b], k[b], b)
+        p, row_lse = _softmax(s)
+        keep = variant.dropout(b, nheads_kv)
+        out[b] = _grouped_pv(p if keep is None else p * keep, v[b])
+        lse[b] = row_lse[..., 0].reshape(nheads, seqlen_q)
+    return out, lse
+
+
+def attention_reference_backward(
+    dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, dropout_p=0.0, dropout_keep=None, out=None,
+):
     """Exact gradients of attention_reference's out in float64: returns (dq, dk, dv).
 
     `dout` is the upstream gradient, laid out like out. With P the materialised softmax,
-    O = P V and D = rowsum(dO ∘ O):
-    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - D), dQ = scale dS K, dK = scale dSᵀ Q.
-    Under GQA, dk and dv of a kv head sum over the query heads that share it. A fully masked
-    row (or seqlen_k == 0) has P = 0, so it contributes nothing and its dq row is 0.
+    Z = keep / (1 - p) (1 without dropout), O = (P ∘ Z) V and D = rowsum(dO ∘ O):
+
+        dV = (P ∘ Z)ᵀ dO,  dP = (dO Vᵀ) ∘ Z,  dS = P ∘ (dP - D) ∘ (1 - tanh²(s_pre / softcap)),
+        dQ = scale dS K,   dK = scale dSᵀ Q
+
+    (the tanh factor only with softcap > 0; s_pre = scale q.k). ALiBi adds a constant, which
+    has no gradient. Under GQA, dk and dv of a kv head sum over the query heads that share
+    it. A fully masked row (or seqlen_k == 0) has P = 0, so it contributes nothing and its dq
+    row is 0.
+
+    `out`, if given, replaces O in D = rowsum(dO ∘ O): FlashAttention takes D from the out it
+    stored in low precision, and passing that out gives the exact gradients of that
+    computation, so a test can tell the effect of D's rounding from a kernel's own error.
     """
     xp = _array_module(q)
     dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
+    out = None if out is None else out.astype(xp.float64)
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    scale = _default_scale(softmax_scale, d)
+    variant = _Variant(xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                       dropout_p, dropout_keep, xp.float64)
+    scale = variant.scale
 
     dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
     if seqlen_q == 0 or seqlen_k == 0:
         return dq, dk, dv
 
-    visible = _visible(xp, seqlen_q, seqlen_k, causal)
     for b in range(batch):  # one batch element at a time bounds the (h, sq, sk) matrices
-        p, _ = _softmax(_grouped_scores(q[b], k[b], scale, visible))
+        s, tanh = variant.scores(q[b], k[b], b)
+        p, _ = _softmax(s)
+        keep = variant.dropout(b, nheads_kv)
+        p_dropped = p if keep is None else p * keep
         q_g, do_g = _grouped(q[b], nheads_kv), _grouped(dout[b], nheads_kv)
         k_g, v_g = (x.transpose(1, 0, 2)[:, None] for x in (k[b], v[b]))  # (h_kv, 1, sk, d)
 
-        dv[b] = _sum_over_group(xp.matmul(p.swapaxes(-1, -2), do_g))
+        dv[b] = _sum_over_group(xp.matmul(p_dropped.swapaxes(-1, -2), do_g))
         dp = xp.matmul(do_g, v_g.swapaxes(-1, -2))
-        delta = (do_g * xp.matmul(p, v_g)).sum(axis=-1, keepdims=True)
+        if keep is not None:
+            dp = dp * keep
+        o_g = xp.matmul(p_dropped, v_g) if out is None else _grouped(out[b], nheads_kv)
+        delta = (do_g * o_g).sum(axis=-1, keepdims=True)
         ds = p * (dp - delta)
+        if tanh is not None:
+            ds = ds * (1 - tanh * tanh)
         dq[b] = _ungrouped(scale * xp.matmul(ds, k_g))
         dk[b] = _sum_over_group(scale * xp.matmul(ds.swapaxes(-1, -2), q_g))
+    return dq, dk, dv
+
+
+def _host_ints(x):
+    """Python ints of a NumPy or CuPy array (or any sequence) of offsets."""
+    return [int(n) for n in (x.tolist() if hasattr(x, "tolist") else x)]
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
+    """For each sequence b of a packed batch: (rows of q, rows of k, its own options).
+
+    ALiBi slopes of shape (batch, nheads) give sequence b the row b; dropout_keep is a list
+    of per-sequence masks (1, nheads, seqlen_q_b, seqlen_k_b)."""
+    cu_q, cu_k = _host_ints(cu_seqlens_q), _host_ints(cu_seqlens_k)
+    if len(cu_q) != len(cu_k) or len(cu_q) == 0:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries, "
+            f"got {len(cu_q)} and {len(cu_k)}"
+        )
+    batch = len(cu_q) - 1
+    if dropout_keep is not None and len(dropout_keep) != batch:
+        raise ValueError(f"dropout_keep must hold {batch} masks, got {len(dropout_keep)}")
+    for b in range(batch):
+        slopes = alibi_slopes
+        if alibi_slopes is not None and alibi_slopes.ndim == 2:
+            slopes = alibi_slopes[b : b + 1]
+        keep = None if dropout_keep is None else dropout_keep[b]
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        yield rows_q, rows_k, {"alibi_slopes": slopes, "dropout_keep": keep}
+
+
+def attention_reference_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None, **options
+):
+    """attention_reference of a packed variable-length batch: returns (out, lse).
+
+    q (total_q, nheads, d), k and v (total_k, nheads_kv, d); cu_seqlens_q and cu_seqlens_k
+    (batch + 1,) cumulative offsets (zero-length sequences allowed). Every option applies per
+    sequence with that sequence's own seqlen_q and seqlen_k (the causal/window diagonal, the
+    window normalisation); ALiBi slopes of shape (batch, nheads) give sequence b the row b;
+    `dropout_keep` is a list of per-sequence keep masks (1, nheads, seqlen_q_b, seqlen_k_b).
+    out: float64 (total_q, nheads, d); lse: float64 (nheads, total_q).
+    """
+    xp = _array_module(q)
+    out = xp.zeros(q.shape[:2] + v.shape[-1:], dtype=xp.float64)
+    lse = xp.full(q.shape[1::-1], xp.inf, dtype=xp.float64)
+    for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
+        args = (q[None, rows_q], k[None, rows_k], v[None, rows_k])
+        o, l = attention_reference(*args, **own, **options)
+        out[rows_q], lse[:, rows_q] = o[0], l[0]
+    return out, lse
+
+
+def attention_reference_varlen_backward(
+    dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None,
+    out=None, **options
+):
+    """attention_reference_backward of a packed variable-length batch (laid out as
+    attention_reference_varlen): returns float64 (dq, dk, dv) shaped like q, k, v."""
+    xp = _array_module(q)
+    dq, dk, dv = (xp.zeros(x.shape, dtype=xp.float64) for x in (q, k, v))
+    for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
+        if out is not None:
+            own["out"] = out[None, rows_q]
+        grads = attention_reference_backward(
+            dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], **own, **options
+        )
+        dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
     return dq, dk, dv
 
 
@@ -192,64 +379,85 @@ def round_to(x, dtype, xp=numpy):
     raise ValueError(f"round_to: dtype must be float16, bfloat16 or float32, got {dtype}")
 
 
-def attention_lowp(q, k, v, *, causal=False, softmax_scale=None, dtype=None):
+def attention_lowp(
+    q, k, v, *, causal=False, softmax_scale=None, dtype=None, window_size=(-1, -1),
+    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None,
+):
     """Plain attention in low precision, the yardstick of flash-attn's tolerance rule.
 
-    Mimics a framework computing softmax(Q Kᵀ * scale) V in `dtype` (default q.dtype): each
-    stage runs in float32 and its result is rounded to `dtype`, as fp16/bf16 tensor ops do:
-    S = round(scale * Q Kᵀ), P = round(softmax(S)), O = round(P V). The inputs are rounded to
-    `dtype` first. Masked scores give P = 0; a fully masked row gives O = 0.
+    Mimics a framework computing the attention op by op in `dtype` (default q.dtype), as
+    flash-attn's own test reference does: each stage runs in float32 and its result is
+    rounded to `dtype`, as fp16/bf16 tensor ops do:
 
-    Returns float32 (batch, seqlen_q, nheads, d) whose values are exactly representable in
-    `dtype` (float32 so that bfloat16 needs no CuPy support and differences stay exact).
+        S = round(scale * Q Kᵀ)
+        S = round(round(tanh(round(S / softcap))) * softcap)     softcap > 0
+        S = round(S - slope * |i + diag - j|)                      ALiBi
+        P = round(softmax(S))                                      (masked -> 0)
+        P = round(P * keep / (1 - dropout_p))                      dropout
+        O = round(P V)
+
+    The inputs are rounded to `dtype` first. A fully masked row gives O = 0. Returns float32
+    (batch, seqlen_q, nheads, d) whose values are exactly representable in `dtype` (float32
+    so that bfloat16 needs no CuPy support and differences stay exact).
     """
     xp = _array_module(q)
     dtype = q.dtype if dtype is None else dtype
     q, k, v = (round_to(x.astype(xp.float32), dtype, xp) for x in (q, k, v))
     batch, seqlen_q, nheads, d = q.shape
-    seqlen_k = k.shape[1]
-    scale = _default_scale(softmax_scale, d)
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    variant = _Variant(xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                       dropout_p, dropout_keep, xp.float32)
 
     out = xp.zeros((batch, seqlen_q, nheads, v.shape[-1]), dtype=xp.float32)
     if seqlen_q == 0 or seqlen_k == 0:
         return out
 
-    visible = _visible(xp, seqlen_q, seqlen_k, causal)
     for b in range(batch):
-        p = _lowp_probabilities(q[b], k[b], xp.float32(scale), visible, dtype)
+        p, _ = _lowp_probabilities(q[b], k[b], b, variant, dtype)
+        keep = variant.dropout(b, nheads_kv)
+        if keep is not None:
+            p = round_to(p * keep, dtype, xp)
         out[b] = round_to(_grouped_pv(p, v[b]), dtype, xp)
     return out
 
 
-def _lowp_probabilities(q_b, k_b, scale, visible, dtype):
-    """P = round(softmax(round(scale * Q Kᵀ))) for one batch element, from float32 q_b, k_b
-    holding `dtype` values; grouped like _grouped_scores. Masked -> 0."""
+def _lowp_probabilities(q_b, k_b, b, variant, dtype):
+    """P = round(softmax(S)) for batch element b, S with every stage rounded (see
+    attention_lowp), from float32 q_b, k_b holding `dtype` values; grouped like the scores.
+    Masked -> 0. Also returns the rounded tanh of softcap (None without softcap)."""
     xp = _array_module(q_b)
-    s = round_to(_grouped_scores(q_b, k_b, scale, visible), dtype, xp)
+    s, tanh = variant.scores(q_b, k_b, b, rounded=lambda x: round_to(x, dtype, xp))
     m = s.max(axis=-1, keepdims=True)
     m = xp.where(m == -xp.inf, xp.float32(0), m)
     p = xp.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
-    return round_to(p / xp.where(l == 0, xp.float32(1), l), dtype, xp)
+    return round_to(p / xp.where(l == 0, xp.float32(1), l), dtype, xp), tanh
 
 
-def attention_lowp_backward(dout, q, k, v, *, causal=False, softmax_scale=None, dtype=None):
+def attention_lowp_backward(
+    dout, q, k, v, *, causal=False, softmax_scale=None, dtype=None, window_size=(-1, -1),
+    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None,
+):
     """Plain attention's backward in low precision, the yardstick of the gradient rule.
 
     Mimics autograd through attention_lowp's stages in `dtype` (default q.dtype): every
     tensor op runs in float32 on inputs rounded to `dtype` and rounds its result, as fp16/bf16
-    tensor ops do. After the forward's S = round(scale * Q Kᵀ) and P = round(softmax(S)):
+    tensor ops do. After the forward's stages (S, T = the rounded tanh, P), with
+    Z = keep / (1 - dropout_p) and P_d = round(P ∘ Z) under dropout (else Z = 1, P_d = P):
 
-        dV_h = round(Pᵀ dO)                       per query head
+        dV_h = round(P_dᵀ dO)                     per query head
         dP   = round(dO Vᵀ)
+        dP   = round(dP ∘ Z)                      dropout
         dS   = round(P ∘ (dP - rowsum(P ∘ dP)))   the softmax backward, from rounded P and dP
+        dS   = round(round(round(dS * softcap) * (1 - T²)) / softcap)   softcap > 0
         dQ   = round(scale * dS K)                the backward of the scaled product
         dK_h = round(scale * dSᵀ Q)               per query head
         dK, dV = round(sum of dK_h, dV_h over the query heads of a kv head)   (GQA only)
 
-    The last line is the backward of broadcasting a kv head to its query heads: a float32
-    sum rounded once. Unlike FlashAttention, D comes from P and dP, not from dO and O.
-    Returns float32 (dq, dk, dv) shaped like q, k, v with values exact in `dtype`.
+    ALiBi and the mask pass dS through unchanged. The GQA line is the backward of
+    broadcasting a kv head to its query heads: a float32 sum rounded once. Unlike
+    FlashAttention, D comes from P and dP, not from dO and O. Returns float32 (dq, dk, dv)
+    shaped like q, k, v with values exact in `dtype`.
     """
     xp = _array_module(q)
     dtype = q.dtype if dtype is None else dtype
@@ -260,31 +468,99 @@ def attention_lowp_backward(dout, q, k, v, *, causal=False, softmax_scale=None, 
     dout, q, k, v = (rounded(x.astype(xp.float32)) for x in (dout, q, k, v))
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    scale = xp.float32(_default_scale(softmax_scale, d))
+    variant = _Variant(xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                       dropout_p, dropout_keep, xp.float32)
+    scale, softcap = variant.scale, xp.float32(variant.softcap)
 
     dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
     if seqlen_q == 0 or seqlen_k == 0:
         return dq, dk, dv
 
-    visible = _visible(xp, seqlen_q, seqlen_k, causal)
     for b in range(batch):
-        p = _lowp_probabilities(q[b], k[b], scale, visible, dtype)
+        p, tanh = _lowp_probabilities(q[b], k[b], b, variant, dtype)
+        keep = variant.dropout(b, nheads_kv)
+        p_dropped = p if keep is None else rounded(p * keep)
         q_g, do_g = _grouped(q[b], nheads_kv), _grouped(dout[b], nheads_kv)
         k_g, v_g = (x.transpose(1, 0, 2)[:, None] for x in (k[b], v[b]))
-        dv[b] = rounded(_sum_over_group(rounded(xp.matmul(p.swapaxes(-1, -2), do_g))))
+        dv[b] = rounded(_sum_over_group(rounded(xp.matmul(p_dropped.swapaxes(-1, -2), do_g))))
         dp = rounded(xp.matmul(do_g, v_g.swapaxes(-1, -2)))
+        if keep is not None:
+            dp = rounded(dp * keep)
         ds = rounded(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+        if tanh is not None:
+            ds = rounded(rounded(rounded(ds * softcap) * (1 - tanh * tanh)) / softcap)
         dq[b] = _ungrouped(rounded(scale * xp.matmul(ds, k_g)))
         dk_h = rounded(scale * xp.matmul(ds.swapaxes(-1, -2), q_g))
         dk[b] = rounded(_sum_over_group(dk_h))
     return dq, dk, dv
 
 
-def attention_textbook(q, k, v, causal=False, scale=None):
-    """softmax(Q Kᵀ * scale + mask) V, one (batch, head, query) at a time, in float64.
+def attention_lowp_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None, **options
+):
+    """attention_lowp of a packed variable-length batch, laid out as
+    attention_reference_varlen: returns float32 out (total_q, nheads, d)."""
+    xp = _array_module(q)
+    out = xp.zeros(q.shape[:2] + v.shape[-1:], dtype=xp.float32)
+    for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
+        args = (q[None, rows_q], k[None, rows_k], v[None, rows_k])
+        out[rows_q] = attention_lowp(*args, **own, **options)[0]
+    return out
+
+
+def attention_lowp_varlen_backward(
+    dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None, **options
+):
+    """attention_lowp_backward of a packed variable-length batch: float32 (dq, dk, dv)."""
+    xp = _array_module(q)
+    dq, dk, dv = (xp.zeros(x.shape, dtype=xp.float32) for x in (q, k, v))
+    for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
+        grads = attention_lowp_backward(
+            dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], **own, **options
+        )
+        dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
+    return dq, dk, dv
+
+
+def _textbook_row(q, k, b, h, i, h_kv, scale, causal, window_size, softcap, alibi_slopes):
+    """The keys query i of head h sees and their scores, written out element by element;
+    also the softcap chain factor 1 - tanh²(s_pre / softcap) of each (1 without softcap)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    left, right = (int(w) for w in window_size)
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_k:
+        right = -1
+    if causal:
+        right = 0
+    diagonal = i + seqlen_k - seqlen_q  # the key aligned with query i (bottom right)
+    keys, scores, chain = [], [], []
+    for j in range(seqlen_k):
+        if (left >= 0 and j < diagonal - left) or (right >= 0 and j > diagonal + right):
+            continue
+        score = scale * (q[b, i, h] @ k[b, j, h_kv])
+        factor = 1.0
+        if softcap > 0:
+            factor = 1 - math.tanh(score / softcap) ** 2
+            score = softcap * math.tanh(score / softcap)
+        if alibi_slopes is not None:
+            slope = alibi_slopes[h] if alibi_slopes.ndim == 1 else alibi_slopes[b, h]
+            score -= float(slope) * abs(diagonal - j)
+        keys.append(j)
+        scores.append(score)
+        chain.append(factor)
+    return keys, numpy.array(scores), numpy.array(chain)
+
+
+def attention_textbook(
+    q, k, v, causal=False, scale=None, *, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, dropout_p=0.0, dropout_keep=None,
+):
+    """softmax(scores + mask) V, one (batch, head, query) at a time, in float64.
 
     The most literal implementation there is, for tiny shapes only: it exists to test
-    attention_reference. NumPy only. Returns (out, lse) like attention_reference.
+    attention_reference, and takes the same options. NumPy only. Returns (out, lse) like
+    attention_reference.
     """
     q, k, v = (numpy.asarray(x, dtype=numpy.float64) for x in (q, k, v))
     batch, seqlen_q, nheads, d = q.shape
@@ -298,28 +574,33 @@ def attention_textbook(q, k, v, causal=False, scale=None):
         for h in range(nheads):
             h_kv = h // group
             for i in range(seqlen_q):
-                keys = [
-                    j
-                    for j in range(seqlen_k)
-                    if not causal or j <= i + seqlen_k - seqlen_q
-                ]
+                keys, scores, _ = _textbook_row(
+                    q, k, b, h, i, h_kv, scale, causal, window_size, softcap, alibi_slopes
+                )
                 if not keys:
                     continue  # nothing to attend to: out 0, lse +inf
-                scores = numpy.array([scale * (q[b, i, h] @ k[b, j, h_kv]) for j in keys])
                 weights = numpy.exp(scores - scores.max())
                 probabilities = weights / weights.sum()
-                out[b, i, h] = sum(p * v[b, j, h_kv] for p, j in zip(probabilities, keys))
+                for p, j in zip(probabilities, keys):
+                    if dropout_keep is not None:
+                        p = p * dropout_keep[b, h, i, j] / (1 - dropout_p)
+                    out[b, i, h] += p * v[b, j, h_kv]
                 lse[b, h, i] = scores.max() + numpy.log(weights.sum())
     return out, lse
 
 
-def attention_textbook_backward(dout, q, k, v, causal=False, scale=None):
+def attention_textbook_backward(
+    dout, q, k, v, causal=False, scale=None, *, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, dropout_p=0.0, dropout_keep=None,
+):
     """Gradients of attention_textbook's out, one (batch, head, query) at a time, in float64.
 
-    The chain rule written out for one query row i with probabilities p over its keys:
-    dp_j = dO_i · v_j, ds_j = p_j (dp_j - Σ_l p_l dp_l) (the softmax Jacobian), then
-    dq_i += scale ds_j k_j, dk_j += scale ds_j q_i, dv_j += p_j dO_i. Tiny shapes only;
-    it exists to test attention_reference_backward. NumPy only. Returns (dq, dk, dv).
+    The chain rule written out for one query row i with probabilities p over its keys and
+    dropout weights z_j = keep_j / (1 - dropout_p) (1 without dropout): out_i = Σ p_j z_j v_j,
+    so dp_j = z_j dO_i · v_j; ds_j = p_j (dp_j - Σ_l p_l dp_l) (the softmax Jacobian), times
+    1 - tanh²(s_pre_j / softcap) under softcap; then dq_i += scale ds_j k_j,
+    dk_j += scale ds_j q_i, dv_j += p_j z_j dO_i. Tiny shapes only; it exists to test
+    attention_reference_backward. NumPy only. Returns (dq, dk, dv).
     """
     dout, q, k, v = (numpy.asarray(x, dtype=numpy.float64) for x in (dout, q, k, v))
     batch, seqlen_q, nheads, d = q.shape
@@ -332,20 +613,21 @@ def attention_textbook_backward(dout, q, k, v, causal=False, scale=None):
         for h in range(nheads):
             h_kv = h // group
             for i in range(seqlen_q):
-                keys = [
-                    j
-                    for j in range(seqlen_k)
-                    if not causal or j <= i + seqlen_k - seqlen_q
-                ]
+                keys, scores, chain = _textbook_row(
+                    q, k, b, h, i, h_kv, scale, causal, window_size, softcap, alibi_slopes
+                )
                 if not keys:
                     continue  # nothing attended to: no gradient flows through this row
-                scores = numpy.array([scale * (q[b, i, h] @ k[b, j, h_kv]) for j in keys])
                 weights = numpy.exp(scores - scores.max())
                 probabilities = weights / weights.sum()
-                dp = numpy.array([dout[b, i, h] @ v[b, j, h_kv] for j in keys])
-                ds = probabilities * (dp - probabilities @ dp)
-                for p_j, ds_j, j in zip(probabilities, ds, keys):
+                if dropout_keep is None:
+                    z = numpy.ones(len(keys))
+                else:
+                    z = numpy.array([dropout_keep[b, h, i, j] / (1 - dropout_p) for j in keys])
+                dp = numpy.array([z_j * (dout[b, i, h] @ v[b, j, h_kv]) for z_j, j in zip(z, keys)])
+                ds = probabilities * (dp - probabilities @ dp) * chain
+                for p_j, z_j, ds_j, j in zip(probabilities, z, ds, keys):
                     dq[b, i, h] += scale * ds_j * k[b, j, h_kv]
                     dk[b, j, h_kv] += scale * ds_j * q[b, i, h]
-                    dv[b, j, h_kv] += p_j * dout[b, i, h]
+                    dv[b, j, h_kv] += p_j * z_j * dout[b, i, h]
     return dq, dk, dv

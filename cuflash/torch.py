@@ -4,11 +4,32 @@
     out = cuflash.torch.attention(q, k, v, causal=True)   # differentiable
     out.sum().backward()
 
-Two custom ops carry the work: ``cuflash::attention_forward`` -> (out, lse) and
-``cuflash::attention_backward`` -> (dq, dk, dv). Each has a fake (meta) implementation,
-so torch.compile traces them as opaque nodes with no graph break, and the forward has an
-autograd formula that calls the backward op. A custom op (unlike an autograd.Function
-calling CuPy) is what keeps ``torch.compile(fullgraph=True)`` whole.
+Four custom ops carry the work: ``cuflash::attention_forward`` -> (out, lse, rng_state),
+``cuflash::attention_backward`` -> (dq, dk, dv), and their packed variable-length twins
+``cuflash::attention_varlen_forward`` / ``cuflash::attention_varlen_backward``. Each has a
+fake (meta) implementation, so torch.compile traces them as opaque nodes with no graph
+break, and the forwards have an autograd formula that calls the backward op. A custom op
+(unlike an autograd.Function calling CuPy) is what keeps ``torch.compile(fullgraph=True)``
+whole.
+
+The options are flash-attn's (see ``cuflash.attention``): ``window_size``, ``softcap``,
+``alibi_slopes`` (a float32 tensor on q's device; an input of the ops that gets no
+gradient) and ``dropout_p``. The ops take them as plain values (window_left and
+window_right ints, floats, an optional tensor, the seed a signed 64-bit int: seeds of
+2**63 and up as their two's complement) because a custom op's schema needs concrete
+types.
+
+Dropout seeds. With ``seed=None`` the forward op draws (seed, rng_offset) when it runs,
+from torch's default generator of q's device: for CUDA, that generator's seed and its
+Philox offset, which the op advances (by 4, as torch's own random ops do), so
+``torch.manual_seed`` reproduces a run and consecutive calls get different masks. The pair
+comes back as ``rng_state``, an int64 CPU tensor [seed, rng_offset] (the seed as a signed
+64-bit value), which autograd saves for the backward: the backward regenerates the
+forward's exact mask without a device sync. An explicit ``seed`` gives rng_offset 0. The
+op is tagged ``nondeterministic_seeded`` so that compilers neither merge two calls nor
+recompute one in the backward. Under CUDA-graph capture the seed is drawn once, at
+capture: every replay reuses that mask (pass dropout_p=0, or capture per step, where that
+matters).
 
 CUDA tensors run the kernels on torch's current stream, outputs from torch's caching
 allocator, so CUDA-graph capture works once the kernel variant has been compiled (the
@@ -27,85 +48,275 @@ import torch
 
 from . import api
 
-__all__ = ["attention", "attention_forward", "attention_backward"]
+__all__ = ["attention", "attention_varlen", "attention_forward", "attention_backward",
+           "attention_varlen_forward", "attention_varlen_backward"]
+
+_UINT64 = 2**64
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              softmax_scale: Optional[float] = None, deterministic: bool = False) -> torch.Tensor:
+              softmax_scale: Optional[float] = None, deterministic: bool = False, *,
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+              alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+              seed: Optional[int] = None) -> torch.Tensor:
     """Differentiable ``cuflash.attention`` for torch tensors: returns out.
 
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim);
-    see ``cuflash.attention`` for the semantics. ``deterministic`` makes the backward
-    bitwise reproducible (dq accumulated in a fixed order) at some cost in speed.
+    see ``cuflash.attention`` for the semantics of the options. ``deterministic`` makes
+    the backward bitwise reproducible (dq accumulated in a fixed order) at some cost in
+    speed. ``seed=None`` with dropout draws one from torch's generator (see the module).
     """
-    out, _ = attention_forward(q, k, v, causal, softmax_scale, deterministic)
+    left, right = window_size
+    out, _, _ = attention_forward(q, k, v, causal, softmax_scale, deterministic, left, right, float(softcap),
+                                  alibi_slopes, float(dropout_p), _int64(seed))
     return out
 
 
-@torch.library.custom_op("cuflash::attention_forward", mutates_args=())
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                     softmax_scale: Optional[float] = None, deterministic: bool = False, *,
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                     seed: Optional[int] = None) -> torch.Tensor:
+    """Differentiable ``cuflash.attention_varlen`` for torch tensors: returns out.
+
+    q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim) packed; sequence
+    b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
+    of k and v (int32 tensors (batch + 1,) on q's device). Gradients reach q, k and v.
+    """
+    left, right = window_size
+    out, _, _ = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                         softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
+                                         float(dropout_p), _int64(seed))
+    return out
+
+
+# --- dense -----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cuflash::attention_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      softmax_scale: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse). ``deterministic`` is not used by the forward: autograd hands it to the
-    backward, and it has to be an input of this op for setup_context to see it."""
+                      softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
+                      window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                      dropout_p: float = 0.0, seed: Optional[int] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, rng_state). ``deterministic`` is not used by the forward: autograd hands
+    it to the backward, and it has to be an input of this op for setup_context to see it.
+    rng_state is int64 [seed, rng_offset] on the CPU (zeros without dropout)."""
+    seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
+    options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
-        return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
-    out, lse = api.attention(*_numpy(q=q, k=k, v=v), causal=causal, softmax_scale=softmax_scale, return_lse=True)
-    return _tensor(out), _tensor(lse)
+        out, lse = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options)
+        return out, lse, _rng_state(seed, rng_offset)
+    q, k, v, alibi_slopes = _numpy(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+    out, lse = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options)
+    return _tensor(out), _tensor(lse), _rng_state(seed, rng_offset)
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, causal, softmax_scale, deterministic):
+def _attention_forward_fake(q, k, v, causal, softmax_scale, deterministic, window_left=-1, window_right=-1,
+                            softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None):
     batch, seqlen_q, nheads, _ = q.shape
     # new_empty, not empty_like: the real outputs are contiguous whatever q's strides are.
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return (q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32),
+            _fake_rng_state())
 
 
 @torch.library.custom_op("cuflash::attention_backward", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv): gradients of attention_forward's out, given its out and lse."""
-    kwargs = dict(causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
+                       deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                       alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                       rng_state: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv): gradients of attention_forward's out, given its out, lse and rng_state."""
+    seed, rng_offset = _from_rng_state(rng_state)
+    options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
-        return tuple(api.attention_backward(dout, q, k, v, out, lse, **kwargs))
-    arrays = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    return tuple(_tensor(g) for g in api.attention_backward(*arrays, **kwargs))
+        return tuple(api.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
+                                            deterministic=deterministic, **options))
+    *arrays, alibi_slopes = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
+    grads = api.attention_backward(*arrays, alibi_slopes=alibi_slopes, deterministic=deterministic, **options)
+    return tuple(_tensor(g) for g in grads)
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left=-1,
+                             window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.softmax_scale, ctx.deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    (q, k, v, ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap,
+     alibi_slopes, ctx.dropout_p, _) = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
     # The backward ignores lse's gradient, so say so rather than return a wrong one.
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout.stride(-1) != 1:  # e.g. the expanded gradient of out.sum(): the kernel needs unit stride
-        dout = dout.contiguous()
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+def _backward(ctx, dout, _dlse, _drng_state):
+    q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
+    dq, dk, dv = attention_backward(_unit_stride(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                    ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap,
+                                    alibi_slopes, ctx.dropout_p, rng_state)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# --- packed variable length -------------------------------------------------------------------
+
+
+@torch.library.custom_op("cuflash::attention_varlen_forward", mutates_args=(),
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                             softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
+                             window_right: int = -1, softcap: float = 0.0,
+                             alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                             seed: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, rng_state) of packed sequences; lse is float32 (nheads, total_q)."""
+    seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
+    options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
+    if q.device.type != "cpu":
+        out, lse = api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        alibi_slopes=alibi_slopes, return_lse=True, **options)
+        return out, lse, _rng_state(seed, rng_offset)
+    *arrays, alibi_slopes = _numpy(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   alibi_slopes=alibi_slopes)
+    out, lse = api.attention_varlen(*arrays, max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
+                                    return_lse=True, **options)
+    return _tensor(out), _tensor(lse), _rng_state(seed, rng_offset)
+
+
+@attention_varlen_forward.register_fake
+def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
+                                   alibi_slopes=None, dropout_p=0.0, seed=None):
+    total_q, nheads, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32), _fake_rng_state())
+
+
+@torch.library.custom_op("cuflash::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                              softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
+                              window_right: int = -1, softcap: float = 0.0,
+                              alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                              rng_state: Optional[torch.Tensor] = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of attention_varlen_forward's out."""
+    seed, rng_offset = _from_rng_state(rng_state)
+    options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
+    if q.device.type != "cpu":
+        return tuple(api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                   max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
+                                                   deterministic=deterministic, **options))
+    *arrays, alibi_slopes = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    grads = api.attention_varlen_backward(*arrays, max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
+                                          deterministic=deterministic, **options)
+    return tuple(_tensor(g) for g in grads)
+
+
+@attention_varlen_backward.register_fake
+def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, softmax_scale, deterministic, window_left=-1,
+                                    window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                                    rng_state=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale,
+     ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, _) = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _varlen_backward(ctx, dout, _dlse, _drng_state):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
+    dq, dk, dv = attention_varlen_backward(_unit_stride(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                           ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale,
+                                           ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap,
+                                           alibi_slopes, ctx.dropout_p, rng_state)
+    return (dq, dk, dv) + (None,) * 13
+
+
+attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset) -> dict:
+    return dict(causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                softcap=softcap, dropout_p=dropout_p, seed=seed, rng_offset=rng_offset)
+
+
+def _seed_and_offset(q: torch.Tensor, dropout_p: float, seed: Optional[int]) -> tuple[Optional[int], int]:
+    """The forward's (seed, rng_offset): the caller's seed with offset 0, else a draw from
+    torch's default generator of q's device. Without dropout there is nothing to draw."""
+    if seed is not None:
+        return int(seed) % _UINT64, 0
+    if not dropout_p > 0:
+        return None, 0
+    if q.device.type == "cuda":
+        generator = torch.cuda.default_generators[q.device.index if q.device.index is not None
+                                                  else torch.cuda.current_device()]
+        offset = generator.get_offset()
+        # CUDA generators count Philox offsets in steps of 4 (set_offset insists on it).
+        generator.set_offset(offset + 4)
+        return generator.initial_seed() % _UINT64, offset // 4
+    # The CPU generator has no Philox offset: draw a whole seed from it instead.
+    return int(torch.randint(2**63 - 1, (), dtype=torch.int64)), 0
+
+
+def _int64(seed: Optional[int]) -> Optional[int]:
+    """A seed in [0, 2**64) as the signed 64-bit int an op's schema can carry (the ops take
+    it back modulo 2**64)."""
+    if seed is None:
+        return None
+    seed = int(seed) % _UINT64
+    return seed - _UINT64 if seed >= 2**63 else seed
+
+
+def _rng_state(seed: Optional[int], rng_offset: int) -> torch.Tensor:
+    """[seed, rng_offset] as int64 on the CPU; the seed wraps to a signed 64-bit value."""
+    return torch.tensor([_int64(seed) or 0, rng_offset], dtype=torch.int64)
+
+
+def _from_rng_state(rng_state: Optional[torch.Tensor]) -> tuple[Optional[int], int]:
+    if rng_state is None:
+        return None, 0
+    seed, rng_offset = rng_state.tolist()
+    return seed % _UINT64, rng_offset
+
+
+def _fake_rng_state() -> torch.Tensor:
+    return torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+def _unit_stride(dout: torch.Tensor) -> torch.Tensor:
+    # e.g. the expanded gradient of out.sum(): the kernel needs a unit-stride last dimension
+    return dout if dout.stride(-1) == 1 else dout.contiguous()
+
+
 def _numpy(**tensors) -> list:
-    """Zero-copy NumPy views of CPU tensors, with the errors a caller can act on."""
-    where = {name: str(t.device) for name, t in tensors.items()}
+    """Zero-copy NumPy views of CPU tensors (None stays None), with the errors a caller can act on."""
+    present = {name: t for name, t in tensors.items() if t is not None}
+    where = {name: str(t.device) for name, t in present.items()}
     if set(where.values()) != {"cpu"}:
         raise ValueError(f"tensors must be on one device, got {where}")
-    for name, t in tensors.items():
+    for name, t in present.items():
         if t.dtype == torch.bfloat16:
             raise TypeError(f"{name} is a bfloat16 CPU tensor; the CPU path runs on NumPy, which has no "
                             f"bfloat16: use float16/float32/float64 on the CPU, or a CUDA tensor")
-    return [t.detach().numpy() for t in tensors.values()]
+    return [None if t is None else t.detach().numpy() for t in tensors.values()]
 
 
 def _tensor(x: np.ndarray) -> torch.Tensor:

@@ -3,6 +3,8 @@
 Shapes are drawn to hit the places kernels break: seqlen 0 and 1, primes, one past a tile
 (65, 129, ...), seqlen_q != seqlen_k under causal masking, GQA ratios and odd head dims.
 Every maximum is a parameter so GPU tests can draw the same kinds of shapes at larger sizes.
+The flash-attn variants (sliding windows, softcap, ALiBi, dropout) are drawn as a `Variant`,
+ragged packed batches as a `VarlenShape`.
 """
 
 import dataclasses
@@ -149,3 +151,167 @@ def random_dout(shape, dtype, rng, xp=np):
         return rng.standard_normal(shape.q_shape).astype(dtype)
     device_rng = xp.random.default_rng(int(rng.integers(2**63)))
     return device_rng.standard_normal(shape.q_shape, dtype=xp.float32).astype(dtype)
+
+
+# --- the flash-attn variants ---------------------------------------------------------------
+
+
+def window_sides(max_seqlen):
+    """One side of a sliding window: -1 (unbounded), 0, a width up to max_seqlen, or a width
+    at or beyond the sequence (which flash-attn treats as unbounded)."""
+    return st.one_of(
+        st.just(-1),
+        st.just(0),
+        st.integers(0, max(max_seqlen, 1)),
+        st.integers(max_seqlen, 2 * max_seqlen + 2),
+    )
+
+
+def window_sizes(max_seqlen):
+    """(left, right), the sides drawn independently (so often asymmetric)."""
+    return st.tuples(window_sides(max_seqlen), window_sides(max_seqlen))
+
+
+def softcaps(*, allow_zero=True):
+    """0 (off) or a positive cap, small enough that tanh saturates for some scores."""
+    caps = st.floats(0.5, 50.0)
+    return st.one_of(st.just(0.0), caps) if allow_zero else caps
+
+
+def dropout_ps(*, allow_zero=True):
+    """0 (off) or a dropout probability in (0, 0.9)."""
+    ps = st.floats(0.0, 0.9, exclude_min=True, exclude_max=True)
+    return st.one_of(st.just(0.0), ps) if allow_zero else ps
+
+
+@st.composite
+def alibi_slopes(draw, batch, nheads, *, allow_none=True):
+    """None, float32 per-head slopes (nheads,) or per-(batch, head) slopes (batch, nheads):
+    either the usual geometric ALiBi slopes 2^(-8 (h + 1) / nheads) or arbitrary ones in
+    [0, 1]."""
+    kinds = ["head", "batch_head"] + ([None] if allow_none else [])
+    kind = draw(st.sampled_from(kinds), label="alibi")
+    if kind is None:
+        return None
+    shape = (nheads,) if kind == "head" else (batch, nheads)
+    if draw(st.booleans(), label="geometric slopes"):
+        slopes = 2.0 ** (-8.0 * (np.arange(nheads) + 1) / max(nheads, 1))
+        return np.broadcast_to(slopes, shape).astype(np.float32)
+    size = int(np.prod(shape))
+    values = draw(st.lists(st.floats(0.0, 1.0, width=32), min_size=size, max_size=size))
+    return np.array(values, dtype=np.float32).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Variant:
+    """The flash-attn options of one call; `seed` and `rng_offset` key the dropout mask."""
+
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: object = None
+    dropout_p: float = 0.0
+    seed: int = 0
+    rng_offset: int = 0
+
+    def options(self):
+        """The keywords of cuflash.cpu (and the public API): dropout keyed by seed/offset."""
+        return dict(
+            window_size=self.window_size,
+            softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes,
+            dropout_p=self.dropout_p,
+            seed=self.seed,
+            rng_offset=self.rng_offset,
+        )
+
+    def reference_options(self, dropout_keep=None):
+        """The keywords of cuflash.reference: dropout by an explicit keep mask."""
+        return dict(
+            window_size=self.window_size,
+            softcap=self.softcap,
+            alibi_slopes=self.alibi_slopes,
+            dropout_p=self.dropout_p,
+            dropout_keep=dropout_keep if self.dropout_p > 0 else None,
+        )
+
+
+@st.composite
+def variants(draw, batch, nheads, max_seqlen, *, window=None, softcap=None, alibi=None,
+             dropout=None):
+    """A `Variant` for a batch of `batch` sequences with `nheads` query heads.
+
+    Each feature flag: None draws it (possibly off), True forces it on, False off.
+    """
+    def pick(flag, on, off):
+        if flag is None:
+            return draw(st.one_of(st.just(off), on))
+        return draw(on) if flag else off
+
+    return Variant(
+        window_size=pick(window, window_sizes(max_seqlen), (-1, -1)),
+        softcap=pick(softcap, softcaps(allow_zero=False), 0.0),
+        alibi_slopes=pick(alibi, alibi_slopes(batch, nheads, allow_none=False), None),
+        dropout_p=pick(dropout, dropout_ps(allow_zero=False), 0.0),
+        seed=draw(st.integers(0, 2**64 - 1), label="seed"),
+        rng_offset=draw(st.integers(0, 2**32 - 1), label="rng_offset"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenShape:
+    """A packed variable-length batch: q (total_q, nheads, d), k and v (total_k, nheads_kv, d)."""
+
+    seqlens_q: tuple
+    seqlens_k: tuple
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    causal: bool
+
+    @property
+    def batch(self):
+        return len(self.seqlens_q)
+
+    @property
+    def cu_seqlens_q(self):
+        return np.concatenate([[0], np.cumsum(self.seqlens_q)]).astype(np.int32)
+
+    @property
+    def cu_seqlens_k(self):
+        return np.concatenate([[0], np.cumsum(self.seqlens_k)]).astype(np.int32)
+
+    @property
+    def max_seqlen_q(self):
+        return max(self.seqlens_q, default=0)
+
+    @property
+    def max_seqlen_k(self):
+        return max(self.seqlens_k, default=0)
+
+    @property
+    def q_shape(self):
+        return (sum(self.seqlens_q), self.nheads, self.headdim)
+
+    @property
+    def kv_shape(self):
+        return (sum(self.seqlens_k), self.nheads_kv, self.headdim)
+
+
+@st.composite
+def varlen_shapes(draw, max_batch=4, max_seqlen=40, max_headdim=32, *, max_nheads_kv=2,
+                  max_group=3, headdim=None, causal=None):
+    """Draw a `VarlenShape`: 1..max_batch sequences, each with its own seqlen_q and seqlen_k
+    (often equal, zero allowed in either), GQA, causal drawn unless fixed. random_qkv and
+    random_dout accept it like a `Shape`."""
+    batch = draw(st.integers(1, max_batch))
+    lengths = seqlens(max_seqlen, allow_zero=True)
+    seqlens_q = tuple(draw(st.lists(lengths, min_size=batch, max_size=batch), label="seqlens_q"))
+    if draw(st.booleans(), label="same k lengths"):
+        seqlens_k = seqlens_q
+    else:
+        seqlens_k = tuple(draw(st.lists(lengths, min_size=batch, max_size=batch), label="seqlens_k"))
+    nheads_kv = draw(st.integers(1, max_nheads_kv))
+    group = draw(st.integers(1, max_group))
+    d = draw(headdims(max_headdim) if headdim is None else headdim)
+    is_causal = draw(st.booleans()) if causal is None else causal
+    return VarlenShape(seqlens_q, seqlens_k, nheads_kv * group, nheads_kv, d, is_causal)

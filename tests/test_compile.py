@@ -1,5 +1,7 @@
 """The compile layer without a GPU: every variant builds for sm_80 and sm_90 with
 no spills, the cache key follows every source byte, ptxas reports are parsed."""
+import ctypes
+import re
 import shutil
 import subprocess
 import sys
@@ -40,7 +42,7 @@ def private_sources(tmp_path, monkeypatch):
 
 
 def test_an_edited_header_recompiles(private_sources, monkeypatch):
-    kernel = _plan.kernel("forward", "float16", 64, causal=True, vectorized=True,
+    kernel = _plan.kernel("forward", "float16", 64, local=True, vectorized=True, extras=False,
                           shared_limit=_plan.shared_memory_limit("sm_80"))
     runs = []
     real = _compile._run_nvrtc
@@ -79,3 +81,30 @@ def test_tile_table_fits_every_arch():
     for arch in _plan.SHARED_MEMORY_LIMIT:
         for kernel in _plan.all_kernels(arch):
             assert kernel.shared_bytes <= _plan.shared_memory_limit(arch)
+
+
+def test_params_layout_matches_the_cuda_struct():
+    """cuflash._params.Params must lay out exactly like cuflash::Params. NVRTC has no
+    offsetof, so one probe kernel per field reads it and the PTX says from where."""
+    from cuflash._params import ArrayView, Params
+    probes = []
+    for name, kind in Params._fields_:
+        member = f"{name}.ptr" if kind is ArrayView else name
+        probes.append(f"extern \"C\" __global__ void probe_{name}(const cuflash::Params p, long long* out) "
+                      f"{{ out[0] = (long long)p.{member}; }}")
+    nvrtc = _compile._nvrtc()
+    headers = {n: t for n, t in _compile._sources().items() if n.endswith(".cuh")}
+    source = '#include "params.cuh"\n' + "\n".join(probes) + "\n"
+    prog = nvrtc.createProgram(source, "layout.cu", list(headers.values()), [n.encode() for n in headers])
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_80", "--std=c++17"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    param_bytes = re.search(r"\.param \.align \d+ \.b8 probe_q_param_0\[(\d+)\]", ptx)
+    assert param_bytes and int(param_bytes[1]) == ctypes.sizeof(Params)
+    for name, _ in Params._fields_:
+        load = re.search(rf"ld\.param\.\w+\s+%\w+, \[probe_{name}_param_0(?:\+(\d+))?\]", ptx)
+        assert load, f"no load of {name} in the PTX"
+        assert int(load[1] or 0) == getattr(Params, name).offset, name

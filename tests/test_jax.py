@@ -19,9 +19,17 @@ import jax.numpy as jnp  # noqa: E402
 import cuflash  # noqa: E402
 import cuflash.jax  # noqa: E402
 from cuflash import _kernels  # noqa: E402
-from cuflash.reference import attention_lowp, attention_reference, attention_reference_backward  # noqa: E402
+from cuflash import _philox  # noqa: E402
+from cuflash.reference import (  # noqa: E402
+    attention_lowp,
+    attention_reference,
+    attention_reference_backward,
+    attention_reference_varlen,
+    attention_reference_varlen_backward,
+)
 
-from .strategies import Shape, assert_close  # noqa: E402
+from .strategies import Shape, VarlenShape, assert_close  # noqa: E402
+
 
 def make_inputs(shape: Shape, dtype, seed=0):
     """Fresh standard normal q, k, v and dout as JAX arrays on the default device."""
@@ -120,6 +128,206 @@ def test_cpu_errors_are_raised_while_tracing(cpu):
         cuflash.jax.attention(q, q, q, False, -1.0)
 
 
+# --- CPU: the flash-attn options ----------------------------------------------------------
+
+_SLOPES = np.array([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.1, 0.05, 0.7],
+                    [0.01, 0.2, 0.4, 0.0], [1.0, 0.5, 0.33, 0.25]], dtype=np.float32)
+
+# (causal, keywords of cuflash.jax.attention): each option alone, and together.
+VARIANTS = {
+    "window": (False, dict(window_size=(5, 3))),
+    "window_left_causal": (True, dict(window_size=(7, -1))),
+    "window_right": (False, dict(window_size=(-1, 2))),
+    "softcap": (False, dict(softcap=1.5)),
+    "alibi_heads": (True, dict(alibi_slopes=_SLOPES[0])),
+    "alibi_batch_heads": (False, dict(alibi_slopes=_SLOPES)),  # rows cut to the batch
+    "dropout": (False, dict(dropout_p=0.3, seed=2**63 + 5)),
+    "everything": (True, dict(window_size=(9, 0), softcap=3.0, alibi_slopes=_SLOPES[1], dropout_p=0.2, seed=11)),
+}
+
+
+def _for_batch(kwargs: dict, batch: int) -> dict:
+    """kwargs with (batch, nheads) ALiBi slopes cut to `batch` rows, as a JAX array."""
+    kwargs = dict(kwargs)
+    slopes = kwargs.get("alibi_slopes")
+    if slopes is not None:
+        kwargs["alibi_slopes"] = jnp.asarray(slopes[:batch] if slopes.ndim == 2 else slopes)
+    return kwargs
+
+
+def _numpy_options(kwargs: dict, causal: bool) -> dict:
+    options = dict(kwargs, causal=causal)
+    if options.get("alibi_slopes") is not None:
+        options["alibi_slopes"] = np.asarray(options["alibi_slopes"])
+    return options
+
+
+def _reference_options(kwargs: dict, causal: bool, keep) -> dict:
+    options = _numpy_options(kwargs, causal)
+    options.pop("seed", None)
+    options["dropout_keep"] = keep if options.get("dropout_p", 0) > 0 else None
+    return options
+
+
+def _close(got, want, name):
+    """Agreement with the float64 oracle of a float32 computation."""
+    assert_close(np.asarray(got), want, atol=2e-5 * max(1.0, float(abs(want).max(initial=0))), name=name)
+
+
+def _loss(attention, *args, **kwargs):
+    def loss(q, k, v, dout, *traced):
+        out = attention(q, k, v, *args, *traced, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+    return loss
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("jit", [False, True])
+def test_cpu_options_are_the_numpy_path(cpu, name, jit):
+    """Every option, eager or jitted, forward and gradients: exactly cuflash.attention /
+    attention_backward on the same NumPy arrays, and the oracle's."""
+    causal, kwargs = VARIANTS[name]
+    shape = Shape(2, 23, 31, 4, 2, 16, causal)
+    kwargs = _for_batch(kwargs, shape.batch)
+    q, k, v, dout = make_inputs(shape, jnp.float32, seed=1)
+
+    def forward(q, k, v):
+        return cuflash.jax.attention(q, k, v, causal, **kwargs)
+
+    grad = jax.grad(_loss(cuflash.jax.attention, causal, **kwargs), argnums=(0, 1, 2))
+    if jit:
+        forward, grad = jax.jit(forward), jax.jit(grad)
+    out, grads = forward(q, k, v), grad(q, k, v, dout)
+
+    arrays = [np.asarray(x) for x in (q, k, v, dout)]
+    options = _numpy_options(kwargs, causal)
+    want_out, lse = cuflash.attention(*arrays[:3], return_lse=True, **options)
+    want = cuflash.attention_backward(arrays[3], *arrays[:3], want_out, lse, **options)
+    np.testing.assert_array_equal(np.asarray(out), want_out)
+    for got, expected in zip(grads, want):
+        np.testing.assert_array_equal(np.asarray(got), expected)
+
+    keep = None
+    if kwargs.get("dropout_p", 0) > 0:
+        keep = _philox.keep_mask(kwargs["seed"], 0, shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k,
+                                 kwargs["dropout_p"])
+    ref_options = _reference_options(kwargs, causal, keep)
+    _close(out, attention_reference(*arrays[:3], **ref_options)[0], "out")
+    refs = attention_reference_backward(arrays[3], *arrays[:3], **ref_options)
+    for got, ref, grad_name in zip(grads, refs, ("dq", "dk", "dv")):
+        _close(got, ref, grad_name)
+
+
+def test_cpu_dropout_seed_forms(cpu):
+    """A Python int, two uint32 words [low, high] (traced under jit), a scalar integer array
+    and a typed PRNG key (its key data as the words) name the same masks."""
+    q, k, v, dout = make_inputs(Shape(1, 20, 24, 2, 1, 8, False), jnp.float32)
+    seed = 2**40 + 12345
+
+    def attention(seed):
+        return cuflash.jax.attention(q, k, v, dropout_p=0.3, seed=seed)
+
+    by_int = attention(seed)
+    words = jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32)
+    by_words = jax.jit(attention)(words)
+    np.testing.assert_array_equal(np.asarray(by_int), np.asarray(by_words))
+    np.testing.assert_array_equal(np.asarray(attention(5)), np.asarray(jax.jit(attention)(jnp.uint32(5))))
+    key = jax.random.key(7)  # threefry key data [0, 7]: the seed 7 << 32
+    np.testing.assert_array_equal(np.asarray(attention(key)), np.asarray(attention(7 << 32)))
+    assert not np.array_equal(np.asarray(by_int), np.asarray(attention(seed + 1)))
+    keep = _philox.keep_mask(seed, 0, 1, 2, 20, 24, 0.3)
+    ref, _ = attention_reference(*(np.asarray(x) for x in (q, k, v)), dropout_p=0.3, dropout_keep=keep)
+    _close(by_int, ref, "out")
+    # The backward of a traced seed regenerates the forward's mask.
+    def loss(q, k, v, dout, seed):
+        return jnp.sum(cuflash.jax.attention(q, k, v, dropout_p=0.3, seed=seed) * dout)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    for a, b in zip(grad(q, k, v, dout, seed), jax.jit(grad)(q, k, v, dout, words)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    refs = attention_reference_backward(*(np.asarray(x) for x in (dout, q, k, v)), dropout_p=0.3, dropout_keep=keep)
+    for got, ref, name in zip(grad(q, k, v, dout, seed), refs, ("dq", "dk", "dv")):
+        _close(got, ref, name)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_cpu_varlen_is_the_numpy_path(cpu, jit):
+    """attention_varlen with every option (empty sequences included), eager or jitted:
+    exactly cuflash.attention_varlen on NumPy arrays, and the oracle's."""
+    shape = VarlenShape((9, 0, 17, 4), (12, 5, 0, 4), 4, 2, 16, True)
+    q, k, v, dout = make_inputs(shape, jnp.float32, seed=2)
+    cu_q, cu_k = shape.cu_seqlens_q, shape.cu_seqlens_k
+    kwargs = dict(window_size=(6, -1), softcap=2.0, alibi_slopes=jnp.asarray(_SLOPES), dropout_p=0.2, seed=3)
+    packing = (shape.max_seqlen_q, shape.max_seqlen_k, True)
+
+    def forward(q, k, v, cu_q, cu_k):
+        return cuflash.jax.attention_varlen(q, k, v, cu_q, cu_k, *packing, **kwargs)
+
+    def loss(q, k, v, dout, cu_q, cu_k):
+        return jnp.sum(forward(q, k, v, cu_q, cu_k) * dout)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    if jit:
+        forward, grad = jax.jit(forward), jax.jit(grad)
+    out, grads = forward(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k)), grad(q, k, v, dout, cu_q, cu_k)
+
+    arrays = [np.asarray(x) for x in (q, k, v, dout)]
+    options = _numpy_options(kwargs, True)
+    want_out, lse = cuflash.attention_varlen(*arrays[:3], cu_q, cu_k, *packing[:2], return_lse=True, **options)
+    want = cuflash.attention_varlen_backward(arrays[3], *arrays[:3], want_out, lse, cu_q, cu_k, *packing[:2],
+                                             **options)
+    np.testing.assert_array_equal(np.asarray(out), want_out)
+    for got, expected in zip(grads, want):
+        np.testing.assert_array_equal(np.asarray(got), expected)
+    keep = _philox.varlen_keep_masks(3, 0, 4, shape.seqlens_q, shape.seqlens_k, 0.2)
+    ref_options = _reference_options(kwargs, True, keep)
+    _close(out, attention_reference_varlen(*arrays[:3], cu_q, cu_k, **ref_options)[0], "out")
+    refs = attention_reference_varlen_backward(arrays[3], *arrays[:3], cu_q, cu_k, **ref_options)
+    for got, ref, name in zip(grads, refs, ("dq", "dk", "dv")):
+        _close(got, ref, name)
+
+
+def test_cpu_options_and_vmap(cpu):
+    """vmap maps one call per element; with the same seed each element gets the same mask."""
+    shape = Shape(2, 19, 23, 4, 2, 8, True)
+    q, k, v, _ = make_inputs(shape, jnp.float32)
+    options = dict(window_size=(3, 0), softcap=2.0, alibi_slopes=jnp.asarray(_SLOPES[2]), dropout_p=0.2, seed=4)
+    out = cuflash.jax.attention(q, k, v, True, **options)
+    stacked = [jnp.stack([x, 2 * x]) for x in (q, k, v)]
+    outs = jax.jit(jax.vmap(lambda q, k, v: cuflash.jax.attention(q, k, v, True, **options)))(*stacked)
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(out))
+    doubled = cuflash.jax.attention(2 * q, 2 * k, 2 * v, True, **options)
+    np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(doubled))
+
+
+def test_cpu_option_errors_are_raised_while_tracing(cpu):
+    q = jnp.zeros((2, 8, 4, 16), jnp.float32)
+    attention = jax.jit(cuflash.jax.attention, static_argnames=("window_size", "dropout_p", "softcap"))
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        attention(q, q, q, alibi_slopes=jnp.ones(3, jnp.float32))
+    with pytest.raises(TypeError, match="alibi_slopes must be float32"):
+        attention(q, q, q, alibi_slopes=jnp.ones(4, jnp.float16))
+    with pytest.raises(ValueError, match="window_size"):
+        attention(q, q, q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        attention(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match="needs a seed"):
+        attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(TypeError, match="seed must be"):
+        attention(q, q, q, dropout_p=0.1, seed=jnp.ones(2, jnp.float32))
+    with pytest.raises(ValueError, match="at most 64 bits"):
+        attention(q, q, q, dropout_p=0.1, seed=jnp.ones(3, jnp.uint32))
+    packed = q[0]
+    cu = jnp.array([0, 3, 8], jnp.int32)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        cuflash.jax.attention_varlen(packed, packed, packed, cu.astype(jnp.int16), cu, 5, 5)
+    with pytest.raises(ValueError, match="max_seqlen_k must be at least"):
+        cuflash.jax.attention_varlen(packed, packed, packed, cu, cu, 5, 4)
+    with pytest.raises(ValueError, match="end at the number of packed rows"):
+        cuflash.jax.attention_varlen(packed, packed, packed, cu, jnp.array([0, 3, 7], jnp.int32), 5, 5)
+    with pytest.raises(TypeError, match="max_seqlen_q must be an integer"):
+        cuflash.jax.attention_varlen(packed, packed, packed, cu, cu, 5.0, 5)
+
 def test_missing_buffer_callback_names_the_jax_version(monkeypatch):
     monkeypatch.setattr(cuflash.jax, "buffer_callback", None)
     q = jnp.zeros((1, 8, 2, 16), jnp.float32)
@@ -196,3 +404,84 @@ def test_deterministic_gradients_are_bitwise_reproducible():
         for a, b in zip(first, grads(q, k, v, dout)):
             assert bool(jnp.array_equal(a, b))
     check_gradients(first, dout, q, k, v, causal=True)
+
+
+# --- GPU: the options on XLA's buffers ---------------------------------------------------
+
+
+def _kernel_options(kwargs: dict, causal: bool) -> dict:
+    """cuflash.attention's keywords (CuPy slopes, an int seed) for test_gpu_variants' checks."""
+    import cupy
+    options = dict(kwargs, causal=causal)
+    if options.get("alibi_slopes") is not None:
+        options["alibi_slopes"] = cupy.asarray(np.asarray(options["alibi_slopes"]))
+    return options
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_options_match_reference(name, dtype):
+    """Every option under jit on the GPU, forward and gradients, against the oracle; the
+    dropout seed traced (two uint32 words read by the callback)."""
+    import cupy
+
+    from .test_gpu_variants import check_forward, check_gradients as check_variant_gradients
+    causal, kwargs = VARIANTS[name]
+    shape = Shape(2, 150, 230, 4, 2, 64, causal)
+    kwargs = _for_batch(kwargs, shape.batch)
+    seed = kwargs.pop("seed", 0)
+    words = jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32)
+    q, k, v, dout = make_inputs(shape, getattr(jnp, dtype), seed=3)
+
+    def attention(q, k, v, words):
+        return cuflash.jax.attention(q, k, v, causal, seed=words, **kwargs)
+
+    def loss(q, k, v, dout, words):
+        return jnp.sum(attention(q, k, v, words).astype(jnp.float32) * dout.astype(jnp.float32))
+
+    out = jax.jit(attention)(q, k, v, words)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, dout, words)
+    options = _kernel_options(dict(kwargs, seed=seed), causal)
+    as_cupy = [cupy.from_dlpack(x) for x in (dout, q, k, v, out)]
+    _, lse = cuflash.attention(*as_cupy[1:4], return_lse=True, **options)  # cuflash.jax returns out only
+    check_forward(*as_cupy[1:], lse, options)
+    check_variant_gradients(*as_cupy[:4], [cupy.from_dlpack(g) for g in grads], options, out=as_cupy[4])
+
+
+@pytest.mark.gpu
+def test_static_and_traced_seeds_agree_on_gpu():
+    q, k, v, _ = make_inputs(Shape(2, 190, 260, 4, 2, 128, True), jnp.bfloat16, seed=5)
+    seed = 2**33 + 7
+    words = jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32)
+    static = cuflash.jax.attention(q, k, v, True, dropout_p=0.3, seed=seed)
+    traced = jax.jit(lambda q, k, v, w: cuflash.jax.attention(q, k, v, True, dropout_p=0.3, seed=w))(q, k, v, words)
+    assert bool(jnp.array_equal(static, traced))
+
+
+@pytest.mark.gpu
+def test_varlen_on_gpu():
+    """Packed sequences (one empty on each side) with every option, jitted, against the oracle."""
+    import cupy
+
+    from .test_gpu_variants import check_forward, check_gradients as check_variant_gradients
+    shape = VarlenShape((100, 0, 257, 64), (130, 40, 0, 300), 4, 2, 128, False)
+    q, k, v, dout = make_inputs(shape, jnp.bfloat16, seed=6)
+    cu_q, cu_k = jnp.asarray(shape.cu_seqlens_q), jnp.asarray(shape.cu_seqlens_k)
+    kwargs = dict(window_size=(50, 10), softcap=8.0, alibi_slopes=jnp.asarray(_SLOPES), dropout_p=0.15, seed=21)
+    lengths = (shape.max_seqlen_q, shape.max_seqlen_k)
+
+    def attention(q, k, v, cu_q, cu_k):
+        return cuflash.jax.attention_varlen(q, k, v, cu_q, cu_k, *lengths, **kwargs)
+
+    def loss(q, k, v, dout, cu_q, cu_k):
+        return jnp.sum(attention(q, k, v, cu_q, cu_k).astype(jnp.float32) * dout.astype(jnp.float32))
+
+    out = jax.jit(attention)(q, k, v, cu_q, cu_k)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, dout, cu_q, cu_k)
+    options = _kernel_options(kwargs, False)
+    as_cupy = [cupy.from_dlpack(x) for x in (dout, q, k, v, out, cu_q, cu_k)]
+    _, lse = cuflash.attention_varlen(*as_cupy[1:4], *as_cupy[5:], *lengths, return_lse=True, **options)
+    check_forward(*as_cupy[1:5], lse, options, varlen=as_cupy[5:])
+    check_variant_gradients(*as_cupy[:4], [cupy.from_dlpack(g) for g in grads], options, varlen=as_cupy[5:],
+                            out=as_cupy[4])

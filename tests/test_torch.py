@@ -18,14 +18,24 @@ torch = pytest.importorskip("torch")
 import cuflash  # noqa: E402
 import cuflash.torch  # noqa: E402
 from cuflash import _kernels  # noqa: E402
+from cuflash import _philox  # noqa: E402
 from cuflash.flash_attn_interface import (  # noqa: E402
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
 )
-from cuflash.reference import attention_reference, attention_reference_backward  # noqa: E402
+from cuflash.reference import (  # noqa: E402
+    attention_reference,
+    attention_reference_backward,
+    attention_reference_varlen,
+    attention_reference_varlen_backward,
+)
 
-from .strategies import Shape, assert_close  # noqa: E402
+from .strategies import Shape, VarlenShape, assert_close  # noqa: E402
+
 
 def make_inputs(shape: Shape, dtype, device, seed=0):
     """Fresh standard normal q, k, v (requiring grad) and dout."""
@@ -97,8 +107,9 @@ def test_cpu_expanded_gradient_and_strided_inputs():
 
 def test_cpu_lse_is_not_differentiable_and_softmax_scale_passes_through():
     q, k, v, _ = make_inputs(Shape(1, 9, 11, 2, 1, 8, False), torch.float64, "cpu")
-    out, lse = cuflash.torch.attention_forward(q, k, v, False, 0.3, False)
-    assert out.requires_grad and not lse.requires_grad
+    out, lse, rng_state = cuflash.torch.attention_forward(q, k, v, False, 0.3, False)
+    assert out.requires_grad and not lse.requires_grad and not rng_state.requires_grad
+    assert rng_state.dtype == torch.int64 and rng_state.device.type == "cpu" and rng_state.tolist() == [0, 0]
     ref_out, ref_lse = attention_reference(*(x.detach().numpy() for x in (q, k, v)), softmax_scale=0.3)
     assert_close(out.detach().numpy(), ref_out, atol=1e-10)
     assert_close(lse.numpy(), ref_lse, atol=1e-5)
@@ -114,7 +125,7 @@ def test_cpu_errors():
         cuflash.torch.attention(q.int(), q.int(), q.int())
 
 
-@pytest.mark.parametrize("op", ["forward", "backward"])
+@pytest.mark.parametrize("op", ["forward", "backward", "varlen_forward", "varlen_backward"])
 def test_cpu_opcheck(op):
     q, k, v, dout = make_inputs(Shape(2, 13, 17, 4, 2, 8, True), torch.float32, "cpu")
     _opcheck(op, q, k, v, dout)
@@ -127,28 +138,237 @@ def test_cpu_torch_compile_fullgraph():
     _check_compiled(q, k, v, dout, backend="aot_eager")
 
 
+def test_cpu_torch_compile_fullgraph_with_options():
+    q, k, v, dout = make_inputs(Shape(2, 33, 21, 4, 2, 16, True), torch.float32, "cpu")
+    options = dict(window_size=(9, 2), softcap=2.0, alibi_slopes=torch.rand(2, 4), dropout_p=0.25, seed=3)
+    _check_compiled(q, k, v, dout, options, backend="aot_eager")
+
+
+def test_cpu_torch_compile_draws_dropout_seeds_when_it_runs():
+    """seed=None under torch.compile: each run draws from torch's generator (not one seed
+    frozen at trace time), so torch.manual_seed reproduces a run, eager or compiled."""
+    q, k, v, _ = make_inputs(Shape(1, 20, 20, 2, 2, 8, False), torch.float64, "cpu")
+
+    def f(q, k, v):
+        return cuflash.torch.attention(q, k, v, dropout_p=0.5)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    compiled(q, k, v)  # compile outside the seeded runs
+    torch.manual_seed(1)
+    first, second = compiled(q, k, v), compiled(q, k, v)
+    torch.manual_seed(1)
+    again = compiled(q, k, v)
+    torch.manual_seed(1)
+    eager = f(q, k, v)
+    assert not torch.equal(first, second)
+    assert torch.equal(first, again) and torch.equal(first, eager)
+
+
+def test_cpu_torch_compile_varlen():
+    shape = VarlenShape((9, 0, 17), (12, 5, 0), 4, 2, 16, True)
+    q, k, v, dout = make_inputs(shape, torch.float32, "cpu")
+    cu_q, cu_k = torch.from_numpy(shape.cu_seqlens_q), torch.from_numpy(shape.cu_seqlens_k)
+
+    def loss(q, k, v, dout):
+        out = cuflash.torch.attention_varlen(q, k, v, cu_q, cu_k, 17, 12, True, window_size=(4, 0), softcap=2.0,
+                                             dropout_p=0.2, seed=9)
+        return (out * dout).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v, dout), (q, k, v))
+    want = torch.autograd.grad(loss(q, k, v, dout), (q, k, v))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+# --- CPU: the flash-attn options ----------------------------------------------------------
+
+_SLOPES = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.1, 0.05, 0.7],
+                        [0.01, 0.2, 0.4, 0.0], [1.0, 0.5, 0.33, 0.25]])
+
+# (causal, keywords of cuflash.torch.attention): each option alone, and together.
+VARIANTS = {
+    "window": (False, dict(window_size=(5, 3))),
+    "window_left_causal": (True, dict(window_size=(7, -1))),
+    "window_right": (False, dict(window_size=(-1, 2))),
+    "softcap": (False, dict(softcap=1.5)),
+    "alibi_heads": (True, dict(alibi_slopes=_SLOPES[0])),
+    "alibi_batch_heads": (False, dict(alibi_slopes=_SLOPES)),  # rows sliced to the batch
+    "dropout": (False, dict(dropout_p=0.3, seed=2**63 + 5)),  # a seed past int64: wraps in rng_state
+    "everything": (True, dict(window_size=(9, 0), softcap=3.0, alibi_slopes=_SLOPES[1], dropout_p=0.2, seed=11)),
+}
+
+
+def _for_batch(kwargs: dict, batch: int, device="cpu") -> dict:
+    """kwargs with (batch, nheads) ALiBi slopes cut to `batch` rows, on `device`."""
+    kwargs = dict(kwargs)
+    slopes = kwargs.get("alibi_slopes")
+    if slopes is not None:
+        kwargs["alibi_slopes"] = (slopes[:batch] if slopes.ndim == 2 else slopes).contiguous().to(device)
+    return kwargs
+
+
+def _numpy_options(kwargs: dict, causal: bool) -> dict:
+    """cuflash.attention's keywords for the NumPy arrays of a torch call with kwargs."""
+    options = dict(kwargs, causal=causal)
+    if options.get("alibi_slopes") is not None:
+        options["alibi_slopes"] = options["alibi_slopes"].numpy()
+    return options
+
+
+def _reference_options(kwargs: dict, causal: bool, keep) -> dict:
+    """cuflash.reference's keywords: dropout by its keep mask."""
+    options = _numpy_options(kwargs, causal)
+    options.pop("seed", None)
+    options["dropout_keep"] = keep if options.get("dropout_p", 0) > 0 else None
+    return options
+
+
+def _close(got, want, name):
+    """Agreement with the float64 oracle of a float64 computation (whose lse, and so the
+    backward's recomputed P, is float32)."""
+    assert_close(got.detach().numpy(), want, atol=1e-6 * max(1.0, float(abs(want).max(initial=0))), name=name)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_cpu_options_autograd_is_the_numpy_path(name):
+    """Forward and gradients with every option are exactly cuflash.attention /
+    attention_backward on the same NumPy arrays, and they are the oracle's."""
+    causal, kwargs = VARIANTS[name]
+    shape = Shape(2, 23, 31, 4, 2, 16, causal)
+    kwargs = _for_batch(kwargs, shape.batch)
+    q, k, v, dout = make_inputs(shape, torch.float64, "cpu")
+    out, grads = gradients(q, k, v, dout, causal=causal, **kwargs)
+
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    options = _numpy_options(kwargs, causal)
+    want_out, lse = cuflash.attention(*arrays, return_lse=True, **options)
+    want = cuflash.attention_backward(dout.numpy(), *arrays, want_out, lse, **options)
+    np.testing.assert_array_equal(out.detach().numpy(), want_out)
+    for grad, expected in zip(grads, want):
+        np.testing.assert_array_equal(grad.numpy(), expected)
+
+    keep = None
+    if kwargs.get("dropout_p", 0) > 0:
+        keep = _philox.keep_mask(kwargs["seed"], 0, shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k,
+                                 kwargs["dropout_p"])
+    ref_options = _reference_options(kwargs, causal, keep)
+    _close(out, attention_reference(*arrays, **ref_options)[0], "out")
+    for grad, ref, grad_name in zip(grads, attention_reference_backward(dout.numpy(), *arrays, **ref_options),
+                                    ("dq", "dk", "dv")):
+        _close(grad, ref, grad_name)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_cpu_varlen_autograd_is_the_numpy_path(name):
+    """attention_varlen with every option (empty sequences included) is exactly
+    cuflash.attention_varlen on NumPy arrays, and the oracle's, forward and gradients."""
+    causal, kwargs = VARIANTS[name]
+    shape = VarlenShape((9, 0, 17, 4), (12, 5, 0, 4), 4, 2, 16, causal)
+    kwargs = _for_batch(kwargs, shape.batch)
+    q, k, v, dout = make_inputs(shape, torch.float64, "cpu")
+    cu_q, cu_k = shape.cu_seqlens_q, shape.cu_seqlens_k
+    packing = (torch.from_numpy(cu_q), torch.from_numpy(cu_k), shape.max_seqlen_q, shape.max_seqlen_k)
+    out = cuflash.torch.attention_varlen(q, k, v, *packing, causal, **kwargs)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    options = _numpy_options(kwargs, causal)
+    want_out, lse = cuflash.attention_varlen(*arrays, cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k,
+                                             return_lse=True, **options)
+    want = cuflash.attention_varlen_backward(dout.numpy(), *arrays, want_out, lse, cu_q, cu_k, shape.max_seqlen_q,
+                                             shape.max_seqlen_k, **options)
+    np.testing.assert_array_equal(out.detach().numpy(), want_out)
+    for grad, expected in zip(grads, want):
+        np.testing.assert_array_equal(grad.numpy(), expected)
+
+    keep = None
+    if kwargs.get("dropout_p", 0) > 0:
+        keep = _philox.varlen_keep_masks(kwargs["seed"], 0, shape.nheads, shape.seqlens_q, shape.seqlens_k,
+                                         kwargs["dropout_p"])
+    ref_options = _reference_options(kwargs, causal, keep)
+    _close(out, attention_reference_varlen(*arrays, cu_q, cu_k, **ref_options)[0], "out")
+    refs = attention_reference_varlen_backward(dout.numpy(), *arrays, cu_q, cu_k, **ref_options)
+    for grad, ref, grad_name in zip(grads, refs, ("dq", "dk", "dv")):
+        _close(grad, ref, grad_name)
+
+
+def test_cpu_dropout_seeds_come_from_torch_and_reach_the_backward():
+    """seed=None draws from torch's generator: torch.manual_seed reproduces the mask, the
+    next call gets another; rng_state says which, and the backward uses that mask."""
+    shape = Shape(1, 17, 19, 2, 1, 8, False)
+    q, k, v, dout = make_inputs(shape, torch.float64, "cpu")
+
+    def forward():
+        return cuflash.torch.attention_forward(q, k, v, False, None, False, dropout_p=0.4)
+
+    torch.manual_seed(0)
+    first, second = forward(), forward()
+    torch.manual_seed(0)
+    again = forward()
+    assert torch.equal(first[0], again[0]) and torch.equal(first[2], again[2])
+    assert not torch.equal(first[0], second[0]) and not torch.equal(first[2], second[2])
+
+    out, _, rng_state = first
+    seed, rng_offset = rng_state.tolist()
+    keep = _philox.keep_mask(seed % 2**64, rng_offset, 1, 2, 17, 19, 0.4)
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    _close(out, attention_reference(*arrays, dropout_p=0.4, dropout_keep=keep)[0], "out")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = attention_reference_backward(dout.numpy(), *arrays, dropout_p=0.4, dropout_keep=keep)
+    for grad, ref, name in zip(grads, refs, ("dq", "dk", "dv")):
+        _close(grad, ref, name)
+    # An explicit seed is rng_state [seed, 0]; the ops carry seeds as int64 (2**64 - 1 is -1).
+    out, _, rng_state = cuflash.torch.attention_forward(q, k, v, False, None, False, dropout_p=0.4, seed=-1)
+    assert rng_state.tolist() == [-1, 0]
+    assert torch.equal(out, cuflash.torch.attention(q, k, v, dropout_p=0.4, seed=2**64 - 1))
+
+
+def test_cpu_option_errors():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="dropout_p"):
+        cuflash.torch.attention(q, q, q, dropout_p=1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        cuflash.torch.attention(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        cuflash.torch.attention(q, q, q, alibi_slopes=torch.ones(3))
+    with pytest.raises(TypeError, match="alibi_slopes must be float32"):
+        cuflash.torch.attention(q, q, q, alibi_slopes=torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="window_size"):
+        cuflash.torch.attention(q, q, q, window_size=(-2, 0))
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        cuflash.torch.attention_varlen(q[0], q[0], q[0], cu.long(), cu, 8, 8)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        cuflash.torch.attention_varlen(q[0], q[0], q[0], cu, cu, 8, 4)
+
+
 # --- flash_attn_func: flash-attn's conventions -------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,feature", [
-    (dict(dropout_p=0.1), "dropout"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
-    (dict(window_size=(8, -1)), "window_size"),
-    (dict(window_size=(-1, 3)), "window_size"),
-    (dict(window_size=(8, -1), causal=True), "window_size"),
-])
-def test_flash_attn_func_unimplemented_features(kwargs, feature):
-    q, k, v, _ = make_inputs(Shape(1, 16, 16, 4, 2, 8, False), torch.float32, "cpu")
-    with pytest.raises(NotImplementedError, match=feature):
-        flash_attn_func(q, k, v, **kwargs)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_flash_attn_func_passes_options_through(name):
+    """flash_attn_func with flash-attn's keywords is cuflash.torch.attention with the same
+    options, dropout seeds drawn from torch's generator alike."""
+    causal, kwargs = VARIANTS[name]
+    shape = Shape(2, 23, 31, 4, 2, 16, causal)
+    kwargs = _for_batch(kwargs, shape.batch)
+    kwargs.pop("seed", None)
+    q, k, v, dout = make_inputs(shape, torch.float64, "cpu")
+    torch.manual_seed(5)
+    out = flash_attn_func(q, k, v, causal=causal, deterministic=True, **kwargs)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.manual_seed(5)
+    want_out, want = gradients(q, k, v, dout, causal=causal, **kwargs)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    for grad, expected in zip(grads, want):
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("window_size,causal,expect_causal", [
     ((-1, -1), False, False),
     ((-1, -1), True, True),
     ((-1, 0), False, True),  # flash-attn: (unbounded, 0) is causal
-    ((-5, -2), False, False),  # any negative side is unbounded
     ((40, 40), False, False),  # sides of at least seqlen_k are unbounded
     ((40, 3), True, True),  # causal overrides the right side
 ])
@@ -164,7 +384,7 @@ def test_flash_attn_func_return_conventions():
     out = flash_attn_func(q, k, v, 0.0, 0.5, True)  # positional: dropout_p, softmax_scale, causal
     torch.testing.assert_close(out, cuflash.torch.attention(q, k, v, causal=True, softmax_scale=0.5), rtol=0, atol=0)
     out, softmax_lse, s_dmask = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    assert s_dmask is None
+    assert s_dmask is None  # no dropout, no mask
     assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == (2, 4, 23)
     _, ref_lse = attention_reference(*(x.detach().numpy() for x in (q, k, v)), causal=True)
     assert_close(softmax_lse.numpy(), ref_lse, atol=1e-5)
@@ -174,6 +394,28 @@ def test_flash_attn_func_return_conventions():
     for grad, want in zip((q.grad, k.grad, v.grad), expected):
         torch.testing.assert_close(grad, want, rtol=0, atol=0)
 
+
+def test_flash_attn_func_dropout_mask_seeds_and_backward():
+    """return_attn_probs gives the keep mask the call used (about 1 - p of it kept); the
+    backward reuses the forward's mask; torch.manual_seed reproduces a call."""
+    shape = Shape(2, 40, 50, 4, 2, 16, True)
+    q, k, v, dout = make_inputs(shape, torch.float64, "cpu")
+    torch.manual_seed(0)
+    out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
+    assert s_dmask.dtype == torch.bool and s_dmask.shape == (2, 4, 40, 50)
+    assert abs(s_dmask.double().mean().item() - 0.7) < 0.02
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    ref_options = dict(causal=True, dropout_p=0.3, dropout_keep=s_dmask.numpy())
+    _close(out, attention_reference(*arrays, **ref_options)[0], "out")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for grad, ref, name in zip(grads, attention_reference_backward(dout.numpy(), *arrays, **ref_options),
+                               ("dq", "dk", "dv")):
+        _close(grad, ref, name)
+    torch.manual_seed(0)
+    again, _, again_mask = flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
+    other, _, other_mask = flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
+    assert torch.equal(out, again) and torch.equal(s_dmask, again_mask)
+    assert not torch.equal(out, other) and not torch.equal(s_dmask, other_mask)
 
 
 def test_flash_attn_packed_variants():
@@ -194,23 +436,85 @@ def test_flash_attn_packed_variants():
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
 
+
+def test_flash_attn_varlen_functions():
+    """flash_attn_varlen_func with options against the oracle (its S_dmask giving each
+    sequence's mask), and the packed varlen variants against it on their slices."""
+    shape = VarlenShape((7, 0, 19, 3), (11, 3, 0, 3), 4, 2, 16, True)
+    q, k, v, dout = make_inputs(shape, torch.float64, "cpu")
+    cu_q, cu_k = torch.from_numpy(shape.cu_seqlens_q), torch.from_numpy(shape.cu_seqlens_k)
+    options = dict(dropout_p=0.2, causal=True, window_size=(5, -1), softcap=2.0, alibi_slopes=_SLOPES[2])
+    out, lse, s_dmask = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 19, 11, return_attn_probs=True, **options)
+    assert lse.shape == (4, 29) and s_dmask.shape == (4, 4, 19, 11) and s_dmask.dtype == torch.bool
+    keep = [s_dmask[b:b + 1, :, :sq, :sk].numpy() for b, (sq, sk) in enumerate(zip(shape.seqlens_q, shape.seqlens_k))]
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    ref_options = _reference_options(options, False, keep)
+    ref_options["causal"] = True
+    _close(out, attention_reference_varlen(*arrays, cu_q.numpy(), cu_k.numpy(), **ref_options)[0], "out")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = attention_reference_varlen_backward(dout.numpy(), *arrays, cu_q.numpy(), cu_k.numpy(), **ref_options)
+    for grad, ref, name in zip(grads, refs, ("dq", "dk", "dv")):
+        _close(grad, ref, name)
+
+    qkv = torch.randn(29, 3, 4, 16, dtype=torch.float64, requires_grad=True)
+    out = flash_attn_varlen_qkvpacked_func(qkv, cu_q, 19, causal=True, softcap=1.0)
+    q, k, v = (qkv.detach()[:, i].clone().requires_grad_() for i in range(3))
+    want = flash_attn_varlen_func(q, k, v, cu_q, cu_q, 19, 19, causal=True, softcap=1.0)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    expected = torch.autograd.grad(want, (q, k, v), dout)
+    torch.testing.assert_close(dqkv, torch.stack(expected, dim=1), rtol=0, atol=0)
+
+    kv = qkv.detach()[:, 1:].clone().requires_grad_()
+    out = flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_q, 19, 19, window_size=(3, 3))
+    want = flash_attn_varlen_func(q, k, v, cu_q, cu_q, 19, 19, window_size=(3, 3))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    (dkv,) = torch.autograd.grad(out, kv, dout)
+    torch.testing.assert_close(dkv, torch.stack(torch.autograd.grad(want, (k, v), dout), dim=1), rtol=0, atol=0)
+
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_q, 19, 19, block_table=torch.zeros(4, 1, dtype=torch.int32))
+
+
 # --- helpers shared by the CPU and GPU tests ----------------------------------------------
+
+_OPCHECK_OPTIONS = (5, 3, 2.0)  # window_left, window_right, softcap
 
 
 def _opcheck(op, q, k, v, dout):
-    """torch.library.opcheck: schema, fake tensors, autograd registration, AOT dispatch."""
-    if op == "forward":
-        torch.library.opcheck(cuflash.torch.attention_forward, (q, k, v, True, None, False))
-        torch.library.opcheck(cuflash.torch.attention_forward, (q.detach(), k.detach(), v.detach(), False, 0.5, True))
-    else:
+    """torch.library.opcheck: schema, fake tensors, autograd registration, AOT dispatch;
+    without options and with all of them (dropout by an explicit seed, so that runs agree)."""
+    args = [x.detach() for x in (q, k, v)]
+    nheads = q.shape[-2]
+    slopes = torch.linspace(0.1, 0.8, nheads, device=q.device)
+    if op.startswith("varlen"):
+        # Three sequences of q's and k's rows (one empty), packed from batch element 0.
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        cu_q = torch.tensor([0, seqlen_q // 2, seqlen_q // 2, seqlen_q], dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor([0, 1, seqlen_k - 3, seqlen_k], dtype=torch.int32, device=q.device)
+        packing = (cu_q, cu_k, seqlen_q, seqlen_k)
+        q, k, v, dout = (x[0].detach().requires_grad_(x.requires_grad) for x in (q, k, v, dout))
         args = [x.detach() for x in (q, k, v)]
-        out, lse = cuflash.torch.attention_forward(*args, True, None, False)
-        torch.library.opcheck(cuflash.torch.attention_backward, (dout, *args, out, lse, True, None, False))
+        forward, backward = cuflash.torch.attention_varlen_forward, cuflash.torch.attention_varlen_backward
+    else:
+        packing = ()
+        forward, backward = cuflash.torch.attention_forward, cuflash.torch.attention_backward
+    options = (*_OPCHECK_OPTIONS, slopes, 0.3)
+    if op.endswith("forward"):
+        torch.library.opcheck(forward, (q, k, v, *packing, True, None, False))
+        torch.library.opcheck(forward, (*args, *packing, False, 0.5, True))
+        torch.library.opcheck(forward, (q, k, v, *packing, True, None, False, *options, 7))
+    else:
+        out, lse, _ = forward(*args, *packing, True, None, False)
+        torch.library.opcheck(backward, (dout, *args, out, lse, *packing, True, None, False))
+        out, lse, rng_state = forward(*args, *packing, True, None, False, *options, 7)
+        torch.library.opcheck(backward, (dout, *args, out, lse, *packing, True, None, False, *options, rng_state))
 
 
-def _check_compiled(q, k, v, dout, **compile_kwargs):
+def _check_compiled(q, k, v, dout, options=None, **compile_kwargs):
     def loss(q, k, v, dout):
-        return (cuflash.torch.attention(q, k, v, causal=True, deterministic=True).float() * dout.float()).sum()
+        out = cuflash.torch.attention(q, k, v, causal=True, deterministic=True, **(options or {}))
+        return (out.float() * dout.float()).sum()
 
     assert torch._dynamo.explain(loss)(q, k, v, dout).graph_break_count == 0
     torch._dynamo.reset()
@@ -278,7 +582,7 @@ def test_deterministic_gradients_are_bitwise_reproducible():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["forward", "backward"])
+@pytest.mark.parametrize("op", ["forward", "backward", "varlen_forward", "varlen_backward"])
 def test_opcheck(op):
     q, k, v, dout = make_inputs(Shape(2, 70, 45, 4, 2, 64, True), torch.bfloat16, "cuda")
     _opcheck(op, q, k, v, dout)
@@ -337,3 +641,100 @@ def test_flash_attn_func_on_gpu():
     (dqkv,) = torch.autograd.grad(out, qkv, dout)
     views = [qkv.detach()[:, :, i] for i in range(3)]
     check_gradients(dqkv.unbind(dim=2), dout, *views, causal=True)
+
+
+# --- GPU: the options through the glue ---------------------------------------------------
+
+
+def _cupy(*tensors):
+    import cupy
+    return [None if t is None else cupy.from_dlpack(t.detach()) for t in tensors]
+
+
+def _kernel_options(kwargs: dict, causal: bool, rng_state=None) -> dict:
+    """cuflash.attention's keywords (CuPy slopes) for the checks of test_gpu_variants, the
+    dropout seed and offset read from the call's rng_state."""
+    options = dict(kwargs, causal=causal)
+    options["alibi_slopes"] = _cupy(options.get("alibi_slopes"))[0]
+    if rng_state is not None:
+        seed, options["rng_offset"] = rng_state.tolist()
+        options["seed"] = seed % 2**64
+    return options
+
+
+def _cuda_generator_state():
+    """(seed, rng_offset) the next dropout call with seed=None will use."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    return generator.initial_seed(), generator.get_offset() // 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_options_match_reference(name, dtype):
+    """Every option through the custom ops on the GPU, forward and gradients, against the
+    oracle; dropout seeds drawn from torch's CUDA generator (its seed and Philox offset,
+    which the call advances), and the backward given the forward's."""
+    from .test_gpu_variants import check_forward, check_gradients as check_variant_gradients
+    causal, kwargs = VARIANTS[name]
+    shape = Shape(2, 150, 230, 4, 2, 64, causal)
+    kwargs = _for_batch(kwargs, shape.batch, "cuda")
+    kwargs.pop("seed", None)
+    q, k, v, dout = make_inputs(shape, dtype, "cuda", seed=3)
+    expected_state = _cuda_generator_state()
+    left, right = kwargs.get("window_size", (-1, -1))
+    out, lse, rng_state = cuflash.torch.attention_forward(q, k, v, causal, None, False, left, right,
+                                                          kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"),
+                                                          kwargs.get("dropout_p", 0.0))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    if kwargs.get("dropout_p", 0) > 0:
+        assert tuple(rng_state.tolist()) == (expected_state[0] - 2**64 * (expected_state[0] >= 2**63),
+                                             expected_state[1])
+        assert _cuda_generator_state()[1] == expected_state[1] + 1
+    options = _kernel_options(kwargs, causal, rng_state)
+    check_forward(*_cupy(q, k, v, out, lse), options)
+    check_variant_gradients(*_cupy(dout, q, k, v), _cupy(*grads), options, out=_cupy(out)[0])
+
+
+@pytest.mark.gpu
+def test_dropout_reproduces_under_manual_seed():
+    q, k, v, dout = make_inputs(Shape(2, 130, 170, 4, 2, 64, True), torch.bfloat16, "cuda")
+
+    def run():
+        return gradients(q, k, v, dout, causal=True, dropout_p=0.2, deterministic=True)
+
+    torch.manual_seed(0)
+    first, second = run(), run()
+    torch.manual_seed(0)
+    again = run()
+    for a, b in zip((first[0], *first[1]), (again[0], *again[1])):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], second[0])
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph_with_options():
+    q, k, v, dout = make_inputs(Shape(2, 130, 97, 4, 2, 64, True), torch.bfloat16, "cuda")
+    options = dict(window_size=(40, 0), softcap=5.0, alibi_slopes=_SLOPES[:2].contiguous().cuda(), dropout_p=0.1,
+                   seed=5)
+    _check_compiled(q, k, v, dout, options)
+
+
+@pytest.mark.gpu
+def test_flash_attn_varlen_func_on_gpu():
+    """Packed sequences (one empty) with every option: forward and gradients against the
+    oracle, the dropout seed being what torch's CUDA generator held before the call."""
+    from .test_gpu_variants import check_forward, check_gradients as check_variant_gradients
+    shape = VarlenShape((100, 0, 257, 64), (130, 40, 0, 300), 4, 2, 128, True)
+    q, k, v, dout = make_inputs(shape, torch.bfloat16, "cuda", seed=4)
+    cu_q, cu_k = (torch.from_numpy(c).cuda() for c in (shape.cu_seqlens_q, shape.cu_seqlens_k))
+    kwargs = dict(dropout_p=0.15, window_size=(50, 10), softcap=8.0, alibi_slopes=_SLOPES.cuda())
+    seed, rng_offset = _cuda_generator_state()
+    out, lse, s_dmask = flash_attn_varlen_func(q, k, v, cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k,
+                                               causal=True, return_attn_probs=True, **kwargs)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and s_dmask.shape == (4, 4, 257, 300)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    options = dict(_kernel_options(kwargs, True), seed=seed, rng_offset=rng_offset)
+    varlen = _cupy(cu_q, cu_k)
+    check_forward(*_cupy(q, k, v, out, lse), options, varlen=varlen)
+    check_variant_gradients(*_cupy(dout, q, k, v), _cupy(*grads), options, varlen=varlen, out=_cupy(out)[0])

@@ -1,98 +1,101 @@
 // FlashAttention backward. P is recomputed from the saved LSE, never stored:
 //
 //   D = rowsum(dO * O)                                     attention_backward_preprocess
-//   for each key tile j (one CTA), for each query tile i and query head of the group:
-//     P = exp(scale S - LSE),  S = Q_i K_j^T                 (as P^T = exp(scale K_j Q_i^T - LSE))
-//     dV_j += P^T dO_i;  dP = dO_i V_j^T;  dS = P * (dP - D_i)
+//   for each key tile j (one CTA), for each query head of the group and query tile i:
+//     P = exp(mod(S) - LSE),  S = Q_i K_j^T                   (held as P^T: keys are rows)
+//     dV_j += dropout(P)^T dO_i;  dP = dropout(dO_i V_j^T);  dS = P (dP - D_i) mod'(S)
 //     dK_j += scale dS^T Q_i;  dQ_i += dS K_j                 attention_backward_dkdv
 //   dQ = scale dQ                                           attention_backward_convert_dq
 //
 // dK and dV stay in registers across the whole loop (fp32, summed over the query
 // heads that share the KV head, so GQA needs no atomics); dQ is accumulated in an
-// fp32 buffer with atomics. Deterministic mode skips those atomics and computes dQ
-// in attention_backward_dq, one CTA per query tile, which recomputes S and dP.
+// fp32 buffer with atomics. Without that buffer (Params::dq_accum null) dQ comes
+// from attention_backward_dq, one CTA per query tile, which recomputes S and dP:
+// no atomics anywhere, so the result is bitwise stable.
 #include "common.cuh"
 #include "copy.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "params.cuh"
+#include "score.cuh"
 
 namespace cuflash {
 
-// D = rowsum(dO * O) in fp32 for each (batch, head, query row), one warp a row;
-// the same warp clears the row's fp32 dQ accumulator (when there is one).
+// D = rowsum(dO * O) in fp32, one warp a (row, head); the same warp clears the
+// row's fp32 dQ accumulator (when there is one). Rows are numbered batch-major over
+// `batch` groups of `rows_per_batch` (one group of all rows for packed arrays).
 template <typename T>
 __global__ void __launch_bounds__(256)
-attention_backward_preprocess(const elem_t* __restrict__ dout, const elem_t* __restrict__ out,
-                              float* __restrict__ delta, float* __restrict__ dq_accum,
-                              int batch, int seqlen_q, int nheads, int headdim,
-                              int64 do_batch_stride, int64 do_row_stride, int64 do_head_stride,
-                              int64 o_batch_stride, int64 o_row_stride, int64 o_head_stride) {
-  const int64 row = int64(blockIdx.x) * 8 + threadIdx.x / 32;  // = (b * seqlen_q + i) * nheads + h
+attention_backward_preprocess(const Params p, int batch, int rows_per_batch) {
+  const int64 task = int64(blockIdx.x) * 8 + threadIdx.x / 32;  // = row * nheads + head
   const int lane = threadIdx.x % 32;
-  if (row >= int64(batch) * seqlen_q * nheads) return;
-  const int h = int(row % nheads), i = int(row / nheads % seqlen_q), b = int(row / nheads / seqlen_q);
-  const elem_t* dO = dout + b * do_batch_stride + i * do_row_stride + h * do_head_stride;
-  const elem_t* O = out + b * o_batch_stride + i * o_row_stride + h * o_head_stride;
+  if (task >= int64(batch) * rows_per_batch * p.nheads) return;
+  const int head = int(task % p.nheads);
+  const int64 row = task / p.nheads;
+  const int b = int(row / rows_per_batch), i = int(row % rows_per_batch);
+  const elem_t* dO = p.dout.ptr + b * p.dout.batch_stride + i * p.dout.row_stride + head * p.dout.head_stride;
+  const elem_t* O = p.o.ptr + b * p.o.batch_stride + i * p.o.row_stride + head * p.o.head_stride;
   float sum = 0.f;
-  for (int c = lane; c < headdim; c += 32) sum += DType<T>::to_float(dO[c]) * DType<T>::to_float(O[c]);
+  for (int c = lane; c < p.headdim; c += 32) sum += DType<T>::to_float(dO[c]) * DType<T>::to_float(O[c]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) delta[(int64(b) * nheads + h) * seqlen_q + i] = sum;
-  if (dq_accum != nullptr)
-    for (int c = lane; c < headdim; c += 32) dq_accum[row * headdim + c] = 0.f;
+  if (lane == 0) p.delta[b * p.lse_batch_stride + head * p.lse_head_stride + i] = sum;
+  if (p.dq_accum != nullptr)
+    for (int c = lane; c < p.headdim; c += 32) p.dq_accum[task * p.headdim + c] = 0.f;
 }
 
-// dq = scale * dq_accum, both (batch, seqlen_q, nheads, headdim) contiguous.
+// dq = scale * dq_accum; element n of the fp32 (rows, nheads, headdim) buffer goes
+// to row n / (nheads headdim) of dq (rows contiguous across the batch).
 template <typename T>
-__global__ void __launch_bounds__(256)
-attention_backward_convert_dq(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, int64 n, float scale) {
-  for (int64 i = int64(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64(gridDim.x) * blockDim.x)
-    dq[i] = DType<T>::from_float(dq_accum[i] * scale);
+__global__ void __launch_bounds__(256) attention_backward_convert_dq(const Params p, int64 n) {
+  const int64 row_size = int64(p.nheads) * p.headdim;
+  for (int64 i = int64(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64(gridDim.x) * blockDim.x) {
+    const int64 row = i / row_size, rest = i % row_size;
+    const int head = int(rest / p.headdim), c = int(rest % p.headdim);
+    p.dq.ptr[row * p.dq.row_stride + head * p.dq.head_stride + c] = DType<T>::from_float(p.dq_accum[i] * p.scale);
+  }
 }
 
-// exp(scale S - LSE) for the scores of acc (C layout), in log2 units:
-// acc * scale_log2 - lse_log2. Hidden scores (and rows with LSE = +inf) give 0.
-// kTransposed: acc holds S^T (rows are keys, columns queries).
-template <bool kTransposed, bool kCausal, int kNTiles>
-__device__ __forceinline__ void recompute_p(float (&acc)[1][kNTiles][4], float scale_log2,
-                                            const float* lse_log2_cols, const float (&lse_log2_rows)[2],
-                                            bool masked, const Mask<kCausal>& mask, int row0, int col0, int lane) {
+// From the raw scores s = Q K^T and dP = dO V^T of a tile (mma C layout; with
+// kTransposed the rows are keys and the columns queries), in place:
+//   s  <- dropout(P), P = exp(mod(s) - LSE), 0 where hidden     (for dV)
+//   dp <- dS = P (dropout(dP) - D) mod'(s)                       (for dK and dQ)
+// lse_log2 / delta give each query's LSE * log2(e) and D.
+template <bool kTransposed, bool kLocal, bool kExtras, int kNTiles, typename Lse, typename Delta>
+__device__ __forceinline__ void probabilities_and_gradients(
+    float (&s)[1][kNTiles][4], float (&dp)[1][kNTiles][4], float scale_log2, bool masked, const Mask<kLocal>& mask,
+    const ScoreMod& mod, const Dropout& dropout, bool dropping, float dropout_scale, Lse lse_log2, Delta delta,
+    int row0, int col0, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = g + 8 * (e >> 1), c = nt * 8 + 2 * t + (e & 1);
-      const float lse = kTransposed ? lse_log2_cols[c] : lse_log2_rows[e >> 1];
-      float p = fast_exp2(acc[0][nt][e] * scale_log2 - lse);
-      if (masked) {
-        const bool visible = kTransposed ? mask.visible(col0 + c, row0 + r) : mask.visible(row0 + r, col0 + c);
-        if (!visible) p = 0.f;
-      }
-      acc[0][nt][e] = p;
+      const int query = kTransposed ? col0 + c : row0 + r, key = kTransposed ? row0 + r : col0 + c;
+      const int local = kTransposed ? c : r;  // the query's index for lse_log2 / delta
+      const float raw = s[0][nt][e];
+      float prob = fast_exp2((kExtras ? mod(raw, query, key) : raw) * scale_log2 - lse_log2(local, e));
+      if (masked && !mask.visible(query, key)) prob = 0.f;
+      float kept = 1.f;
+      if (kExtras && dropping) kept = dropout.keep(query, key) ? dropout_scale : 0.f;
+      float ds = prob * (dp[0][nt][e] * kept - delta(local, e));
+      if constexpr (kExtras) ds *= mod.chain(raw);
+      s[0][nt][e] = prob * kept;
+      dp[0][nt][e] = ds;
     }
 }
 
-// @tparam kBlockM   query rows per step; a multiple of 16 * kWarps
+// @tparam kBlockM   query rows per step; a multiple of 16
 // @tparam kBlockN   key rows per CTA, 16 per warp
 // @tparam kStages   shared buffers for Q / dO: 2 overlaps the next step's load
 // @tparam kColSplit passes over the head dim: dK, dV (and dQ) columns are split so
 //                   that their accumulators fit in registers for large head dims
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kVec,
-          int kColSplit>
-__global__ void __launch_bounds__(kWarps * 32)
-attention_backward_dkdv(const elem_t* __restrict__ dout, const elem_t* __restrict__ q,
-                        const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-                        const float* __restrict__ lse, const float* __restrict__ delta,
-                        elem_t* __restrict__ dk, elem_t* __restrict__ dv, float* __restrict__ dq_accum,
-                        int seqlen_q, int seqlen_k, int nheads, int heads_per_kv, int headdim,
-                        int64 do_batch_stride, int64 do_row_stride, int64 do_head_stride,
-                        int64 q_batch_stride, int64 q_row_stride, int64 q_head_stride,
-                        int64 k_batch_stride, int64 k_row_stride, int64 k_head_stride,
-                        int64 v_batch_stride, int64 v_row_stride, int64 v_head_stride,
-                        int64 dk_batch_stride, int64 dk_row_stride, int64 dk_head_stride,
-                        int64 dv_batch_stride, int64 dv_row_stride, int64 dv_head_stride,
-                        float scale, float scale_log2) {
+// (__launch_bounds__ minimum 1 block: without it ptxas caps small CTAs near 168
+// registers and spills.)
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
+          bool kExtras, int kColSplit>
+__global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const Params p) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   constexpr int kDsStride = kBlockM + 8;  // dS^T rows, padded like every tile
@@ -116,48 +119,52 @@ attention_backward_dkdv(const elem_t* __restrict__ dout, const elem_t* __restric
   float* deltas = lse_log2 + kStages * kBlockM;                                // [kStages][kBlockM]
 
   const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const Sequence seq = Sequence::of(p, batch);
   const int n0 = n_block * kBlockN;
+  if (n0 >= seq.seqlen_k) return;  // variable length: the grid covers the longest sequence
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane >> 2, t = lane & 3;
-  k += batch * k_batch_stride + kv_head * k_head_stride;
-  v += batch * v_batch_stride + kv_head * v_head_stride;
-  dk += batch * dk_batch_stride + kv_head * dk_head_stride;
-  dv += batch * dv_batch_stride + kv_head * dv_head_stride;
+  const elem_t* k = seq.rows(p.k, batch, kv_head, false);
+  const elem_t* v = seq.rows(p.v, batch, kv_head, false);
+  elem_t* dk = seq.rows(p.dk, batch, kv_head, false);
+  elem_t* dv = seq.rows(p.dv, batch, kv_head, false);
 
-  const Mask<kCausal> mask{seqlen_k, seqlen_k - seqlen_q};
-  // Query tiles that see any key of this tile: with causal, from the first row
-  // whose diagonal reaches n0.
-  const int m_begin = kCausal ? max(0, n0 - mask.diagonal) / kBlockM : 0;
-  const int m_tiles = max(0, ceil_div(seqlen_q, kBlockM) - m_begin);
-  const int steps = heads_per_kv * m_tiles;  // (query head of the group, query tile) pairs
+  // Query tiles that can see any key of this tile.
+  const auto mask = Mask<kLocal>::of(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+  const int key_end = min(n0 + kBlockN, seq.seqlen_k);
+  const int m_begin = mask.query_begin(n0) / kBlockM;
+  const int m_tiles = max(0, ceil_div(mask.query_end(key_end, seq.seqlen_q), kBlockM) - m_begin);
+  const int steps = p.heads_per_kv * m_tiles;  // (query head of the group, query tile) pairs
+  const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
+  const bool dropping = kExtras && p.dropout_threshold > 0;
 
-  load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tile, k, k_row_stride, n0, seqlen_k, headdim);
-  load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tile, v, v_row_stride, n0, seqlen_k, headdim);
+  load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tile, k, p.k.row_stride, n0, seq.seqlen_k, p.headdim);
+  load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tile, v, p.v.row_stride, n0, seq.seqlen_k, p.headdim);
   cp_async_commit();
 
-  auto step_head = [&](int step) { return kv_head * heads_per_kv + step / max(m_tiles, 1); };
+  auto step_head = [&](int step) { return kv_head * p.heads_per_kv + step / max(m_tiles, 1); };
   auto step_m0 = [&](int step) { return (m_begin + step % max(m_tiles, 1)) * kBlockM; };
   auto load_step = [&](int step, int stage) {
     const int head = step_head(step), m0 = step_m0(step);
-    load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tiles + stage * kBlockM * kStride,
-                                                 q + batch * q_batch_stride + head * q_head_stride, q_row_stride,
-                                                 m0, seqlen_q, headdim);
+    load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tiles + stage * kBlockM * kStride, seq.rows(p.q, batch, head, true),
+                                                 p.q.row_stride, m0, seq.seqlen_q, p.headdim);
     load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
-                                                 dout + batch * do_batch_stride + head * do_head_stride,
-                                                 do_row_stride, m0, seqlen_q, headdim);
+                                                 seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
+                                                 seq.seqlen_q, p.headdim);
     cp_async_commit();
     // Rows past seqlen_q get LSE = +inf, so their P is 0 like a fully masked row's.
-    const int64 row_base = (int64(batch) * nheads + head) * seqlen_q;
+    const int64 at = seq.lse_offset(p, batch, head) + m0;
     for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
-      const bool ok = m0 + i < seqlen_q;
-      lse_log2[stage * kBlockM + i] = ok ? lse[row_base + m0 + i] * kLog2e : kInf;
-      deltas[stage * kBlockM + i] = ok ? delta[row_base + m0 + i] : 0.f;
+      const bool ok = m0 + i < seq.seqlen_q;
+      lse_log2[stage * kBlockM + i] = ok ? p.lse[at + i] * kLog2e : kInf;
+      deltas[stage * kBlockM + i] = ok ? p.delta[at + i] : 0.f;
     }
   };
 
+#pragma unroll 1
   for (int pass = 0; pass < kColSplit; ++pass) {
     const int col0 = pass * kCols;
-    float acc_dk[kCols / 8][4] = {}, acc_dv[kCols / 8][4] = {};
+    float acc_dk[1][kCols / 8][4] = {}, acc_dv[1][kCols / 8][4] = {};
     if (steps > 0) load_step(0, 0);
 
     for (int step = 0; step < steps; ++step) {
@@ -174,30 +181,30 @@ attention_backward_dkdv(const elem_t* __restrict__ dout, const elem_t* __restric
       const elem_t* do_tile = do_tiles + stage * kBlockM * kStride;
       const float* step_lse = lse_log2 + stage * kBlockM;
       const float* step_delta = deltas + stage * kBlockM;
-      const bool masked = n0 + kBlockN > seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + mask.diagonal);
-      const float no_rows[2] = {0.f, 0.f};
 
-      // P^T = exp(scale K Q^T - LSE): this warp's 16 keys x kBlockM queries.
-      float acc_p[1][kBlockM / 8][4] = {};
-      gemm_qk<T, 1, kBlockM, kHeadDim>(acc_p, k_tile, warp * 16, q_tile, lane);
-      recompute_p<true>(acc_p, scale_log2, step_lse, no_rows, masked, mask, n0 + warp * 16, m0, lane);
-      // dV += P^T dO
-      gemm_pv<T, 1, kBlockM, kCols, kStride>(reinterpret_cast<float(&)[1][kCols / 8][4]>(acc_dv), acc_p,
-                                             do_tile + col0, lane);
-      // dP^T = V dO^T;  dS^T = P^T (dP^T - D)
-      float acc_ds[1][kBlockM / 8][4] = {};
+      ScoreMod mod{};
+      Dropout dropout{};
+      if constexpr (kExtras) {
+        const float slope = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.f;
+        mod = ScoreMod{p.scale, p.softcap, slope, mask.diagonal};
+        dropout = Dropout{make_uint2(unsigned(p.seed), unsigned(p.seed >> 32)),
+                          unsigned(batch * p.nheads + head), unsigned(p.rng_offset), p.dropout_threshold};
+      }
+
+      // dP^T = V dO^T and S^T = K Q^T: this warp's 16 keys x kBlockM queries.
+      float acc_s[1][kBlockM / 8][4] = {}, acc_ds[1][kBlockM / 8][4] = {};
       gemm_qk<T, 1, kBlockM, kHeadDim>(acc_ds, v_tile, warp * 16, do_tile, lane);
-#pragma unroll
-      for (int nt = 0; nt < kBlockM / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          acc_ds[0][nt][e] = acc_p[0][nt][e] * (acc_ds[0][nt][e] - step_delta[nt * 8 + 2 * t + (e & 1)]);
-      // dK += dS^T Q (scaled once at the end)
-      gemm_pv<T, 1, kBlockM, kCols, kStride>(reinterpret_cast<float(&)[1][kCols / 8][4]>(acc_dk), acc_ds,
-                                             q_tile + col0, lane);
+      gemm_qk<T, 1, kBlockM, kHeadDim>(acc_s, k_tile, warp * 16, q_tile, lane);
+      probabilities_and_gradients<true, kLocal, kExtras>(
+          acc_s, acc_ds, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask, mod,
+          dropout, dropping, p.dropout_scale, [=](int c, int) { return step_lse[c]; },
+          [=](int c, int) { return step_delta[c]; }, n0 + warp * 16, m0, lane);
+      // dV += dropout(P)^T dO;  dK += dS^T Q (scaled once at the end)
+      gemm_pv<T, 1, kBlockM, kCols, kStride>(acc_dv, acc_s, do_tile + col0, lane);
+      gemm_pv<T, 1, kBlockM, kCols, kStride>(acc_dk, acc_ds, q_tile + col0, lane);
 
-      if (dq_accum != nullptr) {
-        // dQ += dS K: dS^T goes through shared memory so each warp can take 16 query rows.
+      if (p.dq_accum != nullptr) {
+        // dQ += dS K: dS^T goes through shared memory so the warps can split dQ.
 #pragma unroll
         for (int nt = 0; nt < kBlockM / 8; ++nt)
 #pragma unroll
@@ -208,18 +215,19 @@ attention_backward_dkdv(const elem_t* __restrict__ dout, const elem_t* __restric
         const int dq_row0 = kDqByCols ? 0 : warp * kDqRowTiles * 16;
         const int dq_col0 = col0 + (kDqByCols ? warp * kDqCols : 0);
         float acc_dq[kDqRowTiles][kDqCols / 8][4] = {};
-        gemm_tn<T, kDqRowTiles, kBlockN, kDqCols, kDsStride, kStride>(acc_dq, ds_tile, dq_row0, k_tile + dq_col0, lane);
-        float* dq_head = dq_accum + int64(batch) * seqlen_q * nheads * headdim + int64(head) * headdim;
+        gemm_tn<T, kDqRowTiles, kBlockN, kDqCols, kDsStride, kStride>(acc_dq, ds_tile, dq_row0, k_tile + dq_col0,
+                                                                     lane);
+        float* dq_rows = p.dq_accum + (seq.q_rows_before * p.nheads + head) * p.headdim;
 #pragma unroll
         for (int mt = 0; mt < kDqRowTiles; ++mt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = m0 + dq_row0 + mt * 16 + g + 8 * (e >> 1);
-            if (row >= seqlen_q) continue;
+            if (row >= seq.seqlen_q) continue;
 #pragma unroll
             for (int dt = 0; dt < kDqCols / 8; ++dt) {
               const int col = dq_col0 + dt * 8 + 2 * t + (e & 1);
-              if (col < headdim) atomicAdd(dq_head + int64(row) * nheads * headdim + col, acc_dq[mt][dt][e]);
+              if (col < p.headdim) atomicAdd(dq_rows + int64(row) * p.nheads * p.headdim + col, acc_dq[mt][dt][e]);
             }
           }
       }
@@ -227,31 +235,21 @@ attention_backward_dkdv(const elem_t* __restrict__ dout, const elem_t* __restric
       if (kStages == 1 && step + 1 < steps) load_step(step + 1, 0);
     }
 
-    store_accumulators<T, kCols / 8, kVec>(dk, dk_row_stride, acc_dk, n0 + warp * 16, seqlen_k, col0, headdim,
-                                          scale, lane);
-    store_accumulators<T, kCols / 8, kVec>(dv, dv_row_stride, acc_dv, n0 + warp * 16, seqlen_k, col0, headdim,
-                                          1.f, lane);
+    store_accumulators<T, kCols / 8, kVec>(dk, p.dk.row_stride, acc_dk[0], n0 + warp * 16, seq.seqlen_k, col0,
+                                          p.headdim, p.scale, lane);
+    store_accumulators<T, kCols / 8, kVec>(dv, p.dv.row_stride, acc_dv[0], n0 + warp * 16, seq.seqlen_k, col0,
+                                          p.headdim, 1.f, lane);
   }
   cp_async_wait<0>();  // K/V copies are still pending when no query tile was visited
 }
 
-// Deterministic dQ: one CTA per (query tile, head, batch), each warp 16 query rows,
-// key tiles streamed as in the forward; no atomics, so the result is bitwise stable.
-//   S = Q K^T;  P = exp(scale S - LSE);  dP = dO V^T;  dS = P (dP - D);  dQ += dS K
+// dQ without atomics: one CTA per (query tile, head, batch), each warp 16 query
+// rows, key tiles streamed as in the forward.
+//   S = Q K^T;  P = exp(mod(S) - LSE);  dP = dropout(dO V^T);  dS = P (dP - D) mod'(S);  dQ += dS K
 // kColSplit passes over the head dim keep the dQ accumulator within registers.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kCausal, bool kVec,
-          int kColSplit>
-__global__ void __launch_bounds__(kWarps * 32)
-attention_backward_dq(const elem_t* __restrict__ dout, const elem_t* __restrict__ q,
-                      const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-                      const float* __restrict__ lse, const float* __restrict__ delta, elem_t* __restrict__ dq,
-                      int seqlen_q, int seqlen_k, int nheads, int heads_per_kv, int headdim,
-                      int64 do_batch_stride, int64 do_row_stride, int64 do_head_stride,
-                      int64 q_batch_stride, int64 q_row_stride, int64 q_head_stride,
-                      int64 k_batch_stride, int64 k_row_stride, int64 k_head_stride,
-                      int64 v_batch_stride, int64 v_row_stride, int64 v_head_stride,
-                      int64 dq_batch_stride, int64 dq_row_stride, int64 dq_head_stride,
-                      float scale, float scale_log2) {
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
+          bool kExtras, int kColSplit>
+__global__ void __launch_bounds__(kWarps * 32) attention_backward_dq(const Params p) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   constexpr int kCols = kHeadDim / kColSplit;
@@ -264,49 +262,63 @@ attention_backward_dq(const elem_t* __restrict__ dout, const elem_t* __restrict_
   elem_t* v_tiles = k_tiles + kStages * kBlockN * kStride;
 
   const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const Sequence seq = Sequence::of(p, batch);
   const int m0 = m_block * kBlockM;
+  if (m0 >= seq.seqlen_q) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane >> 2;
-  const int kv_head = head / heads_per_kv;
-  q += batch * q_batch_stride + head * q_head_stride;
-  dout += batch * do_batch_stride + head * do_head_stride;
-  k += batch * k_batch_stride + kv_head * k_head_stride;
-  v += batch * v_batch_stride + kv_head * v_head_stride;
-  dq += batch * dq_batch_stride + head * dq_head_stride;
+  const int kv_head = head / p.heads_per_kv;
+  const elem_t* k = seq.rows(p.k, batch, kv_head, false);
+  const elem_t* v = seq.rows(p.v, batch, kv_head, false);
+  elem_t* dq = seq.rows(p.dq, batch, head, true);
 
-  const Mask<kCausal> mask{seqlen_k, seqlen_k - seqlen_q};
-  const int n_end = kCausal ? max(0, min(seqlen_k, min(m0 + kBlockM, seqlen_q) + mask.diagonal)) : seqlen_k;
-  const int n_blocks = ceil_div(n_end, kBlockN);
+  const auto mask = Mask<kLocal>::of(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+  const int row_end = min(m0 + kBlockM, seq.seqlen_q);
+  const int n_begin = mask.key_begin(m0) / kBlockN;
+  const int n_end = ceil_div(mask.key_end(row_end), kBlockN);
+  const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
+  const bool dropping = kExtras && p.dropout_threshold > 0;
+  ScoreMod mod{};
+  Dropout dropout{};
+  if constexpr (kExtras) {
+    const float slope = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.f;
+    mod = ScoreMod{p.scale, p.softcap, slope, mask.diagonal};
+    dropout = Dropout{make_uint2(unsigned(p.seed), unsigned(p.seed >> 32)), unsigned(batch * p.nheads + head),
+                      unsigned(p.rng_offset), p.dropout_threshold};
+  }
 
   // This lane's two rows: LSE in log2 units (+inf past seqlen_q, so P = 0) and D.
   float row_lse[2], row_delta[2];
+  const int64 at = seq.lse_offset(p, batch, head);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = m0 + warp * 16 + g + 8 * h;
-    const int64 at = (int64(batch) * nheads + head) * seqlen_q + row;
-    row_lse[h] = row < seqlen_q ? lse[at] * kLog2e : kInf;
-    row_delta[h] = row < seqlen_q ? delta[at] : 0.f;
+    row_lse[h] = row < seq.seqlen_q ? p.lse[at + row] * kLog2e : kInf;
+    row_delta[h] = row < seq.seqlen_q ? p.delta[at + row] : 0.f;
   }
 
   auto load_kv = [&](int n, int stage) {
-    load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tiles + stage * kBlockN * kStride, k, k_row_stride,
-                                                  n * kBlockN, seqlen_k, headdim);
-    load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tiles + stage * kBlockN * kStride, v, v_row_stride,
-                                                  n * kBlockN, seqlen_k, headdim);
+    load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tiles + stage * kBlockN * kStride, k, p.k.row_stride,
+                                                  n * kBlockN, seq.seqlen_k, p.headdim);
+    load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tiles + stage * kBlockN * kStride, v, p.v.row_stride,
+                                                  n * kBlockN, seq.seqlen_k, p.headdim);
     cp_async_commit();
   };
-  load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tile, q, q_row_stride, m0, seqlen_q, headdim);
-  load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tile, dout, do_row_stride, m0, seqlen_q, headdim);
+  load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tile, seq.rows(p.q, batch, head, true), p.q.row_stride, m0,
+                                               seq.seqlen_q, p.headdim);
+  load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tile, seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
+                                               seq.seqlen_q, p.headdim);
   cp_async_commit();
 
+#pragma unroll 1
   for (int pass = 0; pass < kColSplit; ++pass) {
     const int col0 = pass * kCols;
-    if (n_blocks > 0) load_kv(0, 0);
+    if (n_end > n_begin) load_kv(n_begin, 0);
     float acc_dq[1][kCols / 8][4] = {};
-    for (int n = 0; n < n_blocks; ++n) {
-      const int stage = kStages == 2 ? n % 2 : 0;
-      if (kStages == 2 && n + 1 < n_blocks) {
-        load_kv(n + 1, (n + 1) % 2);
+    for (int i = 0, n = n_begin; n < n_end; ++i, ++n) {
+      const int stage = kStages == 2 ? i % 2 : 0;
+      if (kStages == 2 && n + 1 < n_end) {
+        load_kv(n + 1, (i + 1) % 2);
         cp_async_wait<1>();
       } else {
         cp_async_wait<0>();
@@ -315,24 +327,21 @@ attention_backward_dq(const elem_t* __restrict__ dout, const elem_t* __restrict_
       const elem_t* k_tile = k_tiles + stage * kBlockN * kStride;
       const elem_t* v_tile = v_tiles + stage * kBlockN * kStride;
       const int n0 = n * kBlockN;
-      const bool masked = n0 + kBlockN > seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + mask.diagonal);
 
-      float acc_p[1][kBlockN / 8][4] = {};
-      gemm_qk<T, 1, kBlockN, kHeadDim>(acc_p, q_tile, warp * 16, k_tile, lane);
-      recompute_p<false>(acc_p, scale_log2, nullptr, row_lse, masked, mask, m0 + warp * 16, n0, lane);
-      float acc_ds[1][kBlockN / 8][4] = {};
+      float acc_s[1][kBlockN / 8][4] = {}, acc_ds[1][kBlockN / 8][4] = {};
+      gemm_qk<T, 1, kBlockN, kHeadDim>(acc_s, q_tile, warp * 16, k_tile, lane);
       gemm_qk<T, 1, kBlockN, kHeadDim>(acc_ds, do_tile, warp * 16, v_tile, lane);
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_ds[0][nt][e] = acc_p[0][nt][e] * (acc_ds[0][nt][e] - row_delta[e >> 1]);
+      probabilities_and_gradients<false, kLocal, kExtras>(
+          acc_s, acc_ds, scale_log2, !mask.covers(m0, row_end, n0, n0 + kBlockN), mask, mod, dropout, dropping,
+          p.dropout_scale, [=](int, int e) { return row_lse[e >> 1]; }, [=](int, int e) { return row_delta[e >> 1]; },
+          m0 + warp * 16, n0, lane);
       gemm_pv<T, 1, kBlockN, kCols, kStride>(acc_dq, acc_ds, k_tile + col0, lane);
       __syncthreads();
-      if (kStages == 1 && n + 1 < n_blocks) load_kv(n + 1, 0);
+      if (kStages == 1 && n + 1 < n_end) load_kv(n + 1, 0);
     }
     cp_async_wait<0>();
-    store_accumulators<T, kCols / 8, kVec>(dq, dq_row_stride, acc_dq[0], m0 + warp * 16, seqlen_q, col0, headdim,
-                                           scale, lane);
+    store_accumulators<T, kCols / 8, kVec>(dq, p.dq.row_stride, acc_dq[0], m0 + warp * 16, seq.seqlen_q, col0,
+                                           p.headdim, p.scale, lane);
   }
 }
 

@@ -1,18 +1,50 @@
-// Which scores a query may see. Causal is aligned bottom-right, as flash-attn:
-// query i sees key j iff j <= i + seqlen_k - seqlen_q. Keys past seqlen_k are
-// tile padding. Only tiles that straddle a boundary pay for this.
+// Which scores a query may see, aligned bottom-right as flash-attn: with
+// diagonal = seqlen_k - seqlen_q, query i sees key j iff j < seqlen_k and, for a
+// local (causal or sliding-window) mask, i + diagonal - left <= j <= i + diagonal + right.
+// Causal is right = 0.
 #pragma once
 #include "common.cuh"
 
 namespace cuflash {
 
-template <bool kCausal>
+template <bool kLocal>
 struct Mask {
   int seqlen_k;
-  int diagonal;  // seqlen_k - seqlen_q
+  int diagonal;
+  int left, right;
+
+  // The band of one sequence from the window of Params: a side that is negative or
+  // reaches past every key (>= seqlen_k) is unbounded, a bound beyond all keys.
+  static __device__ __forceinline__ Mask of(int seqlen_q, int seqlen_k, int left, int right) {
+    const int unbounded = seqlen_q + seqlen_k + 1;
+    return Mask{seqlen_k, seqlen_k - seqlen_q, left < 0 || left >= seqlen_k ? unbounded : left,
+                right < 0 || right >= seqlen_k ? unbounded : right};
+  }
 
   __device__ __forceinline__ bool visible(int row, int col) const {
-    return col < seqlen_k && (!kCausal || col <= row + diagonal);
+    return col < seqlen_k && (!kLocal || (col >= row + diagonal - left && col <= row + diagonal + right));
+  }
+
+  // The keys any of the query rows [row_begin, row_end) can see are [key_begin, key_end).
+  __device__ __forceinline__ int key_begin(int row_begin) const {
+    return kLocal ? max(0, row_begin + diagonal - left) : 0;
+  }
+  __device__ __forceinline__ int key_end(int row_end) const {
+    return kLocal ? max(0, min(seqlen_k, row_end + diagonal + right)) : seqlen_k;
+  }
+  // The queries that can see any of the keys [col_begin, col_end) start at this row.
+  __device__ __forceinline__ int query_begin(int col_begin) const {
+    return kLocal ? max(0, col_begin - diagonal - right) : 0;
+  }
+  __device__ __forceinline__ int query_end(int col_end, int seqlen_q) const {
+    return kLocal ? max(0, min(seqlen_q, col_end - diagonal + left)) : seqlen_q;
+  }
+
+  // Does every query of [row_begin, row_end) see every key of [col_begin, col_end)?
+  // Only tiles where it does not pay for masking.
+  __device__ __forceinline__ bool covers(int row_begin, int row_end, int col_begin, int col_end) const {
+    return col_end <= seqlen_k &&
+           (!kLocal || (col_begin >= row_end - 1 + diagonal - left && col_end - 1 <= row_begin + diagonal + right));
   }
 
   // s[mt][nt][e] is the score of query row0 + 16 mt + g + 8 (e / 2) and key

@@ -66,17 +66,17 @@ struct OnlineSoftmax {
       }
   }
 
-  // O /= l and LSE = m * scale + log(l) (natural log). l == 0 (nothing visible)
-  // gives O = 0 and LSE = +inf; a NaN l stays NaN in both.
+  // O *= out_scale / l and LSE = m * scale + log(l) (natural log). l == 0 (nothing
+  // visible) gives O = 0 and LSE = +inf; a NaN l stays NaN in both.
   template <int kDTiles>
   __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float (&lse)[kMTiles][2],
-                                           float scale_log2) {
+                                           float scale_log2, float out_scale) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(row_sum[mt][h]);
-        const float inv_l = l == 0.f ? 0.f : 1.f / l;
+        const float inv_l = l == 0.f ? 0.f : out_scale / l;
         lse[mt][h] = l == 0.f ? kInf : (scaled_max(row_max[mt][h], scale_log2) + fast_log2(l)) * kLn2;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= inv_l, o[mt][dt][2 * h + 1] *= inv_l;

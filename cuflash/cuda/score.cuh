@@ -1,0 +1,95 @@
+// What happens to a score between Q K^T and the softmax, for the variants:
+//   s = scale q.k;  softcap: s = softcap tanh(s / softcap);  ALiBi: s -= slope |i + diagonal - j|
+// and dropout's keep mask (Philox4x32-10, counter-based: the same (seed, offset,
+// batch, head, row, col) always gives the same decision, whatever the launch shape).
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+struct ScoreMod {
+  float scale;
+  float softcap;  // 0: off
+  float slope;    // ALiBi slope of this (batch, head); 0: off
+  int diagonal;
+
+  // The score in natural units from the raw dot product s of (row, col).
+  __device__ __forceinline__ float operator()(float s, int row, int col) const {
+    s *= scale;
+    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+    if (slope != 0.f) s -= slope * float(abs(row + diagonal - col));
+    return s;
+  }
+  // Every score of acc (mma C layout, rows from row0, columns from col0) through the mod.
+  template <int kMTiles, int kNTiles>
+  __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[mt][nt][e] = (*this)(s[mt][nt][e], row0 + mt * 16 + g + 8 * (e >> 1), col0 + nt * 8 + 2 * t + (e & 1));
+  }
+  // d score / d (scale q.k): softcap's 1 - tanh^2 (ALiBi adds a constant).
+  __device__ __forceinline__ float chain(float s) const {
+    if (softcap <= 0.f) return 1.f;
+    const float t = tanhf(s * scale / softcap);
+    return 1.f - t * t;
+  }
+};
+
+// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3").
+__device__ __forceinline__ uint4 philox(uint4 c, uint2 key) {
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) key.x += 0x9E3779B9u, key.y += 0xBB67AE85u;
+    const unsigned hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+    const unsigned hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+    c = make_uint4(hi1 ^ c.y ^ key.x, lo1, hi0 ^ c.w ^ key.y, lo0);
+  }
+  return c;
+}
+
+// Counter (col / 4, row, batch * nheads + head, offset), key = seed; the element
+// takes word col % 4 and is dropped iff it is below the threshold (cuflash/_philox.py).
+struct Dropout {
+  uint2 key;
+  unsigned stream;  // batch * nheads + head
+  unsigned offset;
+  unsigned threshold;
+
+  __device__ __forceinline__ uint4 words(int row, int col) const {
+    return philox(make_uint4(unsigned(col) >> 2, unsigned(row), stream, offset), key);
+  }
+  __device__ __forceinline__ bool keep(int row, int col) const {
+    const uint4 w = words(row, col);
+    const unsigned word = (col & 3) == 0 ? w.x : (col & 3) == 1 ? w.y : (col & 3) == 2 ? w.z : w.w;
+    return word >= threshold;
+  }
+  // Zero the dropped probabilities of p (mma C layout); column pairs share a call.
+  template <int kMTiles, int kNTiles>
+  __device__ __forceinline__ void apply(float (&p)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          bool first, second;
+          keep_pair(row0 + mt * 16 + g + 8 * h, col0 + nt * 8 + 2 * t, first, second);
+          if (!first) p[mt][nt][2 * h] = 0.f;
+          if (!second) p[mt][nt][2 * h + 1] = 0.f;
+        }
+  }
+  // (row, col) and (row, col + 1) for an even col: one Philox call.
+  __device__ __forceinline__ void keep_pair(int row, int col, bool& first, bool& second) const {
+    const uint4 w = words(row, col);
+    first = ((col & 2) ? w.z : w.x) >= threshold;
+    second = ((col & 2) ? w.w : w.y) >= threshold;
+  }
+};
+
+}  // namespace cuflash
