@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("fwd", "fwdbwd", "all"), default="all", help="forward, forward+backward, or both")
     p.add_argument("--csv", help="also write the rows to this CSV file")
     p.add_argument("--baseline", help="folder of another cuflash package to time beside this one")
-    p.add_argument("--variants", action="store_true", help="sliding window and variable-length speed checks")
+    p.add_argument("--variants", action="store_true", help="also the sliding-window and variable-length speed checks")
     p.set_defaults(run=bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

@@ -92,9 +92,6 @@ def main(args) -> int:
         print("python -m cuflash bench needs PyTorch for the side-by-side SDPA comparison: pip install torch")
         return 1
     baseline = _load_baseline(args.baseline) if args.baseline else None
-    if args.variants:
-        _variants(torch, gpu)
-        return 0
     seqlens = SEQLENS[::2] if args.quick else SEQLENS
     passes = {"fwd": (False,), "fwdbwd": (True,), "all": (False, True)}[args.mode]
     rows = []
@@ -126,6 +123,8 @@ def main(args) -> int:
             writer = csv.DictWriter(f, fieldnames=["pass", "d", "causal", "seqlen", "batch", "nheads"] + names)
             writer.writeheader()
             writer.writerows(rows)
+    if args.variants:
+        _variants(torch, gpu)
     return 0
 
 

@@ -59,7 +59,7 @@ def api_options(variant: Variant, causal: bool, softmax_scale=None) -> dict:
     import cupy
     options = variant.options()
     if options["alibi_slopes"] is not None:
-        options["alibi_slopes"] = cupy.ascontiguousarray(options["alibi_slopes"], dtype=cupy.float32)
+        options["alibi_slopes"] = cupy.asarray(np.ascontiguousarray(options["alibi_slopes"]), dtype=cupy.float32)
     return dict(options, causal=causal, softmax_scale=softmax_scale)
 
 

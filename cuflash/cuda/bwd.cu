@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
 // kColSplit passes over the head dim keep the dQ accumulator within registers.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
           bool kExtras, int kColSplit>
-__global__ void __launch_bounds__(kWarps * 32) attention_backward_dq(const Params p) {
+__global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Params p) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   constexpr int kCols = kHeadDim / kColSplit;
