@@ -83,46 +83,36 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: Array
 
 
 def backward_workspace(q_shape) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Scratch buffers of ``backward`` (contents on entry do not matter): D = rowsum(dO * O)
-    laid out like the LSE, and the fp32 dQ accumulator, shaped like q."""
+    """Scratch buffers of ``backward`` (contents on entry do not matter): D = rowsum(dO * O),
+    laid out like the LSE."""
     if len(q_shape) == 4:
         batch, seqlen_q, nheads, _ = q_shape
-        delta = (batch, nheads, seqlen_q)
-    else:
-        total_q, nheads, _ = q_shape
-        delta = (nheads, total_q)
-    return {"delta": (delta, "float32"), "dq_accum": (tuple(q_shape), "float32")}
+        return {"delta": ((batch, nheads, seqlen_q), "float32")}
+    total_q, nheads, _ = q_shape
+    return {"delta": ((nheads, total_q), "float32")}
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
-             dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, delta: ArrayInfo, dq_accum: ArrayInfo,
-             options: Options, *, deterministic: bool, stream: int, varlen: Varlen | None = None) -> None:
-    """dq, dk, dv of attention. delta and dq_accum come from ``backward_workspace``;
-    dq must be contiguous (the fp32 accumulator is converted into it row by row)."""
+             dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, delta: ArrayInfo, options: Options, *, stream: int,
+             varlen: Varlen | None = None) -> None:
+    """dq, dk, dv of attention; delta comes from ``backward_workspace``. No atomics: the
+    result is bitwise reproducible."""
     p, batch = _params(q, k, v, lse, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
     p.delta = delta.ptr
-    p.dq_accum = None if deterministic else dq_accum.ptr
     vec = _vectorizable(dout, q, k, v, dq, dk, dv)
     nheads_kv = k.shape[-2]
     rows_per_batch = p.seqlen_q if varlen is None else q.shape[0]
     groups = batch if varlen is None else 1
     tasks = groups * rows_per_batch * p.nheads
-    if tasks:  # D, and a zeroed dQ accumulator
+    if tasks:
         pre = _plan.Elementwise("backward_preprocess", q.dtype)
         _launch(pre, (-(-tasks // 8), 1, 1), q.device, stream,
                 [p, ctypes.c_int(groups), ctypes.c_int(rows_per_batch)])
+        kernel = _kernel("backward_dq", q, options, vec)
+        _launch(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device, stream, [p])
     if batch and p.seqlen_k and nheads_kv:
         kernel = _kernel("backward_dkdv", q, options, vec)
         _launch(kernel, kernel.grid(p.seqlen_k, nheads_kv, batch), q.device, stream, [p])
-    if not tasks:
-        return
-    if deterministic:
-        kernel = _kernel("backward_dq", q, options, vec)
-        _launch(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device, stream, [p])
-    else:
-        convert = _plan.Elementwise("backward_convert_dq", q.dtype)
-        n = tasks * p.headdim
-        _launch(convert, (min(-(-n // convert.threads), 4096), 1, 1), q.device, stream, [p, ctypes.c_int64(n)])
 
 
 def _kernel(kind: str, q: ArrayInfo, options: Options, vectorized: bool) -> _plan.Kernel:

@@ -58,15 +58,15 @@ KINDS = {
         224: (_T(64, 64, 4, 2), _T(64, 32, 4, 2)),
         256: (_T(64, 64, 4, 2), _T(64, 32, 4, 2), _T(64, 32, 4, 1)),
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", False),
-    # K and V tiles + stages x (Q tile + dO tile + LSE + D) + dS^T tile
+    # K and V tiles + stages x (Q tile + dO tile + LSE + D)
     "backward_dkdv": Kind("bwd.cu", "attention_backward_dkdv", {
         32: (_T(64, 64, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(32, 32, 2, 2),),
         128: (_T(32, 64, 4, 2), _T(32, 64, 4, 1)),
         160: (_T(32, 32, 2, 2, 2),), 192: (_T(32, 32, 2, 2, 2),),
         224: (_T(64, 64, 4, 2, 7), _T(32, 32, 2, 2, 7)),
         256: (_T(32, 64, 4, 2, 4), _T(32, 32, 2, 1, 4)),
-    }, lambda t, d: (2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m)
-                     + t.block_n * (t.block_m + 8) * 2), "block_n", True),
+    }, lambda t, d: 2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m),
+        "block_n", True),
     # Q tile + dO tile + stages x (K tile + V tile)
     "backward_dq": Kind("bwd.cu", "attention_backward_dq", {
         32: (_T(64, 128, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(64, 64, 4, 2),),
@@ -77,8 +77,7 @@ KINDS = {
 }
 
 # Untiled helpers of the backward, one instance per dtype.
-ELEMENTWISE = {"backward_preprocess": ("bwd.cu", "attention_backward_preprocess", 256),
-               "backward_convert_dq": ("bwd.cu", "attention_backward_convert_dq", 256)}
+ELEMENTWISE = {"backward_preprocess": ("bwd.cu", "attention_backward_preprocess", 256)}
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -88,8 +88,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the
     same arguments (with dropout: the same ``seed`` and ``rng_offset``); P is
     recomputed from ``lse``, never stored. With GQA, dk and dv are summed over the
-    query heads that share a KV head. ``deterministic=True`` gives bitwise-identical
-    results from run to run (dQ by its own pass instead of fp32 atomics).
+    query heads that share a KV head. The gradients are always bitwise reproducible
+    (no atomics); ``deterministic`` is accepted for flash-attn compatibility.
     """
     arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
@@ -101,7 +101,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     if qi.device is None:
         from . import cpu
         return cpu.attention_backward(dout, q, k, v, out, lse, **_cpu_options(options, alibi_slopes))
-    return _backward_gpu(arrays, options, bool(deterministic), None)
+    return _backward_gpu(arrays, options, None)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -120,7 +120,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         from . import cpu
         return cpu.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, **_cpu_options(options, alibi_slopes))
-    return _backward_gpu(arrays, options, bool(deterministic), varlen)
+    return _backward_gpu(arrays, options, varlen)
 
 
 for _f in (attention, attention_varlen, attention_backward, attention_varlen_backward):
@@ -138,14 +138,13 @@ def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None):
     return framework.finish(out.array), framework.finish(lse.array)
 
 
-def _backward_gpu(arrays: dict, options: Options, deterministic: bool, varlen: Varlen | None):
+def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None):
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     framework = _arrays.Framework(q)
     grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
     work = {name: framework.empty(shape, dtype) for name, (shape, dtype) in _kernels.backward_workspace(q.shape).items()}
     _kernels.backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], *(g.info for g in grads),
-                      work["delta"].info, work["dq_accum"].info, options, deterministic=deterministic,
-                      stream=framework.stream, varlen=varlen)
+                      work["delta"].info, options, stream=framework.stream, varlen=varlen)
     return tuple(framework.finish(g.array) for g in grads)
 
 

@@ -44,11 +44,10 @@ def _median_ms(fn, torch) -> float:
 
 def _run(module, q, k, v, dout, backward, **options):
     """One forward (and backward) through ``module``'s API (cuflash, or a baseline copy)."""
-    deterministic = options.pop("deterministic", False)
     if not backward:
         return module.attention(q, k, v, **options)
     out, lse = module.attention(q, k, v, return_lse=True, **options)
-    return module.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+    return module.attention_backward(dout, q, k, v, out, lse, **options)
 
 
 def _implementations(torch, b, s, h, d, causal, backward, baseline=None):
@@ -56,8 +55,6 @@ def _implementations(torch, b, s, h, d, causal, backward, baseline=None):
     import cuflash
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     impls = {"cuflash": lambda: _run(cuflash, q, k, v, dout, backward, causal=causal)}
-    if backward:
-        impls["cuflash-det"] = lambda: _run(cuflash, q, k, v, dout, backward, causal=causal, deterministic=True)
     if baseline is not None:
         impls["baseline"] = lambda: _run(baseline, q, k, v, dout, backward, causal=causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -108,8 +105,8 @@ def main(args) -> int:
                     rows.append(row)
                     torch.cuda.empty_cache()
 
-    names = [n for n in ("cuflash", "cuflash-det", "baseline", "sdpa-flash", "sdpa-cudnn") if any(n in r for r in rows)]
-    peers = [n for n in names if n not in ("cuflash", "cuflash-det")]
+    names = [n for n in ("cuflash", "baseline", "sdpa-flash", "sdpa-cudnn") if any(n in r for r in rows)]
+    peers = names[1:]
     print(f"TFLOP/s, bf16, hidden {HIDDEN}, batch*seqlen {TOKENS}, {gpu}, "
           f"torch {torch.__version__}; median of {REPEATS} after {WARMUP} warm-up")
     print(f"{'pass':>7} {'d':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>11}" for n in names) + "  "

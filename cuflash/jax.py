@@ -302,9 +302,8 @@ class _BackwardCallback:
         options, varlen = _gpu_options(self.config, extras, q, ctx.stream)
         inputs = [_info(x, dtype) for x in (dout, q, k, v, out)] + [_info(lse, "float32")]
         grads = [_info(x, dtype) for x in grads]
-        workspace = [_info(workspace[name], "float32") for name in ("delta", "dq_accum")]
-        _kernels.backward(*inputs, *grads, *workspace, options, deterministic=self.config.deterministic,
-                          stream=ctx.stream, varlen=varlen)
+        _kernels.backward(*inputs, *grads, _info(workspace["delta"], "float32"), options, stream=ctx.stream,
+                          varlen=varlen)
 
 
 def _call_cpu(dense, packed, config: _Config, arrays: list, extras: dict, **kwargs):

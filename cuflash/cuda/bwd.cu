@@ -1,17 +1,18 @@
 // FlashAttention backward. P is recomputed from the saved LSE, never stored:
 //
-//   D = rowsum(dO * O)                                     attention_backward_preprocess
+//   D = rowsum(dO * O)                                      attention_backward_preprocess
 //   for each key tile j (one CTA), for each query head of the group and query tile i:
-//     P = exp(mod(S) - LSE),  S = Q_i K_j^T                   (held as P^T: keys are rows)
+//     P = exp(mod(S) - LSE),  S = Q_i K_j^T                    (held as P^T: keys are rows)
 //     dV_j += dropout(P)^T dO_i;  dP = dropout(dO_i V_j^T);  dS = P (dP - D_i) mod'(S)
-//     dK_j += scale dS^T Q_i;  dQ_i += dS K_j                 attention_backward_dkdv
-//   dQ = scale dQ                                           attention_backward_convert_dq
+//     dK_j += scale dS^T Q_i                                   attention_backward_dkdv
+//   for each query tile i (one CTA), for each key tile j it sees:
+//     the same P and dS;  dQ_i += scale dS K_j                 attention_backward_dq
 //
 // dK and dV stay in registers across the whole loop (fp32, summed over the query
-// heads that share the KV head, so GQA needs no atomics); dQ is accumulated in an
-// fp32 buffer with atomics. Without that buffer (Params::dq_accum null) dQ comes
-// from attention_backward_dq, one CTA per query tile, which recomputes S and dP:
-// no atomics anywhere, so the result is bitwise stable.
+// heads that share the KV head, so GQA needs no atomics), and so does dQ in its own
+// pass. Recomputing S and dP there measured faster on the H200 than accumulating dQ
+// with fp32 atomics from the dK/dV kernel (docs/performance.md), and with no atomics
+// anywhere every gradient is bitwise reproducible.
 #include "common.cuh"
 #include "copy.cuh"
 #include "mask.cuh"
@@ -21,9 +22,8 @@
 
 namespace cuflash {
 
-// D = rowsum(dO * O) in fp32, one warp a (row, head); the same warp clears the
-// row's fp32 dQ accumulator (when there is one). Rows are numbered batch-major over
-// `batch` groups of `rows_per_batch` (one group of all rows for packed arrays).
+// D = rowsum(dO * O) in fp32, one warp a (row, head). Rows are numbered batch-major
+// over `batch` groups of `rows_per_batch` (one group of all rows for packed arrays).
 template <typename T>
 __global__ void __launch_bounds__(256)
 attention_backward_preprocess(const Params p, int batch, int rows_per_batch) {
@@ -40,20 +40,6 @@ attention_backward_preprocess(const Params p, int batch, int rows_per_batch) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) p.delta[b * p.lse_batch_stride + head * p.lse_head_stride + i] = sum;
-  if (p.dq_accum != nullptr)
-    for (int c = lane; c < p.headdim; c += 32) p.dq_accum[task * p.headdim + c] = 0.f;
-}
-
-// dq = scale * dq_accum; element n of the fp32 (rows, nheads, headdim) buffer goes
-// to row n / (nheads headdim) of dq (rows contiguous across the batch).
-template <typename T>
-__global__ void __launch_bounds__(256) attention_backward_convert_dq(const Params p, int64 n) {
-  const int64 row_size = int64(p.nheads) * p.headdim;
-  for (int64 i = int64(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64(gridDim.x) * blockDim.x) {
-    const int64 row = i / row_size, rest = i % row_size;
-    const int head = int(rest / p.headdim), c = int(rest % p.headdim);
-    p.dq.ptr[row * p.dq.row_stride + head * p.dq.head_stride + c] = DType<T>::from_float(p.dq_accum[i] * p.scale);
-  }
 }
 
 // From the raw scores s = Q K^T and dP = dO V^T of a tile (mma C layout; with
@@ -89,8 +75,8 @@ __device__ __forceinline__ void probabilities_and_gradients(
 // @tparam kBlockM   query rows per step; a multiple of 16
 // @tparam kBlockN   key rows per CTA, 16 per warp
 // @tparam kStages   shared buffers for Q / dO: 2 overlaps the next step's load
-// @tparam kColSplit passes over the head dim: dK, dV (and dQ) columns are split so
-//                   that their accumulators fit in registers for large head dims
+// @tparam kColSplit passes over the head dim: dK and dV columns are split so that
+//                   their accumulators fit in registers for large head dims
 // (__launch_bounds__ minimum 1 block: without it ptxas caps small CTAs near 168
 // registers and spills.)
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
@@ -98,24 +84,15 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kS
 __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const Params p) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
-  constexpr int kDsStride = kBlockM + 8;  // dS^T rows, padded like every tile
   constexpr int kCols = kHeadDim / kColSplit;
-  constexpr int kMTiles = kBlockM / 16;
-  // dQ = dS K is split among the warps by columns where each warp gets a multiple
-  // of 16, else by 16-row tiles: kDqRowTiles x kDqCols per warp.
-  constexpr bool kDqByCols = (kCols / kWarps) % 16 == 0;
-  constexpr int kDqRowTiles = kDqByCols ? kMTiles : kMTiles / kWarps;
-  constexpr int kDqCols = kDqByCols ? kCols / kWarps : kCols;
-  static_assert(kBlockN == 16 * kWarps && kCols % 16 == 0, "tile shape");
-  static_assert(kDqByCols || kMTiles % kWarps == 0, "dQ tiles must divide among the warps");
+  static_assert(kBlockN == 16 * kWarps && kBlockM % 16 == 0 && kCols % 16 == 0, "tile shape");
 
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* k_tile = reinterpret_cast<elem_t*>(smem);
   elem_t* v_tile = k_tile + kBlockN * kStride;
   elem_t* q_tiles = v_tile + kBlockN * kStride;
   elem_t* do_tiles = q_tiles + kStages * kBlockM * kStride;
-  elem_t* ds_tile = do_tiles + kStages * kBlockM * kStride;
-  float* lse_log2 = reinterpret_cast<float*>(ds_tile + kBlockN * kDsStride);  // [kStages][kBlockM]
+  float* lse_log2 = reinterpret_cast<float*>(do_tiles + kStages * kBlockM * kStride);  // [kStages][kBlockM]
   float* deltas = lse_log2 + kStages * kBlockM;                                // [kStages][kBlockM]
 
   const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
@@ -123,7 +100,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.seqlen_k) return;  // variable length: the grid covers the longest sequence
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane >> 2, t = lane & 3;
   const elem_t* k = seq.rows(p.k, batch, kv_head, false);
   const elem_t* v = seq.rows(p.v, batch, kv_head, false);
   elem_t* dk = seq.rows(p.dk, batch, kv_head, false);
@@ -203,34 +179,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
       gemm_pv<T, 1, kBlockM, kCols, kStride>(acc_dv, acc_s, do_tile + col0, lane);
       gemm_pv<T, 1, kBlockM, kCols, kStride>(acc_dk, acc_ds, q_tile + col0, lane);
 
-      if (p.dq_accum != nullptr) {
-        // dQ += dS K: dS^T goes through shared memory so the warps can split dQ.
-#pragma unroll
-        for (int nt = 0; nt < kBlockM / 8; ++nt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<unsigned*>(ds_tile + (warp * 16 + g + 8 * h) * kDsStride + nt * 8 + 2 * t) =
-                DType<T>::pack(acc_ds[0][nt][2 * h], acc_ds[0][nt][2 * h + 1]);
-        __syncthreads();
-        const int dq_row0 = kDqByCols ? 0 : warp * kDqRowTiles * 16;
-        const int dq_col0 = col0 + (kDqByCols ? warp * kDqCols : 0);
-        float acc_dq[kDqRowTiles][kDqCols / 8][4] = {};
-        gemm_tn<T, kDqRowTiles, kBlockN, kDqCols, kDsStride, kStride>(acc_dq, ds_tile, dq_row0, k_tile + dq_col0,
-                                                                     lane);
-        float* dq_rows = p.dq_accum + (seq.q_rows_before * p.nheads + head) * p.headdim;
-#pragma unroll
-        for (int mt = 0; mt < kDqRowTiles; ++mt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = m0 + dq_row0 + mt * 16 + g + 8 * (e >> 1);
-            if (row >= seq.seqlen_q) continue;
-#pragma unroll
-            for (int dt = 0; dt < kDqCols / 8; ++dt) {
-              const int col = dq_col0 + dt * 8 + 2 * t + (e & 1);
-              if (col < p.headdim) atomicAdd(dq_rows + int64(row) * p.nheads * p.headdim + col, acc_dq[mt][dt][e]);
-            }
-          }
-      }
       __syncthreads();
       if (kStages == 1 && step + 1 < steps) load_step(step + 1, 0);
     }
@@ -243,8 +191,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
   cp_async_wait<0>();  // K/V copies are still pending when no query tile was visited
 }
 
-// dQ without atomics: one CTA per (query tile, head, batch), each warp 16 query
-// rows, key tiles streamed as in the forward.
+// dQ: one CTA per (query tile, head, batch), each warp 16 query rows, key tiles
+// streamed as in the forward.
 //   S = Q K^T;  P = exp(mod(S) - LSE);  dP = dropout(dO V^T);  dS = P (dP - D) mod'(S);  dQ += dS K
 // kColSplit passes over the head dim keep the dQ accumulator within registers.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,

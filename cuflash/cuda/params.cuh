@@ -20,7 +20,6 @@ struct Params {
   float* lse;
   float* delta;
   int64 lse_batch_stride, lse_head_stride;
-  float* dq_accum;  // fp32 (rows, nheads, headdim) or null: dQ by atomics when set
   const int* cu_seqlens_q;  // variable length: sequence b is rows [cu[b], cu[b+1]); null when dense
   const int* cu_seqlens_k;
   const float* alibi_slopes;  // slope of (b, h) at b * alibi_batch_stride + h; null when off
