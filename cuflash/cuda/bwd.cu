@@ -276,9 +276,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
       const elem_t* v_tile = v_tiles + stage * kBlockN * kStride;
       const int n0 = n * kBlockN;
 
+      // Above d 128, overlapping every k16 step of these two products needs more
+      // registers than the dQ accumulator leaves (ptxas spilled).
+      constexpr int kUnroll = kHeadDim > 128 ? 4 : kHeadDim / 16;
       float acc_s[1][kBlockN / 8][4] = {}, acc_ds[1][kBlockN / 8][4] = {};
-      gemm_qk<T, 1, kBlockN, kHeadDim>(acc_s, q_tile, warp * 16, k_tile, lane);
-      gemm_qk<T, 1, kBlockN, kHeadDim>(acc_ds, do_tile, warp * 16, v_tile, lane);
+      gemm_qk<T, 1, kBlockN, kHeadDim, kUnroll>(acc_s, q_tile, warp * 16, k_tile, lane);
+      gemm_qk<T, 1, kBlockN, kHeadDim, kUnroll>(acc_ds, do_tile, warp * 16, v_tile, lane);
       probabilities_and_gradients<false, kLocal, kExtras>(
           acc_s, acc_ds, scale_log2, !mask.covers(m0, row_end, n0, n0 + kBlockN), mask, mod, dropout, dropping,
           p.dropout_scale, [=](int, int e) { return row_lse[e >> 1]; }, [=](int, int e) { return row_delta[e >> 1]; },

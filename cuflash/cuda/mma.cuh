@@ -47,12 +47,13 @@ __device__ __forceinline__ void load_b(unsigned b[4], const elem_t* tile, int k0
 }
 
 // acc[kM][kN / 8][4] += A(kM x 16 rows of Q) . B, over the full head dim:
-//   S = Q K^T for this warp's rows.
-template <typename T, int kMTiles, int kN, int kHeadDim>
+//   S = Q K^T for this warp's rows. kUnroll bounds how many k16 steps the compiler
+//   may overlap (their fragments are live together).
+template <typename T, int kMTiles, int kN, int kHeadDim, int kUnroll = kHeadDim / 16>
 __device__ __forceinline__ void gemm_qk(float (&acc)[kMTiles][kN / 8][4], const elem_t* q, int q_row0,
                                         const elem_t* k, int lane) {
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
-#pragma unroll
+#pragma unroll kUnroll
   for (int kk = 0; kk < kHeadDim; kk += 16) {
     unsigned a[kMTiles][4];
 #pragma unroll
