@@ -87,3 +87,67 @@ def test_valid_edge_cases_do_not_raise():
     assert out.shape == (1, 0, 2, 8) and lse.shape == (1, 2, 0)
     out = cuflash.attention(*qkv((1, 3, 2, 1), (1, 4, 2, 1)), causal=True, softmax_scale=0.0)
     assert out.shape == (1, 3, 2, 1) and np.isfinite(out).all()
+
+
+# --- the variants' options ------------------------------------------------------------------
+
+@pytest.mark.parametrize("options,error,message", [
+    (dict(window_size=(-2, 0)), ValueError, r"window_size left must be an integer >= -1 \(-1: unbounded\), got -2"),
+    (dict(window_size=(0, 1.5)), ValueError, "window_size right must be an integer"),
+    (dict(window_size=3), TypeError, r"window_size must be a pair \(left, right\), got 3"),
+    (dict(softcap=-1.0), ValueError, r"softcap must be finite, >= 0, got -1.0"),
+    (dict(dropout_p=1.0), ValueError, r"dropout_p must be finite, >= 0 and < 1, got 1.0"),
+    (dict(dropout_p=-0.1), ValueError, "dropout_p must be finite"),
+    (dict(dropout_p=0.1, seed=-1), ValueError, r"seed must be an integer in \[0, 2\*\*64\), got -1"),
+    (dict(rng_offset=2**64), ValueError, "rng_offset must be an integer"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\), got \(3,\)"),
+    (dict(alibi_slopes=np.ones(4, np.float64)), TypeError, "alibi_slopes must be float32, got float64"),
+    (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a NumPy, CuPy, PyTorch or JAX array"),
+])
+def test_variant_options(options, error, message):
+    with pytest.raises(error, match=message):
+        cuflash.attention(*qkv(), **options)
+
+
+def test_dropout_backward_needs_the_forward_seed():
+    q, k, v = qkv()
+    out, lse = cuflash.attention(q, k, v, dropout_p=0.2, seed=7, return_lse=True)
+    with pytest.raises(ValueError, match="seed is required for the backward with dropout_p > 0"):
+        cuflash.attention_backward(out, q, k, v, out, lse, dropout_p=0.2)
+
+
+def packed(total_q=10, total_k=12):
+    rng = np.random.default_rng(1)
+    return (rng.standard_normal((total_q, 4, 16)).astype(np.float32),
+            rng.standard_normal((total_k, 2, 16)).astype(np.float32),
+            rng.standard_normal((total_k, 2, 16)).astype(np.float32))
+
+
+@pytest.mark.parametrize("cu_q,cu_k,max_q,max_k,error,message", [
+    (np.array([0, 4, 10], np.int64), np.array([0, 5, 12], np.int32), 6, 7, TypeError, "cu_seqlens_q must be int32, got int64"),
+    (np.array([0, 6, 4, 10], np.int32), np.array([0, 5, 5, 12], np.int32), 6, 7, ValueError,
+     r"cu_seqlens_q must start at 0 and never decrease, got \[0, 6, 4, 10\]"),
+    (np.array([1, 4, 10], np.int32), np.array([0, 5, 12], np.int32), 6, 7, ValueError, "must start at 0"),
+    (np.array([0, 4, 9], np.int32), np.array([0, 5, 12], np.int32), 6, 7, ValueError,
+     "cu_seqlens_q must end at the number of packed rows 10, got 9"),
+    (np.array([0, 4, 10], np.int32), np.array([0, 12], np.int32), 6, 12, ValueError,
+     r"cu_seqlens_q and cu_seqlens_k must have one length \(batch \+ 1\), got 3 and 2"),
+    (np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32), 5, 7, ValueError,
+     "max_seqlen_q must be at least the longest sequence, 6, got 5"),
+    (np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32), 6, 6, ValueError,
+     "max_seqlen_k must be at least the longest sequence, 7, got 6"),
+    (np.array([[0, 4, 10]], np.int32), np.array([0, 5, 12], np.int32), 6, 7, ValueError,
+     r"cu_seqlens_q must have shape \(batch \+ 1,\)"),
+])
+def test_varlen_packing(cu_q, cu_k, max_q, max_k, error, message):
+    with pytest.raises(error, match=message):
+        cuflash.attention_varlen(*packed(), cu_q, cu_k, max_q, max_k)
+
+
+def test_varlen_layout():
+    q, k, v = packed()
+    cu_q, cu_k = np.array([0, 4, 10], np.int32), np.array([0, 5, 12], np.int32)
+    with pytest.raises(ValueError, match=r"q must have 3 dimensions \(total, nheads, headdim\)"):
+        cuflash.attention_varlen(q[None], k, v, cu_q, cu_k, 6, 7)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 6, 7, causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, 10)
