@@ -315,3 +315,19 @@ def varlen_shapes(draw, max_batch=4, max_seqlen=40, max_headdim=32, *, max_nhead
     d = draw(headdims(max_headdim) if headdim is None else headdim)
     is_causal = draw(st.booleans()) if causal is None else causal
     return VarlenShape(seqlens_q, seqlens_k, nheads_kv * group, nheads_kv, d, is_causal)
+
+
+class Launches:
+    """Records the pointers and stream of every kernel launch (zero-copy checks)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        from cuflash import _kernels
+        _kernels._launch_observer = lambda pointers, stream: self.calls.append((pointers, stream))
+        return self
+
+    def __exit__(self, *exc):
+        from cuflash import _kernels
+        _kernels._launch_observer = None

@@ -25,6 +25,7 @@ from cuflash.reference import (
     normalized_window,
     round_to,
 )
+from .test_cpu_backward import GRAD_TOL, _data, _max_finite, _scale_of
 from .strategies import (
     Shape,
     Variant,
@@ -48,23 +49,6 @@ blocks = st.one_of(st.sampled_from([1, 2, 16, 64, 65]), st.integers(1, 70))
 # Error allowed relative to the result's scale (see test_cpu.py and test_cpu_backward.py).
 OUT_TOL = {np.float32: 1e-5, np.float64: 1e-10}
 LSE_TOL = {np.float32: 1e-5, np.float64: 1e-6}
-GRAD_TOL = {np.float32: 5e-6, np.float64: 5e-7}
-
-
-def _scale_of(x):
-    """The largest finite magnitude, at least 1: tolerances are relative to it."""
-    finite = np.abs(x[np.isfinite(x)])
-    return max(1.0, float(finite.max(initial=0.0)))
-
-
-def _max_finite(x):
-    return float(np.abs(x[np.isfinite(x)]).max(initial=0.0))
-
-
-def _data(shape, dtype, seed):
-    rng = np.random.default_rng(seed)
-    q, k, v = random_qkv(shape, dtype, rng)
-    return random_dout(shape, dtype, rng), q, k, v
 
 
 def _keep(shape, variant):

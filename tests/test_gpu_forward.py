@@ -14,10 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _kernels
 from cuflash.reference import attention_lowp, attention_reference
 
-from .strategies import Shape, assert_close, attention_shapes, random_qkv
+from .strategies import Launches, Shape, assert_close, attention_shapes, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -28,20 +27,6 @@ LSE_ATOL = 1e-3  # LSE is fp32 arithmetic on exact low-precision inputs
 def cupy_dtype(name):
     import ml_dtypes
     return {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[name]
-
-
-class Launches:
-    """Records the pointers and stream of every kernel launch."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __enter__(self):
-        _kernels._launch_observer = lambda pointers, stream: self.calls.append((pointers, stream))
-        return self
-
-    def __exit__(self, *exc):
-        _kernels._launch_observer = None
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ import jax.numpy as jnp  # noqa: E402
 
 import cuflash  # noqa: E402
 import cuflash.jax  # noqa: E402
-from cuflash import _kernels  # noqa: E402
 from cuflash import _philox  # noqa: E402
 from cuflash.reference import (  # noqa: E402
     attention_lowp,
@@ -28,7 +27,7 @@ from cuflash.reference import (  # noqa: E402
     attention_reference_varlen_backward,
 )
 
-from .strategies import Shape, VarlenShape, assert_close  # noqa: E402
+from .strategies import Launches, Shape, VarlenShape, assert_close  # noqa: E402
 
 
 def make_inputs(shape: Shape, dtype, seed=0):
@@ -46,20 +45,6 @@ def loss_and_grads(causal, softmax_scale=None, deterministic=False, jit=True):
 
     grad = jax.grad(loss, argnums=(0, 1, 2))
     return jax.jit(grad) if jit else grad
-
-
-class Launches:
-    """Records the pointers and stream of every kernel launch."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __enter__(self):
-        _kernels._launch_observer = lambda pointers, stream: self.calls.append((pointers, stream))
-        return self
-
-    def __exit__(self, *exc):
-        _kernels._launch_observer = None
 
 
 # --- CPU: the glue itself ------------------------------------------------------------------

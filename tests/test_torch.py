@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch")
 
 import cuflash  # noqa: E402
 import cuflash.torch  # noqa: E402
-from cuflash import _kernels  # noqa: E402
 from cuflash import _philox  # noqa: E402
 from cuflash.flash_attn_interface import (  # noqa: E402
     flash_attn_func,
@@ -34,7 +33,7 @@ from cuflash.reference import (  # noqa: E402
     attention_reference_varlen_backward,
 )
 
-from .strategies import Shape, VarlenShape, assert_close  # noqa: E402
+from .strategies import Launches, Shape, VarlenShape, assert_close  # noqa: E402
 
 
 def make_inputs(shape: Shape, dtype, device, seed=0):
@@ -51,20 +50,6 @@ def make_inputs(shape: Shape, dtype, device, seed=0):
 def gradients(q, k, v, dout, **kwargs):
     out = cuflash.torch.attention(q, k, v, **kwargs)
     return out, torch.autograd.grad(out, (q, k, v), dout)
-
-
-class Launches:
-    """Records the pointers and stream of every kernel launch."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __enter__(self):
-        _kernels._launch_observer = lambda pointers, stream: self.calls.append((pointers, stream))
-        return self
-
-    def __exit__(self, *exc):
-        _kernels._launch_observer = None
 
 
 # --- CPU: the glue itself ------------------------------------------------------------------
