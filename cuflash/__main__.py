@@ -61,6 +61,12 @@ def bench(args) -> int:
     return bench_module.main(args)
 
 
+def plot(args) -> int:
+    from cuflash import bench as bench_module
+    bench_module.plot(bench_module.read_csv(args.csv), args.png, args.csv)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,10 +80,20 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="TFLOP/s beside torch SDPA's flash and cuDNN backends")
     p.add_argument("--quick", action="store_true", help="every other sequence length")
     p.add_argument("--mode", choices=("fwd", "fwdbwd", "all"), default="all", help="forward, forward+backward, or both")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--head-dims", type=lambda text: tuple(map(int, text.split(","))),
+                   help="comma-separated head dims (default 64,128,256)")
+    p.add_argument("--compare", action="store_true", help="also time torch SDPA's flash and cuDNN backends")
     p.add_argument("--csv", help="also write the rows to this CSV file")
+    p.add_argument("--plot", help="also draw TFLOP/s against seqlen to this PNG (needs matplotlib)")
+    p.add_argument("--overhead", action="store_true", help="also the host time per call on a tiny shape")
     p.add_argument("--baseline", help="folder of another cuflash package to time beside this one")
     p.add_argument("--variants", action="store_true", help="also the sliding-window and variable-length speed checks")
     p.set_defaults(run=bench)
+    p = sub.add_parser("plot", help="draw a bench --csv file as a PNG (needs matplotlib)")
+    p.add_argument("csv")
+    p.add_argument("png")
+    p.set_defaults(run=plot)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     return args.run(args)

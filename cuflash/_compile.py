@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import struct
 import tempfile
 import threading
 import time
@@ -119,9 +120,19 @@ def _run_nvrtc(source: str, instance: str, options: tuple[str, ...]) -> Compiled
         lowered = lowered.decode() if isinstance(lowered, bytes) else lowered
         # The log describes every function; keep the block of this instance.
         block = text[text.find(f"Function properties for {lowered}"):]
-        return Compiled(nvrtc.getCUBIN(prog), lowered, Resources.from_log(block))
+        return Compiled(_whole_elf(nvrtc.getCUBIN(prog)), lowered, Resources.from_log(block))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _whole_elf(cubin: bytes) -> bytes:
+    """CuPy's getCUBIN drops the last byte (it strips a C string's NUL, but a cubin
+    is not one), which cuts the ELF program headers short: the driver loads it, but
+    nvdisasm refuses it. Pad back to the size the ELF header declares."""
+    ph_offset, sh_offset = struct.unpack_from("<QQ", cubin, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(ph_offset + ph_size * ph_count, sh_offset + sh_size * sh_count)
+    return cubin + bytes(max(0, end - len(cubin)))
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

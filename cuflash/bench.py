@@ -1,10 +1,11 @@
-"""TFLOP/s on the standard grid, beside torch SDPA's flash and cuDNN backends.
+"""TFLOP/s on the standard grid, beside torch SDPA's flash and cuDNN backends (--compare).
 
-Grid (FlashAttention's): bf16, hidden 2048 (nheads = 2048 / d), batch * seqlen =
-16k, seqlen 512..16k, d 64 and 128, causal off and on. Forward FLOPs = 4 b h sq sk d,
-halved when causal; forward + backward = 3.5 x forward (the backward does 2.5x the
-forward's matmul work). Each figure is the median of ``REPEATS`` CUDA-event timings
-after ``WARMUP`` calls, all implementations in the same run on the same inputs.
+Grid (FlashAttention's): hidden 2048 (nheads = 2048 / d), batch * seqlen = 16k,
+seqlen 512..16k, d 64, 128 and 256, causal off and on, bf16 (--dtype float16 for
+fp16). Forward FLOPs = 4 b h sq sk d, halved when causal; forward + backward = 3.5 x
+forward (the backward does 2.5x the forward's matmul work). Each figure is the median
+of ``REPEATS`` CUDA-event timings after ``WARMUP`` calls, all implementations in the
+same run on the same inputs. --plot draws the table (docs/performance.png).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import statistics
 HIDDEN = 2048
 TOKENS = 16 * 1024
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 WARMUP, REPEATS = 5, 30
 
 
@@ -50,13 +51,15 @@ def _run(module, q, k, v, dout, backward, **options):
     return module.attention_backward(dout, q, k, v, out, lse, **options)
 
 
-def _implementations(torch, b, s, h, d, causal, backward, baseline=None):
+def _implementations(torch, b, s, h, d, causal, backward, baseline=None, dtype="bfloat16", compare=True):
     """name -> zero-argument callable running one forward (and backward) on fresh random inputs."""
     import cuflash
-    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=getattr(torch, dtype)) for _ in range(4))
     impls = {"cuflash": lambda: _run(cuflash, q, k, v, dout, backward, causal=causal)}
     if baseline is not None:
         impls["baseline"] = lambda: _run(baseline, q, k, v, dout, backward, causal=causal)
+    if not compare:
+        return impls
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     # SDPA wants (b, h, s, d): views of the same storage.
@@ -93,21 +96,22 @@ def main(args) -> int:
     passes = {"fwd": (False,), "fwdbwd": (True,), "all": (False, True)}[args.mode]
     rows = []
     for backward in passes:
-        for d in HEAD_DIMS:
+        for d in (args.head_dims or HEAD_DIMS):
             for causal in (False, True):
                 for s in seqlens:
                     b, h = TOKENS // s, HIDDEN // d
                     flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1)
                     row = {"pass": "fwd+bwd" if backward else "fwd", "d": d, "causal": causal, "seqlen": s,
                            "batch": b, "nheads": h}
-                    for name, fn in _implementations(torch, b, s, h, d, causal, backward, baseline).items():
+                    for name, fn in _implementations(torch, b, s, h, d, causal, backward, baseline, args.dtype,
+                                                     args.compare).items():
                         row[name] = flops / (_median_ms(fn, torch) * 1e-3) / 1e12
                     rows.append(row)
                     torch.cuda.empty_cache()
 
     names = [n for n in ("cuflash", "baseline", "sdpa-flash", "sdpa-cudnn") if any(n in r for r in rows)]
     peers = names[1:]
-    print(f"TFLOP/s, bf16, hidden {HIDDEN}, batch*seqlen {TOKENS}, {gpu}, "
+    print(f"TFLOP/s, {args.dtype}, hidden {HIDDEN}, batch*seqlen {TOKENS}, {gpu}, "
           f"torch {torch.__version__}; median of {REPEATS} after {WARMUP} warm-up")
     print(f"{'pass':>7} {'d':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>11}" for n in names) + "  "
           + " ".join(f"{'cuflash/' + n.removeprefix('sdpa-'):>16}" for n in peers))
@@ -120,9 +124,84 @@ def main(args) -> int:
             writer = csv.DictWriter(f, fieldnames=["pass", "d", "causal", "seqlen", "batch", "nheads"] + names)
             writer.writeheader()
             writer.writerows(rows)
+    if args.plot:
+        plot(rows, args.plot, f"{gpu}, {args.dtype}, hidden {HIDDEN}, batch*seqlen {TOKENS}")
+    if args.overhead:
+        _overhead(torch)
     if args.variants:
         _variants(torch, gpu)
     return 0
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """TFLOP/s against seqlen, one panel per (pass, causal) and head dim, one line per
+    implementation. ``rows`` as ``main`` makes them (or read back from its CSV)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(r["pass"], r["causal"]) for r in rows}, key=lambda pc: (pc[0] != "fwd", pc[1]))
+    dims = sorted({r["d"] for r in rows})
+    names = [n for n in ("cuflash", "baseline", "sdpa-flash", "sdpa-cudnn") if any(r.get(n) for r in rows)]
+    fig, axes = plt.subplots(len(panels), len(dims), figsize=(4 * len(dims), 3 * len(panels)), squeeze=False)
+    for (pass_, causal), row_axes in zip(panels, axes):
+        for d, ax in zip(dims, row_axes):
+            cells = sorted((r for r in rows if (r["pass"], r["causal"], r["d"]) == (pass_, causal, d)),
+                           key=lambda r: r["seqlen"])
+            for name in names:
+                points = [(r["seqlen"], r[name]) for r in cells if r.get(name)]
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{pass_}, d {d}, {'causal' if causal else 'not causal'}", fontsize=9)
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def read_csv(path: str) -> list[dict]:
+    """The rows of a ``--csv`` file, typed back."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["causal"] = r["causal"] == "True"
+        for key in ("d", "seqlen", "batch", "nheads"):
+            r[key] = int(r[key])
+        for key in ("cuflash", "baseline", "sdpa-flash", "sdpa-cudnn"):
+            r[key] = float(r[key]) if r.get(key) else None
+    return rows
+
+
+def _overhead(torch) -> None:
+    """Host time per warm call on a tiny shape, where the launch, not the GPU, is the cost:
+    calls are issued back to back without synchronising and timed on the host."""
+    import time
+    import cuflash
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    q, k, v = (torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    calls = {"cuflash.attention": lambda: cuflash.attention(q, k, v, causal=True)}
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        calls["sdpa (flash)"] = lambda: sdpa(qt, kt, vt, is_causal=True)
+        print(f"host time per call, (1, 128, 1, 64) float16 causal, median of 5 x 1000 calls")
+        for name, fn in calls.items():
+            for _ in range(100):
+                fn()
+            torch.cuda.synchronize()
+            per_call = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(1000):
+                    fn()
+                per_call.append((time.perf_counter() - start) * 1e3)  # us per call
+                torch.cuda.synchronize()
+            print(f"{name:>18}: {statistics.median(per_call):6.1f} us")
 
 
 def _load_baseline(path: str):

@@ -108,3 +108,15 @@ def test_params_layout_matches_the_cuda_struct():
         load = re.search(rf"ld\.param\.\w+\s+%\w+, \[probe_{name}_param_0(?:\+(\d+))?\]", ptx)
         assert load, f"no load of {name} in the PTX"
         assert int(load[1] or 0) == getattr(Params, name).offset, name
+
+
+def test_cubin_is_the_whole_elf_file():
+    """NVRTC's cubin must come back byte for byte (CuPy's getCUBIN drops the last
+    byte; nvdisasm and other ELF readers refuse the short file)."""
+    import struct
+    cubin = _compile._run_nvrtc("fwd.cu", _plan.all_kernels("sm_90")[0].instance, ("--gpu-architecture=sm_90",)
+                                + _compile.OPTIONS).cubin
+    ph_offset, sh_offset = struct.unpack_from("<QQ", cubin, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", cubin, 0x36)
+    assert cubin[:4] == b"\x7fELF"
+    assert len(cubin) == max(ph_offset + ph_size * ph_count, sh_offset + sh_size * sh_count)

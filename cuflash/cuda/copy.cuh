@@ -26,29 +26,52 @@ template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
 
 // Global rows [row0, row0 + kRows) of one (batch, head) slice -> shared tile.
+// Each thread keeps one 16-byte column chunk and walks down the rows in steps of
+// kThreads / kChunks, so its addresses advance by a constant: no per-chunk 64-bit
+// index arithmetic held in registers across the main loop.
 // kVec: every row start is 16-byte aligned and headdim % 8 == 0, so whole chunks
 // go through cp.async; otherwise (odd head dims, odd strides) each element is
 // loaded on its own and the chunk is assembled in registers.
+// One 16-byte chunk: cp.async for kVec, else element loads assembled in registers.
+template <bool kVec>
+__device__ __forceinline__ void load_chunk(elem_t* s, const elem_t* g, const elem_t* fallback, bool ok, int cols) {
+  if constexpr (kVec) {
+    cp_async_16(s, ok ? g : fallback, ok);
+  } else {
+    unsigned w[4];
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      const unsigned lo = ok && e < cols ? g[e] : 0;
+      const unsigned hi = ok && e + 1 < cols ? g[e + 1] : 0;
+      w[e / 2] = lo | (hi << 16);
+    }
+    *reinterpret_cast<uint4*>(s) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 template <int kRows, int kHeadDim, int kThreads, bool kVec>
 __device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* src, int64 row_stride,
                                           int row0, int nrows, int headdim) {
   using S = SmemTile<kHeadDim>;
-  for (int i = threadIdx.x; i < kRows * S::kChunks; i += kThreads) {
-    const int r = i / S::kChunks, c = i % S::kChunks;
-    const bool row_ok = row0 + r < nrows;
-    const elem_t* g = src + (row_ok ? (row0 + r) * row_stride : 0) + c * 8;
-    elem_t* s = tile + r * S::kStride + c * 8;
-    if constexpr (kVec) {
-      cp_async_16(s, row_ok && c * 8 < headdim ? g : src, row_ok && c * 8 < headdim);
-    } else {
-      unsigned w[4];
-#pragma unroll
-      for (int e = 0; e < 8; e += 2) {
-        const unsigned lo = row_ok && c * 8 + e < headdim ? g[e] : 0;
-        const unsigned hi = row_ok && c * 8 + e + 1 < headdim ? g[e + 1] : 0;
-        w[e / 2] = lo | (hi << 16);
-      }
-      *reinterpret_cast<uint4*>(s) = make_uint4(w[0], w[1], w[2], w[3]);
+  if constexpr (kThreads % S::kChunks == 0) {
+    constexpr int kRowStep = kThreads / S::kChunks;
+    const int c = threadIdx.x % S::kChunks, r_first = threadIdx.x / S::kChunks;
+    const elem_t* g = src + (row0 + r_first) * row_stride + c * 8;
+    elem_t* s = tile + r_first * S::kStride + c * 8;
+    // Element loads are synchronous: unrolled, all their registers would be live at once.
+    constexpr int kUnroll = kVec ? ceil_div(kRows, kRowStep) : 1;
+#pragma unroll kUnroll
+    for (int it = 0; it < ceil_div(kRows, kRowStep); ++it, g += kRowStep * row_stride, s += kRowStep * S::kStride) {
+      const int r = r_first + it * kRowStep;
+      if (kRows % kRowStep != 0 && r >= kRows) break;
+      load_chunk<kVec>(s, g, src, row0 + r < nrows && c * 8 < headdim, headdim - c * 8);
+    }
+  } else {  // head-dim buckets 96, 160, 224: rows of 12, 20, 28 chunks
+    for (int i = threadIdx.x; i < kRows * S::kChunks; i += kThreads) {
+      const int r = i / S::kChunks, c = i % S::kChunks;
+      const bool ok = row0 + r < nrows && c * 8 < headdim;
+      load_chunk<kVec>(tile + r * S::kStride + c * 8, src + (ok ? (row0 + r) * row_stride + c * 8 : 0), src, ok,
+                       headdim - c * 8);
     }
   }
 }

@@ -30,7 +30,9 @@ namespace cuflash {
 // @tparam kExtras   softcap, ALiBi or dropout may be on (each switched by Params)
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
           bool kExtras>
-__global__ void __launch_bounds__(kWarps * 32) attention_forward(const Params p) {
+// (__launch_bounds__ minimum 1 block: without it ptxas caps small CTAs near 168
+// registers and spills.)
+__global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params p) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row mma tiles per warp
   constexpr int kNTiles = kBlockN / 8;
@@ -38,13 +40,18 @@ __global__ void __launch_bounds__(kWarps * 32) attention_forward(const Params p)
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   static_assert(kMTiles * 16 * kWarps == kBlockM && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
   static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
+  // With 32 rows per warp from d 96 up, overlapping the k16 steps of Q K^T needs
+  // more registers for fragments than the accumulators leave: ptxas spills.
+  constexpr int kQkUnroll = kMTiles > 1 && kHeadDim >= 96 ? 1 : kHeadDim / 16;
 
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* q_tile = reinterpret_cast<elem_t*>(smem);
   elem_t* k_tiles = q_tile + kBlockM * kStride;
   elem_t* v_tiles = k_tiles + kStages * kBlockN * kStride;
 
-  const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  // Under a causal band the last query tiles see the most keys: start them first so
+  // that the short ones fill the tail of the launch.
+  const int m_block = gridDim.x - 1 - blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const Sequence seq = Sequence::of(p, batch);
   const int m0 = m_block * kBlockM;
   if (m0 >= seq.seqlen_q) return;  // variable length: the grid covers the longest sequence
@@ -54,8 +61,6 @@ __global__ void __launch_bounds__(kWarps * 32) attention_forward(const Params p)
   const elem_t* q = seq.rows(p.q, batch, head, true);
   const elem_t* k = seq.rows(p.k, batch, kv_head, false);
   const elem_t* v = seq.rows(p.v, batch, kv_head, false);
-  elem_t* o = seq.rows(p.o, batch, head, true);
-  float* lse = p.lse + seq.lse_offset(p, batch, head);
 
   // Key tiles this query tile can see: none left of its first row's band, none
   // right of its last row's.
@@ -105,7 +110,8 @@ __global__ void __launch_bounds__(kWarps * 32) attention_forward(const Params p)
 
     const int n0 = n * kBlockN;
     float acc_s[kMTiles][kNTiles][4] = {};
-    gemm_qk<T, kMTiles, kBlockN, kHeadDim>(acc_s, q_tile, warp_row0, k_tiles + stage * kBlockN * kStride, lane);
+    gemm_qk<T, kMTiles, kBlockN, kHeadDim, kQkUnroll>(acc_s, q_tile, warp_row0, k_tiles + stage * kBlockN * kStride,
+                                                      lane);
     if constexpr (kExtras) mod.apply(acc_s, m0 + warp_row0, n0, lane);
     if (!mask.covers(m0, row_end, n0, n0 + kBlockN)) mask.apply(acc_s, m0 + warp_row0, n0, lane);
     softmax.update(acc_s, acc_o, scale_log2);
@@ -120,6 +126,12 @@ __global__ void __launch_bounds__(kWarps * 32) attention_forward(const Params p)
   cp_async_wait<0>();
   __syncthreads();
 
+  // The epilogue derives its sequence and pointers afresh (after the barrier the
+  // compiler may not reuse the loads from before it), so nothing of them has to
+  // stay in registers through the main loop.
+  const Sequence out_seq = Sequence::of(p, batch);
+  elem_t* o = out_seq.rows(p.o, batch, head, true);
+  float* lse = p.lse + out_seq.lse_offset(p, batch, head);
   float row_lse[kMTiles][2];
   softmax.finalize(acc_o, row_lse, scale_log2, dropping ? p.dropout_scale : 1.f);
 
@@ -131,14 +143,14 @@ __global__ void __launch_bounds__(kWarps * 32) attention_forward(const Params p)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = warp_row0 + mt * 16 + g + 8 * h;
-      if (t == 0 && m0 + row < seq.seqlen_q) lse[m0 + row] = row_lse[mt][h];
+      if (t == 0 && m0 + row < out_seq.seqlen_q) lse[m0 + row] = row_lse[mt][h];
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt)
         *reinterpret_cast<unsigned*>(q_tile + row * kStride + dt * 8 + 2 * t) =
             DType<T>::pack(acc_o[mt][dt][2 * h], acc_o[mt][dt][2 * h + 1]);
     }
   __syncthreads();
-  store_tile<kBlockM, kHeadDim, kThreads, kVec>(o, q_tile, p.o.row_stride, m0, seq.seqlen_q, p.headdim);
+  store_tile<kBlockM, kHeadDim, kThreads, kVec>(o, q_tile, p.o.row_stride, m0, out_seq.seqlen_q, p.headdim);
 }
 
 }  // namespace cuflash

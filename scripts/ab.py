@@ -1,0 +1,44 @@
+"""Time several copies of the cuflash package side by side (A/B of kernel changes).
+
+    python scripts/ab.py --mode fwd --d 128,256 .baseline/cuflash_prev .baseline/cuflash_x cuflash
+
+Each folder is imported under its own name (bench._load_baseline), so every copy
+compiles and caches its own kernels; all run in one process on the same inputs.
+Prints TFLOP/s per copy and SDPA-flash's on the standard grid's shapes.
+"""
+import argparse
+
+import torch
+
+from cuflash import bench
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
+    parser.add_argument("--d", default="128")
+    parser.add_argument("--seqlens", default="2048,8192")
+    parser.add_argument("packages", nargs="+")
+    args = parser.parse_args()
+    backward = args.mode == "fwdbwd"
+    modules = {path.rstrip("/").split("/")[-1]: bench._load_baseline(path) for path in args.packages}
+    print(f"{args.mode} TFLOP/s: " + " | ".join(modules) + " | sdpa-flash")
+    for d in map(int, args.d.split(",")):
+        for causal in (False, True):
+            for s in map(int, args.seqlens.split(",")):
+                b, h = bench.TOKENS // s, bench.HIDDEN // d
+                flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1)
+                impls = bench._implementations(torch, b, s, h, d, causal, backward)
+                cells = []
+                x = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+                for name, module in modules.items():
+                    ms = bench._median_ms(lambda: bench._run(module, *x, backward, causal=causal), torch)
+                    cells.append(f"{flops / ms / 1e9:6.1f}")
+                flash = flops / bench._median_ms(impls["sdpa-flash"], torch) / 1e9
+                print(f"d {d:3d} causal {causal!s:5} seqlen {s:5d}: " + " | ".join(cells) + f" | {flash:6.1f}",
+                      flush=True)
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

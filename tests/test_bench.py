@@ -1,0 +1,33 @@
+"""The bench's table round-trips through its CSV and draws (no GPU needed)."""
+import csv
+
+import pytest
+
+from cuflash import bench
+
+ROWS = [
+    {"pass": p, "d": d, "causal": c, "seqlen": s, "batch": 16384 // s, "nheads": 2048 // d,
+     "cuflash": 100.0 + s / 100, "sdpa-flash": 110.0, "sdpa-cudnn": None}
+    for p in ("fwd", "fwd+bwd") for d in (64, 128) for c in (False, True) for s in (512, 2048)
+]
+
+
+def _write(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+
+
+def test_csv_reads_back_typed(tmp_path):
+    _write(tmp_path / "b.csv", ROWS)
+    rows = bench.read_csv(str(tmp_path / "b.csv"))
+    for got, want in zip(rows, ROWS):
+        assert {k: got[k] for k in want if k != "baseline"} == want
+        assert got["baseline"] is None
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    bench.plot(ROWS, str(tmp_path / "p.png"), "test")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
