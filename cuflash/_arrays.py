@@ -79,7 +79,8 @@ class Framework:
         self.device = cupy.cuda.Device(like.device)
         if like.framework == "torch":
             import torch
-            self.stream = torch.cuda.current_stream(like.obj.device).cuda_stream
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch.compile's kernels call
+            self.stream = raw(like.device) if raw else torch.cuda.current_stream(like.obj.device).cuda_stream
         else:
             with self.device:
                 self.stream = cupy.cuda.get_current_stream().ptr

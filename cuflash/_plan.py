@@ -65,17 +65,16 @@ KINDS = {
     "backward_dkdv": Kind("bwd.cu", "attention_backward_dkdv", {
         32: (_T(64, 64, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(32, 32, 2, 2),),
         128: (_T(32, 64, 4, 2), _T(32, 64, 4, 1)),
-        160: (_T(32, 32, 2, 2, 2),), 192: (_T(32, 32, 2, 2, 2),),
-        224: (_T(64, 64, 4, 2, 7), _T(32, 32, 2, 2, 7)),
-        256: (_T(32, 64, 4, 2, 4), _T(32, 32, 2, 1, 4)),
+        # Above d 128, dK and dV of 16 keys per warp fit in registers only in two
+        # column halves (each half recomputes S and dP).
+        **{d: (_T(32, 64, 4, 2, 2), _T(32, 64, 4, 1, 2), _T(32, 32, 2, 1, 2)) for d in (160, 192, 224, 256)},
     }, lambda t, d: 2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m),
         "block_n", True),
     # Q tile + dO tile + stages x (K tile + V tile)
     "backward_dq": Kind("bwd.cu", "attention_backward_dq", {
         32: (_T(64, 128, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(64, 64, 4, 2),),
-        128: (_T(64, 32, 4, 2), _T(64, 32, 4, 1)), 160: (_T(64, 32, 4, 2, 2), _T(64, 32, 4, 1, 2)),
-        192: (_T(64, 32, 4, 2, 3), _T(64, 32, 4, 1, 3)), 224: (_T(64, 32, 4, 2, 7), _T(64, 32, 4, 1, 7)),
-        256: (_T(64, 32, 4, 2, 4), _T(64, 32, 4, 1, 4)),
+        128: (_T(64, 32, 4, 2), _T(64, 32, 4, 1)),
+        **{d: (_T(64, 32, 4, 2), _T(64, 32, 4, 1), _T(32, 32, 2, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", True),
 }
 

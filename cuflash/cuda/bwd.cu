@@ -42,6 +42,11 @@ attention_backward_preprocess(const Params p, int batch, int rows_per_batch) {
   if (lane == 0) p.delta[b * p.lse_batch_stride + head * p.lse_head_stride + i] = sum;
 }
 
+// Above d 128, overlapping every k16 step of the two score products needs more
+// registers than the gradient accumulators leave (ptxas spilled): at most 4, 2
+// above d 192.
+__host__ __device__ constexpr int qk_unroll(int head_dim) { return head_dim > 192 ? 2 : head_dim > 128 ? 4 : head_dim / 16; }
+
 // From the raw scores s = Q K^T and dP = dO V^T of a tile (mma C layout; with
 // kTransposed the rows are keys and the columns queries), in place:
 //   s  <- dropout(P), P = exp(mod(s) - LSE), 0 where hidden     (for dV)
@@ -85,6 +90,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
   constexpr int kThreads = kWarps * 32;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   constexpr int kCols = kHeadDim / kColSplit;
+  constexpr int kQkUnroll = qk_unroll(kHeadDim);
   static_assert(kBlockN == 16 * kWarps && kBlockM % 16 == 0 && kCols % 16 == 0, "tile shape");
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -169,8 +175,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
 
       // dP^T = V dO^T and S^T = K Q^T: this warp's 16 keys x kBlockM queries.
       float acc_s[1][kBlockM / 8][4] = {}, acc_ds[1][kBlockM / 8][4] = {};
-      gemm_qk<T, 1, kBlockM, kHeadDim>(acc_ds, v_tile, warp * 16, do_tile, lane);
-      gemm_qk<T, 1, kBlockM, kHeadDim>(acc_s, k_tile, warp * 16, q_tile, lane);
+      gemm_qk<T, 1, kBlockM, kHeadDim, kQkUnroll>(acc_ds, v_tile, warp * 16, do_tile, lane);
+      gemm_qk<T, 1, kBlockM, kHeadDim, kQkUnroll>(acc_s, k_tile, warp * 16, q_tile, lane);
       probabilities_and_gradients<true, kLocal, kExtras>(
           acc_s, acc_ds, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask, mod,
           dropout, dropping, p.dropout_scale, [=](int c, int) { return step_lse[c]; },
@@ -201,6 +207,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
   constexpr int kThreads = kWarps * 32;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   constexpr int kCols = kHeadDim / kColSplit;
+  constexpr int kQkUnroll = qk_unroll(kHeadDim);
   static_assert(kBlockM == 16 * kWarps && kBlockN % 16 == 0 && kCols % 16 == 0, "tile shape");
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -276,12 +283,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
       const elem_t* v_tile = v_tiles + stage * kBlockN * kStride;
       const int n0 = n * kBlockN;
 
-      // Above d 128, overlapping every k16 step of these two products needs more
-      // registers than the dQ accumulator leaves (ptxas spilled).
-      constexpr int kUnroll = kHeadDim > 128 ? 4 : kHeadDim / 16;
       float acc_s[1][kBlockN / 8][4] = {}, acc_ds[1][kBlockN / 8][4] = {};
-      gemm_qk<T, 1, kBlockN, kHeadDim, kUnroll>(acc_s, q_tile, warp * 16, k_tile, lane);
-      gemm_qk<T, 1, kBlockN, kHeadDim, kUnroll>(acc_ds, do_tile, warp * 16, v_tile, lane);
+      gemm_qk<T, 1, kBlockN, kHeadDim, kQkUnroll>(acc_s, q_tile, warp * 16, k_tile, lane);
+      gemm_qk<T, 1, kBlockN, kHeadDim, kQkUnroll>(acc_ds, do_tile, warp * 16, v_tile, lane);
       probabilities_and_gradients<false, kLocal, kExtras>(
           acc_s, acc_ds, scale_log2, !mask.covers(m0, row_end, n0, n0 + kBlockN), mask, mod, dropout, dropping,
           p.dropout_scale, [=](int, int e) { return row_lse[e >> 1]; }, [=](int, int e) { return row_delta[e >> 1]; },
