@@ -125,7 +125,11 @@ def main(args) -> int:
             writer.writeheader()
             writer.writerows(rows)
     if args.plot:
-        plot(rows, args.plot, f"{gpu}, {args.dtype}, hidden {HIDDEN}, batch*seqlen {TOKENS}")
+        try:
+            plot(rows, args.plot, f"{gpu}, {args.dtype}, hidden {HIDDEN}, batch*seqlen {TOKENS}")
+        except ImportError:
+            print("--plot needs matplotlib (pip install matplotlib); or save --csv and run "
+                  "python -m cuflash plot CSV PNG where it is installed")
     if args.overhead:
         _overhead(torch)
     if args.variants:

@@ -16,7 +16,7 @@ if [[ $what == tests || $what == all ]]; then
   grep -E "passed|failed|error" "$OUT/tests.txt" | tail -3
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 -m cuflash bench ${BENCH_ARGS:-} --csv "$OUT/bench.csv" > "$OUT/bench.txt" 2>&1; rc_bench=$?
+  python3 -m cuflash bench --compare ${BENCH_ARGS:-} --csv "$OUT/bench.csv" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2>&1; rc_bench=$?
 fi
 [[ $rc_tests == 0 ]] || grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.txt" | head -40
 [[ -f $OUT/bench.txt ]] && cat "$OUT/bench.txt"

@@ -151,3 +151,16 @@ def test_varlen_layout():
         cuflash.attention_varlen(q[None], k, v, cu_q, cu_k, 6, 7)
     out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 6, 7, causal=True, return_lse=True)
     assert out.shape == q.shape and lse.shape == (4, 10)
+
+
+def test_warm_calls_are_checked_like_the_first():
+    """Validation is remembered per call signature; a value equal to a valid one but
+    of the wrong type (causal=1 after causal=True) must still be rejected."""
+    q = np.zeros((1, 4, 1, 8), np.float32)
+    cuflash.attention(q, q, q, causal=True)
+    cuflash.attention(q, q, q, causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuflash.attention(q, q, q, causal=1)
+    cuflash.attention(q, q, q, window_size=(-1, -1))
+    with pytest.raises(ValueError, match="window_size right must be an integer"):
+        cuflash.attention(q, q, q, window_size=(-1, -1.0))

@@ -45,7 +45,9 @@ attention_backward_preprocess(const Params p, int batch, int rows_per_batch) {
 // Above d 128, overlapping every k16 step of the two score products needs more
 // registers than the gradient accumulators leave (ptxas spilled): at most 4, 2
 // above d 192.
-__host__ __device__ constexpr int qk_unroll(int head_dim) { return head_dim > 192 ? 2 : head_dim > 128 ? 4 : head_dim / 16; }
+__host__ __device__ constexpr int qk_unroll(int head_dim) {
+  return head_dim > 192 ? 2 : head_dim > 128 ? 4 : head_dim / 16;
+}
 
 // From the raw scores s = Q K^T and dP = dO V^T of a tile (mma C layout; with
 // kTransposed the rows are keys and the columns queries), in place:

@@ -25,13 +25,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(kPending)); }
 
-// Global rows [row0, row0 + kRows) of one (batch, head) slice -> shared tile.
-// Each thread keeps one 16-byte column chunk and walks down the rows in steps of
-// kThreads / kChunks, so its addresses advance by a constant: no per-chunk 64-bit
-// index arithmetic held in registers across the main loop.
-// kVec: every row start is 16-byte aligned and headdim % 8 == 0, so whole chunks
-// go through cp.async; otherwise (odd head dims, odd strides) each element is
-// loaded on its own and the chunk is assembled in registers.
 // One 16-byte chunk: cp.async for kVec, else element loads assembled in registers.
 template <bool kVec>
 __device__ __forceinline__ void load_chunk(elem_t* s, const elem_t* g, const elem_t* fallback, bool ok, int cols) {
@@ -49,6 +42,13 @@ __device__ __forceinline__ void load_chunk(elem_t* s, const elem_t* g, const ele
   }
 }
 
+// Global rows [row0, row0 + kRows) of one (batch, head) slice -> shared tile.
+// Each thread keeps one 16-byte column chunk and walks down the rows in steps of
+// kThreads / kChunks, so its addresses advance by a constant: no per-chunk 64-bit
+// index arithmetic held in registers across the main loop.
+// kVec: every row start is 16-byte aligned and headdim % 8 == 0, so whole chunks
+// go through cp.async; otherwise (odd head dims, odd strides) each element is
+// loaded on its own and the chunk is assembled in registers.
 template <int kRows, int kHeadDim, int kThreads, bool kVec>
 __device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* src, int64 row_stride,
                                           int row0, int nrows, int headdim) {

@@ -28,10 +28,10 @@ namespace cuflash {
 // @tparam kLocal    causal or sliding-window band (Params::window_left/right)
 // @tparam kVec      rows 16-byte aligned and headdim % 8 == 0: cp.async 16-byte chunks
 // @tparam kExtras   softcap, ALiBi or dropout may be on (each switched by Params)
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
-          bool kExtras>
 // (__launch_bounds__ minimum 1 block: without it ptxas caps small CTAs near 168
 // registers and spills.)
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
+          bool kExtras>
 __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params p) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row mma tiles per warp

@@ -38,13 +38,9 @@ struct OnlineSoftmax {
 
   // m_new = max(m, rowmax(S)); P = exp2(S*c - m_new*c); l = l * alpha + rowsum(P);
   // O *= alpha with alpha = exp2((m - m_new) * c). S is overwritten with P.
-  // Past the first few key tiles a row's max seldom moves: when it moved in none
-  // of the warp's rows (alpha == 1 exactly), the O rescale is skipped as a whole.
   template <int kNTiles, int kDTiles>
   __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4],
                                          float scale_log2) {
-    float alpha[kMTiles][2];
-    bool moved = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -54,8 +50,7 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < kNTiles; ++nt) m_new = fmaxf(m_new, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
         m_new = quad_max(m_new);
         const float offset = scaled_max(m_new, scale_log2);
-        alpha[mt][h] = fast_exp2(row_max[mt][h] * scale_log2 - offset);
-        moved |= alpha[mt][h] != 1.f;
+        const float alpha = fast_exp2(row_max[mt][h] * scale_log2 - offset);
         row_max[mt][h] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -65,16 +60,10 @@ struct OnlineSoftmax {
             s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - offset);
             sum += s[mt][nt][e];
           }
-        row_sum[mt][h] = row_sum[mt][h] * alpha[mt][h] + sum;
+        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
       }
-    {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[mt][dt][e] *= alpha[mt][e >> 1];
-    }
   }
 
   // O *= out_scale / l and LSE = m * scale + log(l) (natural log). l == 0 (nothing
