@@ -3,7 +3,8 @@
     python scripts/ab.py --mode fwd --d 128,256 .baseline/cuflash_prev .baseline/cuflash_x cuflash
 
 Each folder is imported under its own name (bench._load_baseline), so every copy
-compiles and caches its own kernels; all run in one process on the same inputs.
+compiles and caches its own kernels; all copies run in one process on the same inputs
+(SDPA-flash on inputs of the same shape).
 Prints TFLOP/s per copy and SDPA-flash's on the standard grid's shapes.
 """
 import argparse
