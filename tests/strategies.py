@@ -36,6 +36,13 @@ class Shape:
         return (self.batch, self.seqlen_k, self.nheads_kv, self.headdim)
 
 
+# Shared draws of the CPU tests: RNG seeds, softmax scales (None: the default; 0 is
+# allowed) and the CPU path's block sizes (1, tile edges, and sizes past a tile).
+seeds = st.integers(0, 2**32 - 1)
+scales = st.one_of(st.none(), st.just(0.0), st.floats(0.01, 2.0))
+blocks = st.one_of(st.sampled_from([1, 2, 16, 64, 65]), st.integers(1, 70))
+
+
 def seqlens(max_seqlen, *, allow_zero=False):
     """A sequence length in [0 or 1, max_seqlen], often a special ragged value."""
     low = 0 if allow_zero else 1

@@ -16,14 +16,11 @@ from cuflash.reference import (
     attention_textbook_backward,
     round_to,
 )
-from .strategies import Shape, assert_close, attention_shapes, random_dout, random_qkv
+from .strategies import Shape, assert_close, attention_shapes, blocks, random_dout, random_qkv, scales, seeds
 
 # NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
-seeds = st.integers(0, 2**32 - 1)
-scales = st.one_of(st.none(), st.just(0.0), st.floats(0.01, 2.0))
-blocks = st.one_of(st.sampled_from([1, 2, 16, 64, 65]), st.integers(1, 70))
 shapes = attention_shapes(max_batch=2, max_seqlen=70, max_headdim=64, allow_zero=True)
 # Small enough for Python loops over every element (finite differences, the textbook).
 tiny_shapes = attention_shapes(max_batch=2, max_seqlen=13, max_headdim=16, allow_zero=True)

@@ -32,8 +32,11 @@ from .strategies import (
     VarlenShape,
     assert_close,
     attention_shapes,
+    blocks,
     random_dout,
     random_qkv,
+    scales,
+    seeds,
     seqlens,
     variants,
     varlen_shapes,
@@ -43,9 +46,6 @@ from .strategies import (
 # NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
-seeds = st.integers(0, 2**32 - 1)
-scales = st.one_of(st.none(), st.just(0.0), st.floats(0.01, 2.0))
-blocks = st.one_of(st.sampled_from([1, 2, 16, 64, 65]), st.integers(1, 70))
 # Error allowed relative to the result's scale (see test_cpu.py and test_cpu_backward.py).
 OUT_TOL = {np.float32: 1e-5, np.float64: 1e-10}
 LSE_TOL = {np.float32: 1e-5, np.float64: 1e-6}

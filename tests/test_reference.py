@@ -11,13 +11,11 @@ from cuflash.reference import (
     attention_textbook,
     round_to,
 )
-from .strategies import Shape, assert_close, attention_shapes, random_qkv
+from .strategies import Shape, assert_close, attention_shapes, random_qkv, scales, seeds
 
 # NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
-seeds = st.integers(0, 2**32 - 1)
-scales = st.one_of(st.none(), st.just(0.0), st.floats(0.01, 2.0))
 # Small enough for the per-(batch, head, query) Python loop of the textbook version.
 tiny_shapes = attention_shapes(max_batch=2, max_seqlen=13, max_headdim=16, allow_zero=True)
 
