@@ -158,17 +158,25 @@ def attention_forward(
     from Philox keyed by `seed` (a 64-bit unsigned int, required when dropout_p > 0) and
     `rng_offset`.
     """
+    variant = _dense_variant(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                             rng_offset=rng_offset)
+    return _forward(q, k, v, variant, block_q, block_k)
+
+
+def _dense_variant(q, k, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
+                   rng_offset):
+    """The options of a dense (batch, seqlen, nheads, d) call, checked, as one _Variant."""
     _check_options(dropout_p, seed, softcap)
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     batch_index = np.arange(batch)
-    variant = _Variant(
+    return _Variant(
         seqlen_q, seqlen_k, nheads, nheads_kv, _acc_dtype(q), causal=causal,
         scale=_scale(softmax_scale, q), window_size=window_size, softcap=softcap,
         alibi=_alibi_rows(alibi_slopes, batch_index, nheads), dropout_p=dropout_p, seed=seed,
         rng_offset=rng_offset, batch_index=batch_index,
     )
-    return _forward(q, k, v, variant, block_q, block_k)
 
 
 def _acc_dtype(x):
@@ -252,16 +260,9 @@ def attention_backward(
     add nothing to dk, dv. Beyond dq and dk, dv, the extra memory is O(seqlen) per head
     plus one block_q x block_k tile.
     """
-    _check_options(dropout_p, seed, softcap)
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    batch_index = np.arange(batch)
-    variant = _Variant(
-        seqlen_q, seqlen_k, nheads, nheads_kv, _acc_dtype(q), causal=causal,
-        scale=_scale(softmax_scale, q), window_size=window_size, softcap=softcap,
-        alibi=_alibi_rows(alibi_slopes, batch_index, nheads), dropout_p=dropout_p, seed=seed,
-        rng_offset=rng_offset, batch_index=batch_index,
-    )
+    variant = _dense_variant(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                             rng_offset=rng_offset)
     return _backward(dout, q, k, v, out, lse, variant, block_q, block_k)
 
 
