@@ -104,21 +104,25 @@ def _plan_key(arrays, options: Options, varlen: Varlen | None):
     return tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in arrays), options
 
 
-def backward_workspace(q_shape) -> dict[str, tuple[tuple[int, ...], str]]:
+def backward_workspace(q_shape, deterministic: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Scratch buffers of ``backward`` (contents on entry do not matter): D = rowsum(dO * O),
-    laid out like the LSE."""
-    if len(q_shape) == 4:
-        batch, seqlen_q, nheads, _ = q_shape
-        return {"delta": ((batch, nheads, seqlen_q), "float32")}
-    total_q, nheads, _ = q_shape
-    return {"delta": ((nheads, total_q), "float32")}
+    laid out like the LSE, and, unless ``deterministic``, dQ's fp32 accumulator
+    (rows, nheads, head-dim bucket) where the one-pass kernel has a tile."""
+    *rows, nheads, head_dim = q_shape
+    work = {"delta": (((rows[0], nheads, rows[1]) if len(rows) == 2 else (nheads, rows[0])), "float32")}
+    if not deterministic and _plan.head_dim_bucket(head_dim) in _plan.KINDS["backward"].tiles:
+        work["dq_accum"] = ((math.prod(rows), nheads, _plan.head_dim_bucket(head_dim)), "float32")
+    return work
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
              dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, delta: ArrayInfo, options: Options, *, stream: int,
-             varlen: Varlen | None = None) -> None:
-    """dq, dk, dv of attention; delta comes from ``backward_workspace``. No atomics: the
-    result is bitwise reproducible."""
+             varlen: Varlen | None = None, dq_accum: ArrayInfo | None = None) -> None:
+    """dq, dk, dv of attention; delta and dq_accum come from ``backward_workspace``.
+    With dq_accum, where the one-pass kernel has an instance (head dim, no softcap,
+    ALiBi or dropout, shared memory of the device), it computes all three, dQ through
+    fp32 atomics; otherwise dQ has its own pass and every gradient is bitwise
+    reproducible."""
     p, batch = _params(q, k, v, lse, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
     p.delta = delta.ptr
     vec = _vectorizable(dout, q, k, v, dq, dk, dv)
@@ -126,15 +130,22 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     rows_per_batch = p.seqlen_q if varlen is None else q.shape[0]
     groups = batch if varlen is None else 1
     tasks = groups * rows_per_batch * p.nheads
+    one_pass = dq_accum is not None and _plan.has_tile("backward", p.headdim, options.extras,
+                                                      _shared_limit(q.device))
+    accum_cols = dq_accum.shape[-1] if one_pass else 0
+    per_row = [p, ctypes.c_int(groups), ctypes.c_int(rows_per_batch), ctypes.c_int(accum_cols)]
+    if one_pass:
+        p.dq_accum = dq_accum.ptr
     if tasks:
-        pre = _plan.Elementwise("backward_preprocess", q.dtype)
-        _launch(pre, (-(-tasks // 8), 1, 1), q.device, stream,
-                [p, ctypes.c_int(groups), ctypes.c_int(rows_per_batch)])
-        kernel = _kernel("backward_dq", q, options, vec)
-        _launch(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device, stream, [p])
+        _launch(_plan.Elementwise("backward_preprocess", q.dtype), (-(-tasks // 8), 1, 1), q.device, stream, per_row)
+        if not one_pass:
+            kernel = _kernel("backward_dq", q, options, vec)
+            _launch(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device, stream, [p])
     if batch and p.seqlen_k and nheads_kv:
-        kernel = _kernel("backward_dkdv", q, options, vec)
+        kernel = _kernel("backward" if one_pass else "backward_dkdv", q, options, vec)
         _launch(kernel, kernel.grid(p.seqlen_k, nheads_kv, batch), q.device, stream, [p])
+    if tasks and one_pass:
+        _launch(_plan.Elementwise("backward_convert_dq", q.dtype), (-(-tasks // 8), 1, 1), q.device, stream, per_row)
 
 
 def _kernel(kind: str, q: ArrayInfo, options: Options, vectorized: bool) -> _plan.Kernel:

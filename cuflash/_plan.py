@@ -48,6 +48,7 @@ class Kind:
     shared_bytes: Callable[[Tile, int], int]
     grid_rows: str  # the tile dimension the grid's x runs over: "block_m" or "block_n"
     has_col_split: bool
+    has_extras: bool = True  # instances with softcap, ALiBi and dropout exist
 
 
 _T = Tile
@@ -61,6 +62,18 @@ KINDS = {
         32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 32, 4, 2),), 128: (_T(128, 32, 4, 2),),
         **{d: (_T(128, 64, 8, 2), _T(64, 64, 4, 2), _T(64, 32, 4, 2), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", False),
+    # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
+    # + P and dS tiles. Warps own 32 rows of each product (bwd.cu), so the head dim
+    # must split into multiples of 16 columns: 96, 160 and 224 take the two-kernel path,
+    # as do softcap, ALiBi and dropout (their arithmetic needs registers ptxas lacks here).
+    "backward": Kind("bwd.cu", "attention_backward", {
+        32: (_T(128, 128, 8, 2), _T(128, 128, 8, 1)),
+        64: (_T(128, 128, 8, 2), _T(128, 128, 8, 1), _T(64, 128, 8, 1)),
+        128: (_T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
+        **{d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (192, 256)},
+    }, lambda t, d: (2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m)
+                     + 2 * t.block_m * (t.block_n + 8) * 2), "block_n", False, has_extras=False),
+    # The deterministic path: dK/dV here, dQ in its own pass (below).
     # K and V tiles + stages x (Q tile + dO tile + LSE + D)
     "backward_dkdv": Kind("bwd.cu", "attention_backward_dkdv", {
         32: (_T(64, 64, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(32, 32, 2, 2),),
@@ -81,7 +94,8 @@ KINDS = {
 }
 
 # Untiled helpers of the backward, one instance per dtype.
-ELEMENTWISE = {"backward_preprocess": ("bwd.cu", "attention_backward_preprocess", 256)}
+ELEMENTWISE = {"backward_preprocess": ("bwd.cu", "attention_backward_preprocess", 256),
+               "backward_convert_dq": ("bwd.cu", "attention_backward_convert_dq", 256)}
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -150,6 +164,15 @@ class Elementwise:
     shared_bytes = 0
 
 
+def has_tile(kind: str, head_dim: int, extras: bool, shared_limit: int) -> bool:
+    """Does ``kind`` have an instance for this head dim and extras within this much
+    shared memory?"""
+    if extras and not KINDS[kind].has_extras:
+        return False
+    tiles = KINDS[kind].tiles.get(head_dim_bucket(head_dim), ())
+    return any(KINDS[kind].shared_bytes(t, head_dim_bucket(head_dim)) <= shared_limit for t in tiles)
+
+
 @functools.cache  # the plan of a call signature never changes: look it up once
 def kernel(kind: str, dtype: str, head_dim: int, local: bool, vectorized: bool, extras: bool,
            shared_limit: int) -> Kernel:
@@ -166,5 +189,6 @@ def all_kernels(arch: str) -> list[Kernel | Elementwise]:
     flags = (False, True)
     tiled = [kernel(kind, dtype, bucket, local, vec, extras, limit)
              for kind, dtype, bucket, local, vec, extras in
-             itertools.product(KINDS, DTYPES, HEAD_DIM_BUCKETS, flags, flags, flags)]
+             itertools.product(KINDS, DTYPES, HEAD_DIM_BUCKETS, flags, flags, flags)
+             if has_tile(kind, bucket, extras, limit)]
     return tiled + [Elementwise(kind, dtype) for kind, dtype in itertools.product(ELEMENTWISE, DTYPES)]

@@ -92,8 +92,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the
     same arguments (with dropout: the same ``seed`` and ``rng_offset``); P is
     recomputed from ``lse``, never stored. With GQA, dk and dv are summed over the
-    query heads that share a KV head. The gradients are always bitwise reproducible
-    (no atomics); ``deterministic`` is accepted for flash-attn compatibility.
+    query heads that share a KV head. dq is accumulated with fp32 atomics, so its
+    last bits can differ between runs; ``deterministic=True`` computes it in a pass
+    of its own instead (slower), and every gradient is bitwise reproducible. dk and
+    dv always are.
     """
     arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
@@ -110,7 +112,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     if qi.device is None:
         from . import cpu
         return cpu.attention_backward(dout, q, k, v, out, lse, **_cpu_options(options, alibi_slopes))
-    return _backward_gpu(arrays, options, None)
+    return _backward_gpu(arrays, options, None, deterministic)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -129,7 +131,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         from . import cpu
         return cpu.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, **_cpu_options(options, alibi_slopes))
-    return _backward_gpu(arrays, options, varlen)
+    return _backward_gpu(arrays, options, varlen, deterministic)
 
 
 for _f in (attention, attention_varlen, attention_backward, attention_varlen_backward):
@@ -147,13 +149,14 @@ def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None):
     return framework.finish(out.array), framework.finish(lse.array)
 
 
-def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None):
+def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, deterministic: bool):
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     framework = _arrays.Framework(q)
     grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
-    work = {name: framework.empty(shape, dtype) for name, (shape, dtype) in _kernels.backward_workspace(q.shape).items()}
+    work = {name: framework.empty(shape, dtype).info
+            for name, (shape, dtype) in _kernels.backward_workspace(q.shape, deterministic).items()}
     _kernels.backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], *(g.info for g in grads),
-                      work["delta"].info, options, stream=framework.stream, varlen=varlen)
+                      work["delta"], options, stream=framework.stream, varlen=varlen, dq_accum=work.get("dq_accum"))
     return tuple(framework.finish(g.array) for g in grads)
 
 

@@ -258,8 +258,8 @@ def _forward(q, k, v, extras: dict, config: _Config):
 
 def _backward(dout, q, k, v, out, lse, extras: dict, config: _Config):
     grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    workspace = {name: jax.ShapeDtypeStruct(shape, dtype)
-                 for name, (shape, dtype) in _kernels.backward_workspace(tuple(q.shape)).items()}
+    work = _kernels.backward_workspace(tuple(q.shape), config.deterministic)
+    workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in work.items()}
     call = buffer_callback(_BackwardCallback(config), (grads, workspace), vmap_method="sequential")
     grads, _ = call(dout, q, k, v, out, lse, *(extras[name] for name in config.inputs))
     return grads
@@ -302,8 +302,9 @@ class _BackwardCallback:
         options, varlen = _gpu_options(self.config, extras, q, ctx.stream)
         inputs = [_info(x, dtype) for x in (dout, q, k, v, out)] + [_info(lse, "float32")]
         grads = [_info(x, dtype) for x in grads]
+        accum = workspace.get("dq_accum")
         _kernels.backward(*inputs, *grads, _info(workspace["delta"], "float32"), options, stream=ctx.stream,
-                          varlen=varlen)
+                          varlen=varlen, dq_accum=None if accum is None else _info(accum, "float32"))
 
 
 def _call_cpu(dense, packed, config: _Config, arrays: list, extras: dict, **kwargs):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _kernels
+from cuflash import _kernels, _plan
 from cuflash.reference import attention_lowp_backward, attention_reference_backward
 
 from .strategies import Shape, assert_close, attention_shapes, random_qkv
@@ -90,6 +90,41 @@ def test_deterministic_is_bitwise_stable_across_runs_and_streams(head_dim):
             cupy.cuda.get_current_stream().synchronize()
         for a, b in zip(first, again):
             assert (a.view(cupy.uint16) == b.view(cupy.uint16)).all()
+
+
+def launched_kinds(monkeypatch) -> list[str]:
+    kinds = []
+    real = _kernels._launch
+    monkeypatch.setattr(_kernels, "_launch", lambda kernel, *args: kinds.append(kernel.kind) or real(kernel, *args))
+    return kinds
+
+
+@pytest.mark.parametrize("head_dim,deterministic,softcap,one_pass", [
+    (128, False, 0.0, True), (64, False, 0.0, True), (256, False, 0.0, True),
+    (128, True, 0.0, False), (128, False, 5.0, False), (96, False, 0.0, False)])
+def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_pass):
+    """The one-pass kernel (dQ by atomics) by default; the dK/dV + dQ passes when
+    deterministic, with softcap / ALiBi / dropout, and for head dims it has no tile for."""
+    import cupy
+    q = cupy.ones((1, 70, 2, head_dim), dtype=cupy.float16)
+    out, lse = cuflash.attention(q, q, q, softcap=softcap, return_lse=True)
+    kinds = launched_kinds(monkeypatch)
+    cuflash.attention_backward(q, q, q, q, out, lse, softcap=softcap, deterministic=deterministic)
+    expected = (["backward_preprocess", "backward", "backward_convert_dq"] if one_pass else
+                ["backward_preprocess", "backward_dq", "backward_dkdv"])
+    assert kinds == expected
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 192, 256])
+def test_the_tiles_of_smaller_devices(monkeypatch, arch, head_dim):
+    """The tiles another arch's shared memory picks (one stage, smaller tiles, or the
+    two-kernel backward where the one-pass kernel does not fit) run correctly here."""
+    monkeypatch.setattr(_kernels, "_shared_limit", lambda device: _plan.shared_memory_limit(arch))
+    monkeypatch.setattr(_kernels, "_forward_plans", {})
+    shape = Shape(2, 333, 301, 4, 2, head_dim, True)
+    (dout, q, k, v), grads, _ = run_backward(shape, "bfloat16", head_dim, deterministic=False)
+    check_gradients(dout, q, k, v, grads, shape.causal)
 
 
 def test_fully_masked_rows_have_zero_gradients():

@@ -2,17 +2,20 @@
 //
 //   D = rowsum(dO * O)                                      attention_backward_preprocess
 //   for each key tile j (one CTA), for each query head of the group and query tile i:
-//     P = exp(mod(S) - LSE),  S = Q_i K_j^T                    (held as P^T: keys are rows)
+//     S = Q_i K_j^T,  P = exp(mod(S) - LSE)
 //     dV_j += dropout(P)^T dO_i;  dP = dropout(dO_i V_j^T);  dS = P (dP - D_i) mod'(S)
-//     dK_j += scale dS^T Q_i                                   attention_backward_dkdv
-//   for each query tile i (one CTA), for each key tile j it sees:
-//     the same P and dS;  dQ_i += scale dS K_j                 attention_backward_dq
+//     dK_j += scale dS^T Q_i
 //
 // dK and dV stay in registers across the whole loop (fp32, summed over the query
-// heads that share the KV head, so GQA needs no atomics), and so does dQ in its own
-// pass. Recomputing S and dP there measured faster on the H200 than accumulating dQ
-// with fp32 atomics from the dK/dV kernel (docs/performance.md), and with no atomics
-// anywhere every gradient is bitwise reproducible.
+// heads that share the KV head, so GQA needs no atomics). dQ comes one of two ways:
+//
+// - attention_backward (FlashAttention-2's scheme, the default): the same CTA adds
+//   dQ_i += dS K_j into an fp32 buffer with atomics, and attention_backward_convert_dq
+//   scales and rounds it. Five matmuls per tile; the order of the additions varies.
+// - attention_backward_dkdv + attention_backward_dq (deterministic, and head dims whose
+//   accumulators do not fit the one-pass warp layout): a second kernel, one CTA per
+//   query tile, recomputes S and dP and keeps dQ in registers. Seven matmuls per tile,
+//   no atomics anywhere: every gradient is bitwise reproducible.
 #include "common.cuh"
 #include "copy.cuh"
 #include "mask.cuh"
@@ -20,13 +23,24 @@
 #include "params.cuh"
 #include "score.cuh"
 
+
+
+
+
+
+
+
+
+
+
 namespace cuflash {
 
-// D = rowsum(dO * O) in fp32, one warp a (row, head). Rows are numbered batch-major
-// over `batch` groups of `rows_per_batch` (one group of all rows for packed arrays).
+// D = rowsum(dO * O) in fp32, one warp a (row, head), and that row's dQ accumulator
+// (accum_cols floats; 0 without one) set to zero. Rows are numbered batch-major over
+// `batch` groups of `rows_per_batch` (one group of all rows for packed arrays).
 template <typename T>
 __global__ void __launch_bounds__(256)
-attention_backward_preprocess(const Params p, int batch, int rows_per_batch) {
+attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int accum_cols) {
   const int64 task = int64(blockIdx.x) * 8 + threadIdx.x / 32;  // = row * nheads + head
   const int lane = threadIdx.x % 32;
   if (task >= int64(batch) * rows_per_batch * p.nheads) return;
@@ -40,6 +54,22 @@ attention_backward_preprocess(const Params p, int batch, int rows_per_batch) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) p.delta[b * p.lse_batch_stride + head * p.lse_head_stride + i] = sum;
+  for (int c = lane; c < accum_cols; c += 32) p.dq_accum[task * accum_cols + c] = 0.f;
+}
+
+// dQ = scale * dq_accum, rounded to the element type; the same tasks as the preprocess.
+template <typename T>
+__global__ void __launch_bounds__(256)
+attention_backward_convert_dq(const Params p, int batch, int rows_per_batch, int accum_cols) {
+  const int64 task = int64(blockIdx.x) * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (task >= int64(batch) * rows_per_batch * p.nheads) return;
+  const int head = int(task % p.nheads);
+  const int64 row = task / p.nheads;
+  const int b = int(row / rows_per_batch), i = int(row % rows_per_batch);
+  elem_t* dq = p.dq.ptr + b * p.dq.batch_stride + i * p.dq.row_stride + head * p.dq.head_stride;
+  const float* accum = p.dq_accum + task * accum_cols;
+  for (int c = lane; c < p.headdim; c += 32) dq[c] = DType<T>::from_float(accum[c] * p.scale);
 }
 
 // Above d 128, overlapping every k16 step of the two score products needs more
@@ -49,34 +79,215 @@ __host__ __device__ constexpr int qk_unroll(int head_dim) {
   return head_dim > 192 ? 2 : head_dim > 128 ? 4 : head_dim / 16;
 }
 
-// From the raw scores s = Q K^T and dP = dO V^T of a tile (mma C layout; with
-// kTransposed the rows are keys and the columns queries), in place:
+// From the raw scores s = Q K^T and dP = dO V^T of a tile (mma C layout, kMTiles
+// m16 tiles; with kTransposed the rows are keys and the columns queries), in place:
 //   s  <- dropout(P), P = exp(mod(s) - LSE), 0 where hidden     (for dV)
 //   dp <- dS = P (dropout(dP) - D) mod'(s)                       (for dK and dQ)
-// lse_log2 / delta give each query's LSE * log2(e) and D.
-template <bool kTransposed, bool kLocal, bool kExtras, int kNTiles, typename Lse, typename Delta>
+// lse_log2(i, e) / delta(i, e) give LSE * log2(e) and D of the query at index i of the
+// tile's queries (element e of its fragment).
+template <bool kTransposed, bool kLocal, bool kExtras, int kMTiles, int kNTiles, typename Lse, typename Delta>
 __device__ __forceinline__ void probabilities_and_gradients(
-    float (&s)[1][kNTiles][4], float (&dp)[1][kNTiles][4], float scale_log2, bool masked, const Mask<kLocal>& mask,
-    const ScoreMod& mod, const Dropout& dropout, bool dropping, float dropout_scale, Lse lse_log2, Delta delta,
-    int row0, int col0, int lane) {
+    float (&s)[kMTiles][kNTiles][4], float (&dp)[kMTiles][kNTiles][4], float scale_log2, bool masked,
+    const Mask<kLocal>& mask, const ScoreMod& mod, const Dropout& dropout, bool dropping, float dropout_scale,
+    Lse lse_log2, Delta delta, int row0, int col0, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
+  for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = g + 8 * (e >> 1), c = nt * 8 + 2 * t + (e & 1);
-      const int query = kTransposed ? col0 + c : row0 + r, key = kTransposed ? row0 + r : col0 + c;
-      const int local = kTransposed ? c : r;  // the query's index for lse_log2 / delta
-      const float raw = s[0][nt][e];
-      float prob = fast_exp2((kExtras ? mod(raw, query, key) : raw) * scale_log2 - lse_log2(local, e));
-      if (masked && !mask.visible(query, key)) prob = 0.f;
-      float kept = 1.f;
-      if (kExtras && dropping) kept = dropout.keep(query, key) ? dropout_scale : 0.f;
-      float ds = prob * (dp[0][nt][e] * kept - delta(local, e));
-      if constexpr (kExtras) ds *= mod.chain(raw);
-      s[0][nt][e] = prob * kept;
-      dp[0][nt][e] = ds;
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = mt * 16 + g + 8 * (e >> 1), c = nt * 8 + 2 * t + (e & 1);
+        const int query = kTransposed ? col0 + c : row0 + r, key = kTransposed ? row0 + r : col0 + c;
+        const int local = kTransposed ? c : r;  // the query's index for lse_log2 / delta
+        const float raw = s[mt][nt][e];
+        float prob = fast_exp2((kExtras ? mod(raw, query, key) : raw) * scale_log2 - lse_log2(local, e));
+        if (masked && !mask.visible(query, key)) prob = 0.f;
+        float kept = 1.f;
+        if (kExtras && dropping) kept = dropout.keep(query, key) ? dropout_scale : 0.f;
+        float ds = prob * (dp[mt][nt][e] * kept - delta(local, e));
+        if constexpr (kExtras) ds *= mod.chain(raw);
+        s[mt][nt][e] = prob * kept;
+        dp[mt][nt][e] = ds;
+      }
+}
+
+// fp32 (a, b) added to dst[0], dst[1] (8-byte aligned) without reading them back.
+__device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+// The ScoreMod and Dropout of one (batch, head) (extras only).
+template <bool kExtras, bool kLocal>
+__device__ __forceinline__ void score_extras(const Params& p, const Mask<kLocal>& mask, int batch, int head,
+                                             ScoreMod& mod, Dropout& dropout) {
+  if constexpr (kExtras) {
+    const float slope = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.f;
+    mod = ScoreMod{p.scale, p.softcap, slope, mask.diagonal};
+    dropout = Dropout{make_uint2(unsigned(p.seed), unsigned(p.seed >> 32)), unsigned(batch * p.nheads + head),
+                      unsigned(p.rng_offset), p.dropout_threshold};
+  }
+}
+
+// One-pass backward: one CTA per (key tile, KV head, batch), dK and dV in registers,
+// dQ added to p.dq_accum. Per step (query head of the group, query tile):
+//   S = Q K^T, dP = dO V^T     warps split queries x keys, 32 queries each
+//   P, dS -> shared memory     16-bit, [query][key]
+//   dV += P^T dO, dK += dS^T Q warps split keys x head dim, 32 keys each
+//   dQ += dS K                 warps split queries x head dim, 32 queries each; fp32 red
+// Each fragment read from shared memory feeds 4-8 mma (the two-kernel path: 2).
+// @tparam kBlockM  query rows per step, kBlockN key rows per CTA: multiples of 32
+// @tparam kStages  shared buffers for Q / dO: 2 overlaps the next step's load
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
+          bool kExtras>
+__global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Params p) {
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+  constexpr int kPStride = kBlockN + 8;  // rows of (kBlockN + 8) * 2 bytes: conflict-free ldmatrix
+  constexpr int kQueryWarps = kBlockM / 32, kKeyWarps = kBlockN / 32;
+  constexpr int kSKeys = kBlockN / (kWarps / kQueryWarps);    // S, dP: 32 queries x kSKeys keys a warp
+  constexpr int kKvCols = kHeadDim / (kWarps / kKeyWarps);    // dK, dV: 32 keys x kKvCols a warp
+  constexpr int kDqCols = kHeadDim / (kWarps / kQueryWarps);  // dQ: 32 queries x kDqCols a warp
+  // k16 steps of the S / dP and dQ products the compiler may overlap: more needs more
+  // registers than the dK and dV accumulators leave (ptxas spilled).
+  constexpr int kQkUnroll = kHeadDim <= 64 ? 1 : 2;
+  constexpr int kDqUnroll = kHeadDim > 64 && kHeadDim <= 192 ? 2 : 1;
+  static_assert(!kExtras, "softcap, ALiBi and dropout take the two-kernel path (registers)");
+  static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
+                "warp layout");
+  static_assert(kSKeys % 16 == 0 && kKvCols % 16 == 0 && kDqCols % 16 == 0, "tile shape");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  elem_t* k_tile = reinterpret_cast<elem_t*>(smem);
+  elem_t* v_tile = k_tile + kBlockN * kStride;
+  elem_t* q_tiles = v_tile + kBlockN * kStride;
+  elem_t* do_tiles = q_tiles + kStages * kBlockM * kStride;
+  elem_t* p_tile = do_tiles + kStages * kBlockM * kStride;  // [kBlockM][kPStride]
+  elem_t* ds_tile = p_tile + kBlockM * kPStride;
+  float* lse_log2 = reinterpret_cast<float*>(ds_tile + kBlockM * kPStride);  // [kStages][kBlockM]
+  float* deltas = lse_log2 + kStages * kBlockM;                               // [kStages][kBlockM]
+
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const Sequence seq = Sequence::of(p, batch);
+  const int n0 = n_block * kBlockN;
+  if (n0 >= seq.seqlen_k) return;  // variable length: the grid covers the longest sequence
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int s_row0 = warp % kQueryWarps * 32, s_key0 = warp / kQueryWarps * kSKeys;
+  const int kv_key0 = warp % kKeyWarps * 32, kv_col0 = warp / kKeyWarps * kKvCols;
+  const int dq_col0 = warp / kQueryWarps * kDqCols;  // dQ rows: s_row0
+
+  // Query tiles that can see any key of this tile.
+  const auto mask = Mask<kLocal>::of(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+  const int key_end = min(n0 + kBlockN, seq.seqlen_k);
+  const int m_begin = mask.query_begin(n0) / kBlockM;
+  const int m_tiles = max(0, ceil_div(mask.query_end(key_end, seq.seqlen_q), kBlockM) - m_begin);
+  const int steps = p.heads_per_kv * m_tiles;  // (query head of the group, query tile) pairs
+  const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
+  const bool dropping = kExtras && p.dropout_threshold > 0;
+
+  load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tile, seq.rows(p.k, batch, kv_head, false), p.k.row_stride, n0,
+                                                seq.seqlen_k, p.headdim);
+  load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tile, seq.rows(p.v, batch, kv_head, false), p.v.row_stride, n0,
+                                                seq.seqlen_k, p.headdim);
+  cp_async_commit();
+
+  auto step_head = [&](int step) { return kv_head * p.heads_per_kv + step / max(m_tiles, 1); };
+  auto step_m0 = [&](int step) { return (m_begin + step % max(m_tiles, 1)) * kBlockM; };
+  auto load_step = [&](int step, int stage) {
+    const int head = step_head(step), m0 = step_m0(step);
+    load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tiles + stage * kBlockM * kStride, seq.rows(p.q, batch, head, true),
+                                                 p.q.row_stride, m0, seq.seqlen_q, p.headdim);
+    load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
+                                                 seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
+                                                 seq.seqlen_q, p.headdim);
+    cp_async_commit();
+    // Rows past seqlen_q get LSE = +inf, so their P is 0 like a fully masked row's.
+    const int64 at = seq.lse_offset(p, batch, head) + m0;
+    for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
+      const bool ok = m0 + i < seq.seqlen_q;
+      lse_log2[stage * kBlockM + i] = ok ? p.lse[at + i] * kLog2e : kInf;
+      deltas[stage * kBlockM + i] = ok ? p.delta[at + i] : 0.f;
     }
+  };
+
+  float acc_dk[2][kKvCols / 8][4] = {}, acc_dv[2][kKvCols / 8][4] = {};
+  if (steps > 0) load_step(0, 0);
+
+  for (int step = 0; step < steps; ++step) {
+    const int stage = kStages == 2 ? step % 2 : 0;
+    if (kStages == 2 && step + 1 < steps) {
+      load_step(step + 1, (step + 1) % 2);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int head = step_head(step), m0 = step_m0(step);
+    const elem_t* q_tile = q_tiles + stage * kBlockM * kStride;
+    const elem_t* do_tile = do_tiles + stage * kBlockM * kStride;
+
+    {  // S and dP of this warp's 32 queries x kSKeys keys -> P and dS in shared memory
+      ScoreMod mod{};
+      Dropout dropout{};
+      score_extras<kExtras>(p, mask, batch, head, mod, dropout);
+      const float* step_lse = lse_log2 + stage * kBlockM + s_row0;
+      const float* step_delta = deltas + stage * kBlockM + s_row0;
+      float acc_s[2][kSKeys / 8][4] = {}, acc_dp[2][kSKeys / 8][4] = {};
+      gemm_qk<T, 2, kSKeys, kHeadDim, kQkUnroll>(acc_s, q_tile, s_row0, k_tile + s_key0 * kStride, lane);
+      gemm_qk<T, 2, kSKeys, kHeadDim, kQkUnroll>(acc_dp, do_tile, s_row0, v_tile + s_key0 * kStride, lane);
+      probabilities_and_gradients<false, kLocal, kExtras>(
+          acc_s, acc_dp, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask,
+          mod, dropout, dropping, p.dropout_scale, [=](int r, int) { return step_lse[r]; },
+          [=](int r, int) { return step_delta[r]; }, m0 + s_row0, n0 + s_key0, lane);
+      store_fragments<T, 2, kSKeys / 8, kPStride>(p_tile + s_row0 * kPStride + s_key0, acc_s, lane);
+      store_fragments<T, 2, kSKeys / 8, kPStride>(ds_tile + s_row0 * kPStride + s_key0, acc_dp, lane);
+    }
+    __syncthreads();
+
+    // dV += dropout(P)^T dO;  dK += dS^T Q (scaled once at the end)
+    gemm_ss<T, 2, kKvCols, kBlockM, true, false, kPStride, kStride>(acc_dv, p_tile + kv_key0, do_tile + kv_col0,
+                                                                     lane);
+    gemm_ss<T, 2, kKvCols, kBlockM, true, false, kPStride, kStride>(acc_dk, ds_tile + kv_key0, q_tile + kv_col0,
+                                                                     lane);
+    {  // dQ += dS K for this warp's 32 queries x kDqCols columns, added to the fp32 buffer
+      float acc_dq[2][kDqCols / 8][4] = {};
+      gemm_ss<T, 2, kDqCols, kBlockN, false, false, kPStride, kStride, kDqUnroll>(acc_dq, ds_tile + s_row0 * kPStride,
+                                                                       k_tile + dq_col0, lane);
+      const int64 row_base = (seq.q_rows_before + m0 + s_row0) * p.nheads + head;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = mt * 16 + g + 8 * h;
+          if (m0 + s_row0 + r >= seq.seqlen_q) continue;
+          float* dst = p.dq_accum + (row_base + int64(r) * p.nheads) * kHeadDim + dq_col0 + 2 * t;
+#pragma unroll
+          for (int dt = 0; dt < kDqCols / 8; ++dt)
+            atomic_add_pair(dst + dt * 8, acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
+        }
+    }
+    __syncthreads();
+    if (kStages == 1 && step + 1 < steps) load_step(step + 1, 0);
+  }
+  cp_async_wait<0>();  // K/V copies are still pending when no query tile was visited
+
+  const Sequence out_seq = Sequence::of(p, batch);
+  elem_t* dk = out_seq.rows(p.dk, batch, kv_head, false);
+  elem_t* dv = out_seq.rows(p.dv, batch, kv_head, false);
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int row0 = n0 + kv_key0 + mt * 16;
+    store_accumulators<T, kKvCols / 8, kVec>(dk, p.dk.row_stride, acc_dk[mt], row0, out_seq.seqlen_k, kv_col0,
+                                            p.headdim, p.scale, lane);
+    store_accumulators<T, kKvCols / 8, kVec>(dv, p.dv.row_stride, acc_dv[mt], row0, out_seq.seqlen_k, kv_col0,
+                                            p.headdim, 1.f, lane);
+  }
 }
 
 // @tparam kBlockM   query rows per step; a multiple of 16
@@ -168,12 +379,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
 
       ScoreMod mod{};
       Dropout dropout{};
-      if constexpr (kExtras) {
-        const float slope = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.f;
-        mod = ScoreMod{p.scale, p.softcap, slope, mask.diagonal};
-        dropout = Dropout{make_uint2(unsigned(p.seed), unsigned(p.seed >> 32)),
-                          unsigned(batch * p.nheads + head), unsigned(p.rng_offset), p.dropout_threshold};
-      }
+      score_extras<kExtras>(p, mask, batch, head, mod, dropout);
 
       // dP^T = V dO^T and S^T = K Q^T: this warp's 16 keys x kBlockM queries.
       float acc_s[1][kBlockM / 8][4] = {}, acc_ds[1][kBlockM / 8][4] = {};
@@ -237,12 +443,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
   const bool dropping = kExtras && p.dropout_threshold > 0;
   ScoreMod mod{};
   Dropout dropout{};
-  if constexpr (kExtras) {
-    const float slope = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.f;
-    mod = ScoreMod{p.scale, p.softcap, slope, mask.diagonal};
-    dropout = Dropout{make_uint2(unsigned(p.seed), unsigned(p.seed >> 32)), unsigned(batch * p.nheads + head),
-                      unsigned(p.rng_offset), p.dropout_threshold};
-  }
+  score_extras<kExtras>(p, mask, batch, head, mod, dropout);
 
   // This lane's two rows: LSE in log2 units (+inf past seqlen_q, so P = 0) and D.
   float row_lse[2], row_delta[2];

@@ -46,29 +46,51 @@ __device__ __forceinline__ void load_b(unsigned b[4], const elem_t* tile, int k0
   ldmatrix_x4_trans(b, tile + row * kStride + col);
 }
 
-// acc[kM][kN / 8][4] += A(kM x 16 rows of Q) . B, over the full head dim:
-//   S = Q K^T for this warp's rows. kUnroll bounds how many k16 steps the compiler
-//   may overlap (their fragments are live together).
+// A fragment of rows [m0, m0+16) x cols [k0, k0+16) of A, where A is stored
+// transposed, [k][m] (dS^T in the backward); .trans hands each lane A's pairs.
+template <int kStride>
+__device__ __forceinline__ void load_a_transposed(unsigned a[4], const elem_t* tile_t, int m0, int k0, int lane) {
+  const int row = k0 + (lane & 7) + (lane >> 4) * 8;
+  const int col = m0 + ((lane >> 3) & 1) * 8;
+  ldmatrix_x4_trans(a, tile_t + row * kStride + col);
+}
+
+// acc[kMTiles][kN / 8][4] += A . B for A of kMTiles x 16 rows by kK and B of kK x kN,
+// both in shared memory from their origin: A stored [m][k] or, with kATransposed,
+// [k][m]; B stored [k][n] or, with kBTransposed, [n][k]. kUnroll bounds how many k16
+// steps the compiler may overlap (their fragments are live together).
+template <typename T, int kMTiles, int kN, int kK, bool kATransposed, bool kBTransposed, int kStrideA,
+          int kStrideB, int kUnroll = kK / 16>
+__device__ __forceinline__ void gemm_ss(float (&acc)[kMTiles][kN / 8][4], const elem_t* a, const elem_t* b,
+                                        int lane) {
+#pragma unroll kUnroll
+  for (int kk = 0; kk < kK; kk += 16) {
+    unsigned af[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      if constexpr (kATransposed) load_a_transposed<kStrideA>(af[mt], a, mt * 16, kk, lane);
+      else load_a<kStrideA>(af[mt], a, mt * 16, kk, lane);
+    }
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; nt += 2) {
+      unsigned bf[4];
+      if constexpr (kBTransposed) load_b_transposed<kStrideB>(bf, b, nt * 8, kk, lane);
+      else load_b<kStrideB>(bf, b, kk, nt * 8, lane);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        DType<T>::mma(acc[mt][nt], af[mt], bf[0], bf[1]);
+        DType<T>::mma(acc[mt][nt + 1], af[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// S = Q K^T for the kMTiles x 16 rows of Q from q_row0, over the full head dim.
 template <typename T, int kMTiles, int kN, int kHeadDim, int kUnroll = kHeadDim / 16>
 __device__ __forceinline__ void gemm_qk(float (&acc)[kMTiles][kN / 8][4], const elem_t* q, int q_row0,
                                         const elem_t* k, int lane) {
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
-#pragma unroll kUnroll
-  for (int kk = 0; kk < kHeadDim; kk += 16) {
-    unsigned a[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) load_a<kStride>(a[mt], q, q_row0 + mt * 16, kk, lane);
-#pragma unroll
-    for (int nt = 0; nt < kN / 8; nt += 2) {
-      unsigned b[4];
-      load_b_transposed<kStride>(b, k, nt * 8, kk, lane);
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        DType<T>::mma(acc[mt][nt], a[mt], b[0], b[1]);
-        DType<T>::mma(acc[mt][nt + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
+  gemm_ss<T, kMTiles, kN, kHeadDim, false, true, kStride, kStride, kUnroll>(acc, q + q_row0 * kStride, k, lane);
 }
 
 // acc[kM][kCols / 8][4] += P . B with P taken straight from S-shaped accumulators:
@@ -100,36 +122,19 @@ __device__ __forceinline__ void gemm_pv(float (&acc)[kMTiles][kCols / 8][4],
   }
 }
 
-// A fragment of rows [m0, m0+16) x cols [k0, k0+16) of A, where A is stored
-// transposed, [k][m] (dS^T in the backward); .trans hands each lane A's pairs.
-template <int kStride>
-__device__ __forceinline__ void load_a_transposed(unsigned a[4], const elem_t* tile_t, int m0, int k0, int lane) {
-  const int row = k0 + (lane & 7) + (lane >> 4) * 8;
-  const int col = m0 + ((lane >> 3) & 1) * 8;
-  ldmatrix_x4_trans(a, tile_t + row * kStride + col);
-}
-
-// acc[kMTiles][kCols / 8][4] += A . B over kK, with A stored transposed ([k][m],
-// kStrideA) and B stored [k][n] (kStrideB): dQ = dS K from dS^T in shared memory.
-template <typename T, int kMTiles, int kK, int kCols, int kStrideA, int kStrideB>
-__device__ __forceinline__ void gemm_tn(float (&acc)[kMTiles][kCols / 8][4], const elem_t* a_t, int m0,
-                                        const elem_t* b, int lane) {
+// Accumulators in the C layout (kMTiles x 16 rows, kNTiles x 8 columns) -> a 16-bit
+// row-major shared tile from its origin; each lane writes its column pairs.
+template <typename T, int kMTiles, int kNTiles, int kStride>
+__device__ __forceinline__ void store_fragments(elem_t* tile, const float (&acc)[kMTiles][kNTiles][4], int lane) {
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int kk = 0; kk < kK; kk += 16) {
-    unsigned a[kMTiles][4];
+  for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) load_a_transposed<kStrideA>(a[mt], a_t, m0 + mt * 16, kk, lane);
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int dt = 0; dt < kCols / 8; dt += 2) {
-      unsigned bf[4];
-      load_b<kStrideB>(bf, b, kk, dt * 8, lane);
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        DType<T>::mma(acc[mt][dt], a[mt], bf[0], bf[1]);
-        DType<T>::mma(acc[mt][dt + 1], a[mt], bf[2], bf[3]);
-      }
-    }
-  }
+      for (int nt = 0; nt < kNTiles; ++nt)
+        *reinterpret_cast<unsigned*>(tile + (mt * 16 + g + 8 * h) * kStride + nt * 8 + 2 * t) =
+            DType<T>::pack(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
 }
 
 }  // namespace cuflash
