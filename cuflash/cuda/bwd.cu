@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   elem_t* do_tiles = q_tiles + kStages * kBlockM * kStride;
   elem_t* p_tile = do_tiles + kStages * kBlockM * kStride;  // [kBlockM][kPStride]
   elem_t* ds_tile = p_tile + kBlockM * kPStride;
-  float* lse_log2 = reinterpret_cast<float*>(ds_tile + kBlockM * kPStride);  // [kStages][kBlockM]
-  float* deltas = lse_log2 + kStages * kBlockM;                               // [kStages][kBlockM]
+  float* lses = reinterpret_cast<float*>(ds_tile + kBlockM * kPStride);  // [kStages][kBlockM]
+  float* deltas = lses + kStages * kBlockM;                             // [kStages][kBlockM]
 
   const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
   const Sequence seq = Sequence::of(p, batch);
@@ -206,14 +206,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
                                                  seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
                                                  seq.seqlen_q, p.headdim);
-    cp_async_commit();
-    // Rows past seqlen_q get LSE = +inf, so their P is 0 like a fully masked row's.
+    // Rows past seqlen_q read zeros everywhere (Q, dO, LSE, D): their dS is 0 and
+    // their dO is 0, so they add nothing to dK and dV, and their dQ is never stored.
     const int64 at = seq.lse_offset(p, batch, head) + m0;
     for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
       const bool ok = m0 + i < seq.seqlen_q;
-      lse_log2[stage * kBlockM + i] = ok ? p.lse[at + i] * kLog2e : kInf;
-      deltas[stage * kBlockM + i] = ok ? p.delta[at + i] : 0.f;
+      cp_async_4(lses + stage * kBlockM + i, p.lse + (ok ? at + i : 0), ok);
+      cp_async_4(deltas + stage * kBlockM + i, p.delta + (ok ? at + i : 0), ok);
     }
+    cp_async_commit();
   };
 
   float acc_dk[2][kKvCols / 8][4] = {}, acc_dv[2][kKvCols / 8][4] = {};
@@ -236,14 +237,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       ScoreMod mod{};
       Dropout dropout{};
       score_extras<kExtras>(p, mask, batch, head, mod, dropout);
-      const float* step_lse = lse_log2 + stage * kBlockM + s_row0;
+      const float* step_lse = lses + stage * kBlockM + s_row0;
       const float* step_delta = deltas + stage * kBlockM + s_row0;
       float acc_s[2][kSKeys / 8][4] = {}, acc_dp[2][kSKeys / 8][4] = {};
       gemm_qk<T, 2, kSKeys, kHeadDim, kQkUnroll>(acc_s, q_tile, s_row0, k_tile + s_key0 * kStride, lane);
       gemm_qk<T, 2, kSKeys, kHeadDim, kQkUnroll>(acc_dp, do_tile, s_row0, v_tile + s_key0 * kStride, lane);
       probabilities_and_gradients<false, kLocal, kExtras>(
           acc_s, acc_dp, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask,
-          mod, dropout, dropping, p.dropout_scale, [=](int r, int) { return step_lse[r]; },
+          mod, dropout, dropping, p.dropout_scale, [=](int r, int) { return step_lse[r] * kLog2e; },
           [=](int r, int) { return step_delta[r]; }, m0 + s_row0, n0 + s_key0, lane);
       store_fragments<T, 2, kSKeys / 8, kPStride>(p_tile + s_row0 * kPStride + s_key0, acc_s, lane);
       store_fragments<T, 2, kSKeys / 8, kPStride>(ds_tile + s_row0 * kPStride + s_key0, acc_dp, lane);
