@@ -39,6 +39,9 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+_TORCH_DTYPE_NAMES: dict = {}  # torch.bfloat16 -> "bfloat16" (str() of a dtype is slow on the call path)
+
+
 def inspect(x, name: str) -> ArrayInfo:
     """Describe ``x`` (argument ``name``) without touching its data."""
     root = _root_module(x)
@@ -52,8 +55,9 @@ def inspect(x, name: str) -> ArrayInfo:
         if not x.is_cuda:
             raise TypeError(f"{name} is a torch tensor on {x.device}; cuflash takes CUDA tensors "
                             f"(or NumPy arrays for the CPU path)")
-        return ArrayInfo(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
-                         str(x.dtype).removeprefix("torch."), x.device.index)
+        dtype = _TORCH_DTYPE_NAMES.get(x.dtype) or _TORCH_DTYPE_NAMES.setdefault(
+            x.dtype, str(x.dtype).removeprefix("torch."))
+        return ArrayInfo(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, x.get_device())
     if root in ("jax", "jaxlib"):
         devices = x.devices()
         device = next(iter(devices))
@@ -76,7 +80,7 @@ class Framework:
     def __init__(self, like: ArrayInfo):
         import cupy
         self.like = like
-        self.device = cupy.cuda.Device(like.device)
+        self.device = cupy.cuda.Device(like.device)  # a handle: entering it selects the device
         if like.framework == "torch":
             import torch
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch.compile's kernels call

@@ -82,14 +82,16 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: Array
     if plan is None:
         p, batch = _params(q, k, v, lse, options, varlen, o=out)
         kernel = _kernel("forward", q, options, _vectorizable(q, k, v, out))
-        plan = (kernel, kernel.grid(p.seqlen_q, p.nheads, batch), bytes(p), batch and p.seqlen_q and p.nheads)
+        work = batch and p.seqlen_q and p.nheads
+        function = _function(kernel, q.device) if work else None
+        plan = (kernel, function, kernel.grid(p.seqlen_q, p.nheads, batch), bytes(p), work)
         if key:
             _forward_plans[key] = plan
-    kernel, grid, params, work = plan
+    kernel, function, grid, params, work = plan
     if work:
         p = Params.from_buffer_copy(params)
         p.q.ptr, p.k.ptr, p.v.ptr, p.o.ptr, p.lse = q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr
-        _launch(kernel, grid, q.device, stream, [p])
+        _launch(kernel, grid, q.device, stream, [p], function)
 
 
 # Warm calls: what a dense call signature launches (kernel, grid, Params but for
@@ -210,15 +212,19 @@ def _function(kernel, device: int) -> int:
     return _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes)
 
 
-def _launch(kernel, grid, device: int, stream: int, args: list) -> None:
+def _launch(kernel, grid, device: int, stream: int, args: list, function: int | None = None) -> None:
     """Launch ``kernel`` (a _plan.Kernel or Elementwise) with ``args`` (Params first)
-    on ``stream``, compiling it on first use."""
+    on ``stream``, compiling it on first use (``function``: its handle, if known)."""
     import cupy
     from cupy_backends.cuda.api import driver
-    function = _function(kernel, device)
+    if function is None:
+        function = _function(kernel, device)
     if _launch_observer is not None:
         _launch_observer(args[0].pointers(), stream)
     params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    with cupy.cuda.Device(device):
-        driver.launchKernel(function, *grid, kernel.threads, 1, 1, kernel.shared_bytes, stream,
-                            ctypes.addressof(params), 0)
+    launch = (function, *grid, kernel.threads, 1, 1, kernel.shared_bytes, stream, ctypes.addressof(params), 0)
+    if cupy.cuda.runtime.getDevice() == device:  # entering a Device costs more than asking
+        driver.launchKernel(*launch)
+    else:
+        with cupy.cuda.Device(device):
+            driver.launchKernel(*launch)

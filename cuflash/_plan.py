@@ -48,7 +48,12 @@ class Kind:
     shared_bytes: Callable[[Tile, int], int]
     grid_rows: str  # the tile dimension the grid's x runs over: "block_m" or "block_n"
     has_col_split: bool
-    has_extras: bool = True  # instances with softcap, ALiBi and dropout exist
+    # Tiles of the instances with softcap, ALiBi or dropout where they differ (None: the same).
+    extras_tiles: dict[int, tuple[Tile, ...]] | None = None
+
+    def candidates(self, bucket: int, extras: bool) -> tuple[Tile, ...]:
+        tiles = self.extras_tiles if extras and self.extras_tiles is not None else self.tiles
+        return tiles.get(bucket, ())
 
 
 _T = Tile
@@ -64,15 +69,18 @@ KINDS = {
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", False),
     # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
     # + P and dS tiles. Warps own 32 rows of each product (bwd.cu), so the head dim
-    # must split into multiples of 16 columns: 96, 160 and 224 take the two-kernel path,
-    # as do softcap, ALiBi and dropout (their arithmetic needs registers ptxas lacks here).
+    # must split into multiples of 16 columns: 96, 160 and 224 take the two-kernel path.
+    # So do softcap, ALiBi and dropout up to d 128: their per-element arithmetic spills
+    # these tiles, and the tiles that fit them (64 x 128 at d 64, 128 x 64 at d 128) ran
+    # no faster than the two kernels without extras (sweep in docs/performance.md).
     "backward": Kind("bwd.cu", "attention_backward", {
         32: (_T(128, 128, 8, 2), _T(128, 128, 8, 1)),
         64: (_T(128, 128, 8, 2), _T(128, 128, 8, 1), _T(64, 128, 8, 1)),
         128: (_T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
         **{d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (192, 256)},
     }, lambda t, d: (2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m)
-                     + 2 * t.block_m * (t.block_n + 8) * 2), "block_n", False, has_extras=False),
+                     + 2 * t.block_m * (t.block_n + 8) * 2), "block_n", False,
+        extras_tiles={d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (192, 256)}),
     # The deterministic path: dK/dV here, dQ in its own pass (below).
     # K and V tiles + stages x (Q tile + dO tile + LSE + D)
     "backward_dkdv": Kind("bwd.cu", "attention_backward_dkdv", {
@@ -167,17 +175,15 @@ class Elementwise:
 def has_tile(kind: str, head_dim: int, extras: bool, shared_limit: int) -> bool:
     """Does ``kind`` have an instance for this head dim and extras within this much
     shared memory?"""
-    if extras and not KINDS[kind].has_extras:
-        return False
-    tiles = KINDS[kind].tiles.get(head_dim_bucket(head_dim), ())
-    return any(KINDS[kind].shared_bytes(t, head_dim_bucket(head_dim)) <= shared_limit for t in tiles)
+    bucket = head_dim_bucket(head_dim)
+    return any(KINDS[kind].shared_bytes(t, bucket) <= shared_limit for t in KINDS[kind].candidates(bucket, extras))
 
 
 @functools.cache  # the plan of a call signature never changes: look it up once
 def kernel(kind: str, dtype: str, head_dim: int, local: bool, vectorized: bool, extras: bool,
            shared_limit: int) -> Kernel:
     bucket = head_dim_bucket(head_dim)
-    for tile in KINDS[kind].tiles[bucket]:
+    for tile in KINDS[kind].candidates(bucket, extras):
         if KINDS[kind].shared_bytes(tile, bucket) <= shared_limit:
             return Kernel(kind, dtype, bucket, tile, local, vectorized, extras)
     raise RuntimeError(f"no {kind} tile for head dim {bucket} fits {shared_limit} bytes of shared memory")

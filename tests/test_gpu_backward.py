@@ -101,10 +101,12 @@ def launched_kinds(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("head_dim,deterministic,softcap,one_pass", [
     (128, False, 0.0, True), (64, False, 0.0, True), (256, False, 0.0, True),
-    (128, True, 0.0, False), (128, False, 5.0, False), (96, False, 0.0, False)])
+    (128, True, 0.0, False), (128, False, 5.0, False), (256, False, 5.0, True), (256, True, 5.0, False),
+    (96, False, 0.0, False)])
 def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_pass):
     """The one-pass kernel (dQ by atomics) by default; the dK/dV + dQ passes when
-    deterministic, with softcap / ALiBi / dropout, and for head dims it has no tile for."""
+    deterministic, with softcap / ALiBi / dropout up to d 128, and for head dims it has
+    no tile for."""
     import cupy
     q = cupy.ones((1, 70, 2, head_dim), dtype=cupy.float16)
     out, lse = cuflash.attention(q, q, q, softcap=softcap, return_lse=True)

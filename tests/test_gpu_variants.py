@@ -255,11 +255,13 @@ FEATURES = {
 }
 
 
+# Head dims 128 and 64: the variants' two-kernel backward; 256 and 192: the one-pass one.
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_each_feature_dense(feature, dtype):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_each_feature_dense(feature, dtype, head_dim):
     causal, variant = FEATURES[feature]
-    shape = Shape(2, 333, 517, 4, 2, 128, causal)  # GQA, lopsided, ragged
+    shape = Shape(2, 333, 517, 4, 2, head_dim, causal)  # GQA, lopsided, ragged
     options = api_options(variant, causal)
     _, _, _, launches = run_dense(shape, dtype, 11, options)
     if options["alibi_slopes"] is not None:  # the slopes are read where they are
@@ -268,11 +270,12 @@ def test_each_feature_dense(feature, dtype):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_each_feature_varlen(feature, dtype):
+@pytest.mark.parametrize("head_dim", [64, 192])
+def test_each_feature_varlen(feature, dtype, head_dim):
     causal, variant = FEATURES[feature]
     if variant.alibi_slopes is not None and variant.alibi_slopes.ndim == 2:  # one row per sequence
         variant = Variant(**{**variant.__dict__, "alibi_slopes": np.tile(variant.alibi_slopes, (2, 1))[:4]})
-    shape = VarlenShape((300, 0, 129, 65), (517, 7, 0, 200), 4, 2, 64, causal)
+    shape = VarlenShape((300, 0, 129, 65), (517, 7, 0, 200), 4, 2, head_dim, causal)
     options = api_options(variant, causal)
     (_, _, _, _, cu_q, cu_k), _, _, launches = run_varlen(shape, dtype, 12, options)
     pointers = launches.calls[0][0]

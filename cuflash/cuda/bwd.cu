@@ -12,8 +12,9 @@
 // - attention_backward (FlashAttention-2's scheme, the default): the same CTA adds
 //   dQ_i += dS K_j into an fp32 buffer with atomics, and attention_backward_convert_dq
 //   scales and rounds it. Five matmuls per tile; the order of the additions varies.
-// - attention_backward_dkdv + attention_backward_dq (deterministic, and head dims whose
-//   accumulators do not fit the one-pass warp layout): a second kernel, one CTA per
+// - attention_backward_dkdv + attention_backward_dq (deterministic, head dims the
+//   one-pass warp layout does not divide, softcap / ALiBi / dropout up to d 128; see
+//   cuflash/_plan.py): a second kernel, one CTA per
 //   query tile, recomputes S and dP and keeps dQ in registers. Seven matmuls per tile,
 //   no atomics anywhere: every gradient is bitwise reproducible.
 #include "common.cuh"
@@ -157,7 +158,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   // registers than the dK and dV accumulators leave (ptxas spilled).
   constexpr int kQkUnroll = kHeadDim <= 64 ? 1 : 2;
   constexpr int kDqUnroll = kHeadDim > 64 && kHeadDim <= 192 ? 2 : 1;
-  static_assert(!kExtras, "softcap, ALiBi and dropout take the two-kernel path (registers)");
   static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
                 "warp layout");
   static_assert(kSKeys % 16 == 0 && kKvCols % 16 == 0 && kDqCols % 16 == 0, "tile shape");
