@@ -282,6 +282,15 @@ def test_each_feature_varlen(feature, dtype, head_dim):
     assert cu_q.data.ptr in pointers and cu_k.data.ptr in pointers
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])  # the two-kernel and the one-pass backward
+def test_negative_alibi_slopes_leave_padded_rows_out(head_dim):
+    """The rows of the last query tile past seqlen_q add nothing to dK and dV, even where
+    their modified score of 0 (ALiBi with a negative slope: +0.5 per key of distance)
+    would overflow exp."""
+    variant = Variant(alibi_slopes=np.array([-0.5, -0.25], np.float32))
+    run_dense(Shape(1, 70, 300, 2, 1, head_dim, False), "bfloat16", 5, api_options(variant, False))
+
+
 # --- windows: zero width, fully masked rows ----------------------------------------------------
 
 

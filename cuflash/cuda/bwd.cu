@@ -24,16 +24,6 @@
 #include "params.cuh"
 #include "score.cuh"
 
-
-
-
-
-
-
-
-
-
-
 namespace cuflash {
 
 // D = rowsum(dO * O) in fp32, one warp a (row, head), and that row's dQ accumulator
@@ -208,6 +198,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
                                                  seq.seqlen_q, p.headdim);
     // Rows past seqlen_q read zeros everywhere (Q, dO, LSE, D): their dS is 0 and
     // their dO is 0, so they add nothing to dK and dV, and their dQ is never stored.
+    // (With extras their LSE counts as +inf: a modified score of 0, e.g. ALiBi with a
+    // negative slope, could overflow exp and turn 0 * inf into NaN.)
     const int64 at = seq.lse_offset(p, batch, head) + m0;
     for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
       const bool ok = m0 + i < seq.seqlen_q;
@@ -239,12 +231,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       score_extras<kExtras>(p, mask, batch, head, mod, dropout);
       const float* step_lse = lses + stage * kBlockM + s_row0;
       const float* step_delta = deltas + stage * kBlockM + s_row0;
+      const int warp_rows = seq.seqlen_q - m0 - s_row0;  // of this warp's 32 rows, those that exist
       float acc_s[2][kSKeys / 8][4] = {}, acc_dp[2][kSKeys / 8][4] = {};
       gemm_qk<T, 2, kSKeys, kHeadDim, kQkUnroll>(acc_s, q_tile, s_row0, k_tile + s_key0 * kStride, lane);
       gemm_qk<T, 2, kSKeys, kHeadDim, kQkUnroll>(acc_dp, do_tile, s_row0, v_tile + s_key0 * kStride, lane);
       probabilities_and_gradients<false, kLocal, kExtras>(
           acc_s, acc_dp, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask,
-          mod, dropout, dropping, p.dropout_scale, [=](int r, int) { return step_lse[r] * kLog2e; },
+          mod, dropout, dropping, p.dropout_scale, [=](int r, int) { return !kExtras || r < warp_rows ? step_lse[r] * kLog2e : kInf; },
           [=](int r, int) { return step_delta[r]; }, m0 + s_row0, n0 + s_key0, lane);
       store_fragments<T, 2, kSKeys / 8, kPStride>(p_tile + s_row0 * kPStride + s_key0, acc_s, lane);
       store_fragments<T, 2, kSKeys / 8, kPStride>(ds_tile + s_row0 * kPStride + s_key0, acc_dp, lane);
