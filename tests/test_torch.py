@@ -580,14 +580,17 @@ def test_torch_compile_fullgraph():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cuda_graph_capture_and_replay(deterministic):
     """Forward and backward captured once (after a warm-up that compiles the kernels), then
-    replayed on new inputs: the same bits as eager (deterministic backward)."""
+    replayed on new inputs: the same bits as eager, but for the last bits of dq where it is
+    added up with atomics (the one-pass backward zeroes its accumulator inside the graph,
+    so every replay starts clean)."""
     shape = Shape(2, 150, 200, 4, 2, 128, False)
     q, k, v, dout = make_inputs(shape, torch.float16, "cuda", seed=1)
 
     def step():
-        return gradients(q, k, v, dout, causal=False, deterministic=True)
+        return gradients(q, k, v, dout, causal=False, deterministic=deterministic)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -608,8 +611,11 @@ def test_cuda_graph_capture_and_replay():
 
     out, grads = step()
     assert torch.equal(static_out, out)
-    for a, b in zip(static_grads, grads):
-        assert torch.equal(a, b)
+    assert torch.equal(static_grads[1], grads[1]) and torch.equal(static_grads[2], grads[2])
+    if deterministic:
+        assert torch.equal(static_grads[0], grads[0])
+    else:
+        torch.testing.assert_close(static_grads[0], grads[0], rtol=1e-2, atol=1e-3)
     check_gradients(static_grads, dout, q, k, v, causal=False)
 
 
