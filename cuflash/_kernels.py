@@ -106,14 +106,17 @@ def _plan_key(arrays, options: Options, varlen: Varlen | None):
     return tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in arrays), options
 
 
-def backward_workspace(q_shape, deterministic: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+def backward_workspace(q_shape, deterministic: bool = False,
+                       extras: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Scratch buffers of ``backward`` (contents on entry do not matter): D = rowsum(dO * O),
     laid out like the LSE, and, unless ``deterministic``, dQ's fp32 accumulator
-    (rows, nheads, head-dim bucket) where the one-pass kernel has a tile."""
+    (rows, nheads, head-dim bucket) where the one-pass kernel has a tile for this head dim
+    and ``extras`` (softcap, ALiBi or dropout on)."""
     *rows, nheads, head_dim = q_shape
     work = {"delta": (((rows[0], nheads, rows[1]) if len(rows) == 2 else (nheads, rows[0])), "float32")}
-    if not deterministic and _plan.head_dim_bucket(head_dim) in _plan.KINDS["backward"].tiles:
-        work["dq_accum"] = ((math.prod(rows), nheads, _plan.head_dim_bucket(head_dim)), "float32")
+    bucket = _plan.head_dim_bucket(head_dim)
+    if not deterministic and _plan.KINDS["backward"].candidates(bucket, extras):
+        work["dq_accum"] = ((math.prod(rows), nheads, bucket), "float32")
     return work
 
 

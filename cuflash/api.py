@@ -154,7 +154,7 @@ def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, determi
     framework = _arrays.Framework(q)
     grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
     work = {name: framework.empty(shape, dtype).info
-            for name, (shape, dtype) in _kernels.backward_workspace(q.shape, deterministic).items()}
+            for name, (shape, dtype) in _kernels.backward_workspace(q.shape, deterministic, options.extras).items()}
     _kernels.backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], *(g.info for g in grads),
                       work["delta"], options, stream=framework.stream, varlen=varlen, dq_accum=work.get("dq_accum"))
     return tuple(framework.finish(g.array) for g in grads)

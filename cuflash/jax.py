@@ -112,6 +112,10 @@ class _Config:
     def varlen(self) -> bool:
         return self.max_seqlens is not None
 
+    @property
+    def extras(self) -> bool:  # as _kernels.Options.extras
+        return self.softcap > 0 or self.dropout_p > 0 or "alibi_slopes" in self.inputs
+
 
 def _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes,
              dropout_p, seed):
@@ -258,7 +262,7 @@ def _forward(q, k, v, extras: dict, config: _Config):
 
 def _backward(dout, q, k, v, out, lse, extras: dict, config: _Config):
     grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    work = _kernels.backward_workspace(tuple(q.shape), config.deterministic)
+    work = _kernels.backward_workspace(tuple(q.shape), config.deterministic, config.extras)
     workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in work.items()}
     call = buffer_callback(_BackwardCallback(config), (grads, workspace), vmap_method="sequential")
     grads, _ = call(dout, q, k, v, out, lse, *(extras[name] for name in config.inputs))

@@ -25,7 +25,7 @@ from cuflash.reference import (
     normalized_window,
     round_to,
 )
-from .test_cpu_backward import GRAD_TOL, _data, _max_finite, _scale_of
+from .test_cpu_backward import GRAD_TOL, _data, _finite_difference, _max_finite, _scale_of
 from .strategies import (
     Shape,
     Variant,
@@ -225,20 +225,6 @@ def test_reference_gradients_match_textbook(shape, scale, data, seed):
 
     for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
         assert_close(grad, want, atol=1e-12 * _scale_of(want), rtol=1e-12, name=name)
-
-
-def _finite_difference(f, x, step=1e-6):
-    """Central differences of the scalar f() in every element of x, which f reads in place."""
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        saved = x[index]
-        x[index] = saved + step
-        above = f()
-        x[index] = saved - step
-        below = f()
-        x[index] = saved
-        grad[index] = (above - below) / (2 * step)
-    return grad
 
 
 FD_VARIANTS = {
