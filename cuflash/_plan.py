@@ -61,11 +61,14 @@ KINDS = {
     # Q tile + stages x (K tile + V tile)
     "forward": Kind("fwd.cu", "attention_forward", {
         # 32 query rows per warp up to d 128 (each K/V fragment read from shared
-        # memory feeds two m16 tiles); above, the O accumulator only fits 16 rows,
-        # so 8 warps keep the query tile at 128 rows.
+        # memory feeds two m16 tiles). Above, the O accumulator only fits 16 rows: 4
+        # warps with one K and one V buffer (fwd.cu) take half the shared memory of
+        # two stages, so two CTAs share an SM and hide each other's barriers and loads
+        # (FlashAttention-2's H100 choice; 1.06-1.11x the 128 x 64 x 8-warp, 2-stage
+        # tile at d 256 in the sweep in docs/performance.md).
         # At d 96 and 128, 64-key tiles measured 2-3% faster but spill on some variants.
         32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 32, 4, 2),), 128: (_T(128, 32, 4, 2),),
-        **{d: (_T(128, 64, 8, 2), _T(64, 64, 4, 2), _T(64, 32, 4, 2), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
+        **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", False),
     # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
     # + P and dS tiles. Warps own 32 rows of each product (bwd.cu), so the head dim
@@ -75,7 +78,8 @@ KINDS = {
     # no faster than the two kernels without extras (sweep in docs/performance.md).
     "backward": Kind("bwd.cu", "attention_backward", {
         32: (_T(128, 128, 8, 2), _T(128, 128, 8, 1)),
-        64: (_T(128, 128, 8, 2), _T(128, 128, 8, 1), _T(64, 128, 8, 1)),
+        # (128 x 128 with one Q/dO buffer, for sm_80's shared memory, spills under CUDA 12.9.)
+        64: (_T(128, 128, 8, 2), _T(64, 128, 8, 1)),
         128: (_T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
         **{d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (192, 256)},
     }, lambda t, d: (2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m)

@@ -113,18 +113,6 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
 #endif
 }
 
-// The ScoreMod and Dropout of one (batch, head) (extras only).
-template <bool kExtras, bool kLocal>
-__device__ __forceinline__ void score_extras(const Params& p, const Mask<kLocal>& mask, int batch, int head,
-                                             ScoreMod& mod, Dropout& dropout) {
-  if constexpr (kExtras) {
-    const float slope = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.f;
-    mod = ScoreMod{p.scale, p.softcap, slope, mask.diagonal};
-    dropout = Dropout{make_uint2(unsigned(p.seed), unsigned(p.seed >> 32)), unsigned(batch * p.nheads + head),
-                      unsigned(p.rng_offset), p.dropout_threshold};
-  }
-}
-
 // One-pass backward: one CTA per (key tile, KV head, batch), dK and dV in registers,
 // dQ added to p.dq_accum. Per step (query head of the group, query tile):
 //   S = Q K^T, dP = dO V^T     warps split queries x keys, 32 queries each
@@ -145,8 +133,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   constexpr int kKvCols = kHeadDim / (kWarps / kKeyWarps);    // dK, dV: 32 keys x kKvCols a warp
   constexpr int kDqCols = kHeadDim / (kWarps / kQueryWarps);  // dQ: 32 queries x kDqCols a warp
   // k16 steps of the S / dP and dQ products the compiler may overlap: more needs more
-  // registers than the dK and dV accumulators leave (ptxas spilled).
-  constexpr int kQkUnroll = kHeadDim <= 64 ? 1 : 2;
+  // registers than the dK and dV accumulators leave (ptxas spilled; with one Q/dO
+  // buffer, the tiles of GPUs with less shared memory, already at these depths under
+  // CUDA 12.9 for sm_80).
+  constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : 4) / (kStages == 2 ? 1 : 2);
   constexpr int kDqUnroll = kHeadDim > 64 && kHeadDim <= 192 ? 2 : 1;
   static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
                 "warp layout");
@@ -162,7 +152,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   float* lses = reinterpret_cast<float*>(ds_tile + kBlockM * kPStride);  // [kStages][kBlockM]
   float* deltas = lses + kStages * kBlockM;                             // [kStages][kBlockM]
 
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  // Under a causal band the first key tiles see the most queries: they are numbered first.
+  // (Not with extras: decoding GridTile's order costs registers those variants lack.)
+  const auto grid_tile = GridTile<kLocal && !kExtras>::of_block();
+  const int n_block = grid_tile.tile, kv_head = grid_tile.head, batch = grid_tile.batch;
   const Sequence seq = Sequence::of(p, batch);
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.seqlen_k) return;  // variable length: the grid covers the longest sequence
@@ -308,6 +301,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
   float* lse_log2 = reinterpret_cast<float*>(do_tiles + kStages * kBlockM * kStride);  // [kStages][kBlockM]
   float* deltas = lse_log2 + kStages * kBlockM;                                // [kStages][kBlockM]
 
+  // Head by head, not in GridTile's longest-first order: decoding that order costs
+  // this kernel ~18 registers it does not have (spills at d 256).
   const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
   const Sequence seq = Sequence::of(p, batch);
   const int n0 = n_block * kBlockN;
@@ -418,7 +413,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
   elem_t* k_tiles = do_tile + kBlockM * kStride;
   elem_t* v_tiles = k_tiles + kStages * kBlockN * kStride;
 
-  const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  // Under a causal band the last query tiles see the most keys: number them first.
+  const auto grid_tile = GridTile<kLocal>::of_block();
+  const int m_block = gridDim.x - 1 - grid_tile.tile, head = grid_tile.head, batch = grid_tile.batch;
   const Sequence seq = Sequence::of(p, batch);
   const int m0 = m_block * kBlockM;
   if (m0 >= seq.seqlen_q) return;

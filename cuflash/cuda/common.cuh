@@ -79,6 +79,28 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+// Which (tile, head, batch) a CTA of a (tiles, heads, batch) grid computes. CTAs start
+// in order of blockIdx x, then y, then z. Under a causal or local band the tiles of a
+// head differ in length: with kTileMajor the order visits tile 0 of every head, then
+// tile 1, ..., so when tile 0 is the longest (callers number them so), the longest
+// start first and the short ones fill the last wave (longest-processing-time first:
+// head by head, the last heads' long tiles would start late and finish alone).
+template <bool kTileMajor>
+struct GridTile {
+  int tile, head, batch;
+
+  static __device__ __forceinline__ GridTile of_block() {
+    if constexpr (!kTileMajor) {
+      return GridTile{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+    } else {
+      const int heads = gridDim.y * gridDim.z;
+      const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+      const int rest = linear % heads;
+      return GridTile{linear / heads, rest % int(gridDim.y), rest / int(gridDim.y)};
+    }
+  }
+};
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }

@@ -8,8 +8,9 @@
 //     l = l exp(scale (m - m')) + rowsum P;  O = O exp(scale (m - m')) + dropout(P) V_j
 //   O /= l;  LSE = scale m + log l
 //
-// K/V tiles stream through shared memory with cp.async; with kStages == 2 the
-// next tile is in flight while the current one is computed.
+// K/V tiles stream through shared memory with cp.async: with kStages == 2 the
+// next tile is in flight while the current one is computed; with one buffer each,
+// V loads during Q K^T and the next K during softmax and P V (as FlashAttention-2).
 #include "common.cuh"
 #include "copy.cuh"
 #include "mask.cuh"
@@ -40,18 +41,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   static_assert(kMTiles * 16 * kWarps == kBlockM && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
   static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
-  // With 32 rows per warp from d 96 up, overlapping the k16 steps of Q K^T needs
-  // more registers for fragments than the accumulators leave: ptxas spills.
-  constexpr int kQkUnroll = kMTiles > 1 && kHeadDim >= 96 ? 1 : kHeadDim / 16;
-
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* q_tile = reinterpret_cast<elem_t*>(smem);
   elem_t* k_tiles = q_tile + kBlockM * kStride;
   elem_t* v_tiles = k_tiles + kStages * kBlockN * kStride;
 
-  // Under a causal band the last query tiles see the most keys: start them first so
-  // that the short ones fill the tail of the launch.
-  const int m_block = gridDim.x - 1 - blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  // Under a causal band the last query tiles see the most keys: number them first.
+  const auto grid_tile = GridTile<kLocal>::of_block();
+  const int m_block = gridDim.x - 1 - grid_tile.tile, head = grid_tile.head, batch = grid_tile.batch;
   const Sequence seq = Sequence::of(p, batch);
   const int m0 = m_block * kBlockM;
   if (m0 >= seq.seqlen_q) return;  // variable length: the grid covers the longest sequence
@@ -71,55 +68,71 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
 
   ScoreMod mod{};
   Dropout dropout{};
-  bool dropping = false;
-  if constexpr (kExtras) {
-    const float slope = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.f;
-    mod = ScoreMod{p.scale, p.softcap, slope, mask.diagonal};
-    dropout = Dropout{make_uint2(unsigned(p.seed), unsigned(p.seed >> 32)), unsigned(batch * p.nheads + head),
-                      unsigned(p.rng_offset), p.dropout_threshold};
-    dropping = p.dropout_threshold > 0;
-  }
+  score_extras<kExtras>(p, mask, batch, head, mod, dropout);
+  const bool dropping = kExtras && p.dropout_threshold > 0;
   // Modified scores are already scaled: exp2 only converts to base 2.
   const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
 
-  auto load_kv = [&](int n, int stage) {
+  auto load_k = [&](int n, int stage) {
     load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tiles + stage * kBlockN * kStride, k, p.k.row_stride,
                                                   n * kBlockN, seq.seqlen_k, p.headdim);
+  };
+  auto load_v = [&](int n, int stage) {
     load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tiles + stage * kBlockN * kStride, v, p.v.row_stride,
                                                   n * kBlockN, seq.seqlen_k, p.headdim);
-    cp_async_commit();
   };
 
   load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tile, q, p.q.row_stride, m0, seq.seqlen_q, p.headdim);
+  if (n_end > n_begin) {
+    load_k(n_end - 1, 0);
+    if constexpr (kStages == 2) load_v(n_end - 1, 0);
+  }
   cp_async_commit();
-  if (n_end > n_begin) load_kv(n_end - 1, 0);
 
   float acc_o[kMTiles][kDTiles][4] = {};
   OnlineSoftmax<kMTiles> softmax;
   softmax.init();
 
+  // kStages == 2: K and V of tile n - 1 load while tile n is computed.
+  // kStages == 1 (one buffer each, half the shared memory: two CTAs fit an SM where
+  // two stages would not): V of tile n loads during S = Q K^T, K of tile n - 1 during
+  // softmax and P V.
   for (int i = 0, n = n_end - 1; n >= n_begin; ++i, --n) {
     const int stage = kStages == 2 ? i % 2 : 0;
     if (kStages == 2 && n > n_begin) {
-      load_kv(n - 1, (i + 1) % 2);
+      load_k(n - 1, (i + 1) % 2);
+      load_v(n - 1, (i + 1) % 2);
+      cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
+    if constexpr (kStages == 1) {
+      load_v(n, 0);
+      cp_async_commit();
+    }
 
     const int n0 = n * kBlockN;
     float acc_s[kMTiles][kNTiles][4] = {};
-    gemm_qk<T, kMTiles, kBlockN, kHeadDim, kQkUnroll>(acc_s, q_tile, warp_row0, k_tiles + stage * kBlockN * kStride,
-                                                      lane);
+    gemm_qk<T, kMTiles, kBlockN, kHeadDim>(acc_s, q_tile, warp_row0, k_tiles + stage * kBlockN * kStride, lane);
     if constexpr (kExtras) mod.apply(acc_s, m0 + warp_row0, n0, lane);
     if (!mask.covers(m0, row_end, n0, n0 + kBlockN)) mask.apply(acc_s, m0 + warp_row0, n0, lane);
     softmax.update(acc_s, acc_o, scale_log2);
     if (kExtras && dropping) dropout.apply(acc_s, m0 + warp_row0, n0, lane);
+    if constexpr (kStages == 1) {
+      cp_async_wait<0>();
+      __syncthreads();  // V has landed for every thread; every warp is done with K
+      if (n > n_begin) {
+        load_k(n - 1, 0);
+        cp_async_commit();
+      }
+    }
     gemm_pv<T, kMTiles, kBlockN, kHeadDim, kStride>(acc_o, acc_s, v_tiles + stage * kBlockN * kStride, lane);
-    __syncthreads();
-
-    if (kStages == 1 && n > n_begin) load_kv(n - 1, 0);
+    // Two stages: the next iteration's loads overwrite the buffers read here. (One
+    // stage: its V load waits for the barrier at its top, which every warp reaches
+    // after this P V.)
+    if constexpr (kStages == 2) __syncthreads();
   }
   // With no key tile to visit, other threads' Q copies may still be landing in
   // the rows the epilogue reuses: wait for them all before anyone writes there.

@@ -20,39 +20,48 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const elem_t* p
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
+// Where a lane points for an x4 load of the 16 x 16 block at the tile's origin, in
+// two matrix orders. Rows first: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15),
+// (8-15, 8-15). Columns first: (0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15).
+// The loaders add the block's offset to this lane offset last: the block offset is a
+// compile-time constant in the unrolled loops, so ptxas folds it into the ldmatrix
+// immediate and keeps one address register per operand (adding the lane's column to
+// the block's first, ptxas proves their bits disjoint, ORs them and keeps one register
+// per block).
+template <int kStride>
+__device__ __forceinline__ int lane_offset_rows_first(int lane) {
+  return (lane & 15) * kStride + (lane >> 4) * 8;
+}
+template <int kStride>
+__device__ __forceinline__ int lane_offset_cols_first(int lane) {
+  return ((lane & 7) + (lane >> 4) * 8) * kStride + ((lane >> 3) & 1) * 8;
+}
+
 // A fragment of rows [row0, row0+16) x cols [col0, col0+16) of a row-major tile (Q).
 template <int kStride>
 __device__ __forceinline__ void load_a(unsigned a[4], const elem_t* tile, int row0, int col0, int lane) {
-  const int row = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-  const int col = col0 + (lane >> 4) * 8;
-  ldmatrix_x4(a, tile + row * kStride + col);
+  ldmatrix_x4(a, tile + lane_offset_rows_first<kStride>(lane) + (row0 * kStride + col0));
 }
 
 // B fragments of two n8 tiles (n0 and n0+8) x k16 at k0, for B = tile^T where the
 // tile is stored [n][k] (K in S = Q K^T). b[0..1]: tile n0, b[2..3]: tile n0+8.
 template <int kStride>
 __device__ __forceinline__ void load_b_transposed(unsigned b[4], const elem_t* tile, int n0, int k0, int lane) {
-  const int row = n0 + (lane & 7) + (lane >> 4) * 8;
-  const int col = k0 + ((lane >> 3) & 1) * 8;
-  ldmatrix_x4(b, tile + row * kStride + col);
+  ldmatrix_x4(b, tile + lane_offset_cols_first<kStride>(lane) + (n0 * kStride + k0));
 }
 
 // B fragments of two n8 tiles (n0, n0+8) x k16 at k0, for B = tile stored [k][n]
 // (V in O = P V); .trans hands each lane the column pairs the fragment wants.
 template <int kStride>
 __device__ __forceinline__ void load_b(unsigned b[4], const elem_t* tile, int k0, int n0, int lane) {
-  const int row = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-  const int col = n0 + (lane >> 4) * 8;
-  ldmatrix_x4_trans(b, tile + row * kStride + col);
+  ldmatrix_x4_trans(b, tile + lane_offset_rows_first<kStride>(lane) + (k0 * kStride + n0));
 }
 
 // A fragment of rows [m0, m0+16) x cols [k0, k0+16) of A, where A is stored
 // transposed, [k][m] (dS^T in the backward); .trans hands each lane A's pairs.
 template <int kStride>
 __device__ __forceinline__ void load_a_transposed(unsigned a[4], const elem_t* tile_t, int m0, int k0, int lane) {
-  const int row = k0 + (lane & 7) + (lane >> 4) * 8;
-  const int col = m0 + ((lane >> 3) & 1) * 8;
-  ldmatrix_x4_trans(a, tile_t + row * kStride + col);
+  ldmatrix_x4_trans(a, tile_t + lane_offset_cols_first<kStride>(lane) + (k0 * kStride + m0));
 }
 
 // acc[kMTiles][kN / 8][4] += A . B for A of kMTiles x 16 rows by kK and B of kK x kN,
@@ -93,33 +102,43 @@ __device__ __forceinline__ void gemm_qk(float (&acc)[kMTiles][kN / 8][4], const 
   gemm_ss<T, kMTiles, kN, kHeadDim, false, true, kStride, kStride, kUnroll>(acc, q + q_row0 * kStride, k, lane);
 }
 
-// acc[kM][kCols / 8][4] += P . B with P taken straight from S-shaped accumulators:
-// the C layout of two adjacent n8 tiles is exactly the A layout of one k16 step.
-// B is stored [k][n] (V in O = P V; dO, Q in the backward), kCols columns from b.
+// S-shaped accumulators (kMTiles x 16 rows, kN columns) -> A fragments of kN / 16
+// k16 steps: the C layout of two adjacent n8 tiles is exactly the A layout of one k16
+// step, so each lane packs its own values.
+template <typename T, int kMTiles, int kN>
+__device__ __forceinline__ void pack_a_fragments(unsigned (&a)[kMTiles][kN / 16][4],
+                                                 const float (&p)[kMTiles][kN / 8][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      a[mt][kk][0] = DType<T>::pack(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+      a[mt][kk][1] = DType<T>::pack(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+      a[mt][kk][2] = DType<T>::pack(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+      a[mt][kk][3] = DType<T>::pack(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+    }
+}
+
+// acc[kM][kCols / 8][4] += P . B with P taken from S-shaped accumulators (packed to
+// A fragments first, so the fp32 P is dead before the first mma). B is stored [k][n]
+// (V in O = P V; dO, Q in the backward), kCols columns from b.
 template <typename T, int kMTiles, int kN, int kCols, int kStride>
 __device__ __forceinline__ void gemm_pv(float (&acc)[kMTiles][kCols / 8][4],
                                         const float (&p)[kMTiles][kN / 8][4], const elem_t* b, int lane) {
+  unsigned a[kMTiles][kN / 16][4];
+  pack_a_fragments<T, kMTiles, kN>(a, p);
 #pragma unroll
-  for (int kk = 0; kk < kN / 16; ++kk) {
-    unsigned a[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      a[mt][0] = DType<T>::pack(p[mt][2 * kk][0], p[mt][2 * kk][1]);
-      a[mt][1] = DType<T>::pack(p[mt][2 * kk][2], p[mt][2 * kk][3]);
-      a[mt][2] = DType<T>::pack(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
-      a[mt][3] = DType<T>::pack(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
-    }
+  for (int kk = 0; kk < kN / 16; ++kk)
 #pragma unroll
     for (int dt = 0; dt < kCols / 8; dt += 2) {
       unsigned bf[4];
       load_b<kStride>(bf, b, kk * 16, dt * 8, lane);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
-        DType<T>::mma(acc[mt][dt], a[mt], bf[0], bf[1]);
-        DType<T>::mma(acc[mt][dt + 1], a[mt], bf[2], bf[3]);
+        DType<T>::mma(acc[mt][dt], a[mt][kk], bf[0], bf[1]);
+        DType<T>::mma(acc[mt][dt + 1], a[mt][kk], bf[2], bf[3]);
       }
     }
-  }
 }
 
 // Accumulators in the C layout (kMTiles x 16 rows, kNTiles x 8 columns) -> a 16-bit

@@ -4,6 +4,8 @@
 // batch, head, row, col) always gives the same decision, whatever the launch shape).
 #pragma once
 #include "common.cuh"
+#include "mask.cuh"
+#include "params.cuh"
 
 namespace cuflash {
 
@@ -91,5 +93,17 @@ struct Dropout {
     second = ((col & 2) ? w.w : w.y) >= threshold;
   }
 };
+
+// The ScoreMod and Dropout of one (batch, head) (extras only).
+template <bool kExtras, bool kLocal>
+__device__ __forceinline__ void score_extras(const Params& p, const Mask<kLocal>& mask, int batch, int head,
+                                             ScoreMod& mod, Dropout& dropout) {
+  if constexpr (kExtras) {
+    const float slope = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.f;
+    mod = ScoreMod{p.scale, p.softcap, slope, mask.diagonal};
+    dropout = Dropout{make_uint2(unsigned(p.seed), unsigned(p.seed >> 32)), unsigned(batch * p.nheads + head),
+                      unsigned(p.rng_offset), p.dropout_threshold};
+  }
+}
 
 }  // namespace cuflash

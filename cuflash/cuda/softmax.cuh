@@ -52,7 +52,7 @@ struct OnlineSoftmax {
         const float offset = scaled_max(m_new, scale_log2);
         const float alpha = fast_exp2(row_max[mt][h] * scale_log2 - offset);
         row_max[mt][h] = m_new;
-        float sum = 0.f;
+        float sum = row_sum[mt][h] * alpha;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -60,7 +60,7 @@ struct OnlineSoftmax {
             s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - offset);
             sum += s[mt][nt][e];
           }
-        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+        row_sum[mt][h] = sum;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
       }
