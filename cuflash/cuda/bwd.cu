@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   // buffer, the tiles of GPUs with less shared memory, already at these depths under
   // CUDA 12.9 for sm_80).
   constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : 8) / (kStages == 2 ? 1 : 2);
-  constexpr int kDqUnroll = kHeadDim > 64 && kHeadDim <= 192 ? 2 : 1;
+  constexpr int kDqUnroll = kHeadDim <= 192 ? 4 : 1;
   static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
                 "warp layout");
   static_assert(kSKeys % 16 == 0 && kKvCols % 16 == 0 && kDqCols % 16 == 0, "tile shape");
