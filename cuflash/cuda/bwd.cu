@@ -136,8 +136,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   // registers than the dK and dV accumulators leave (ptxas spilled; with one Q/dO
   // buffer, the tiles of GPUs with less shared memory, already at these depths under
   // CUDA 12.9 for sm_80).
-  constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : 4) / (kStages == 2 ? 1 : 2);
-  constexpr int kDqUnroll = kHeadDim > 64 && kHeadDim <= 192 ? 2 : 1;
+  constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : 8) / (kStages == 2 ? 1 : 2);
+  constexpr int kDqUnroll = kHeadDim <= 192 ? 4 : 1;
   static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
                 "warp layout");
   static_assert(kSKeys % 16 == 0 && kKvCols % 16 == 0 && kDqCols % 16 == 0, "tile shape");
@@ -180,10 +180,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
                                                 seq.seqlen_k, p.headdim);
   cp_async_commit();
 
-  auto step_head = [&](int step) { return kv_head * p.heads_per_kv + step / max(m_tiles, 1); };
-  auto step_m0 = [&](int step) { return (m_begin + step % max(m_tiles, 1)) * kBlockM; };
-  auto load_step = [&](int step, int stage) {
-    const int head = step_head(step), m0 = step_m0(step);
+  // The steps walk (query head of the group, query tile) in order: each step's position
+  // follows from the previous one's, with no division of a step index by m_tiles.
+  struct Position {
+    int head, m_tile;
+  };
+  auto following = [&](Position at) {
+    return at.m_tile + 1 < m_begin + m_tiles ? Position{at.head, at.m_tile + 1} : Position{at.head + 1, m_begin};
+  };
+  auto load_step = [&](Position at, int stage) {
+    const int head = at.head, m0 = at.m_tile * kBlockM;
     load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tiles + stage * kBlockM * kStride, seq.rows(p.q, batch, head, true),
                                                  p.q.row_stride, m0, seq.seqlen_q, p.headdim);
     load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
@@ -193,28 +199,32 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     // their dO is 0, so they add nothing to dK and dV, and their dQ is never stored.
     // (With extras their LSE counts as +inf: a modified score of 0, e.g. ALiBi with a
     // negative slope, could overflow exp and turn 0 * inf into NaN.)
-    const int64 at = seq.lse_offset(p, batch, head) + m0;
-    for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
+    const int64 lse_at = seq.lse_offset(p, batch, head) + m0;
+#pragma unroll
+    for (int i0 = 0; i0 < kBlockM; i0 += kThreads) {  // a trip count the compiler knows
+      const int i = i0 + threadIdx.x;
+      if (kBlockM % kThreads != 0 && i >= kBlockM) break;
       const bool ok = m0 + i < seq.seqlen_q;
-      cp_async_4(lses + stage * kBlockM + i, p.lse + (ok ? at + i : 0), ok);
-      cp_async_4(deltas + stage * kBlockM + i, p.delta + (ok ? at + i : 0), ok);
+      cp_async_4(lses + stage * kBlockM + i, p.lse + (ok ? lse_at + i : 0), ok);
+      cp_async_4(deltas + stage * kBlockM + i, p.delta + (ok ? lse_at + i : 0), ok);
     }
     cp_async_commit();
   };
 
   float acc_dk[2][kKvCols / 8][4] = {}, acc_dv[2][kKvCols / 8][4] = {};
-  if (steps > 0) load_step(0, 0);
+  Position at{kv_head * p.heads_per_kv, m_begin};
+  if (steps > 0) load_step(at, 0);
 
-  for (int step = 0; step < steps; ++step) {
+  for (int step = 0; step < steps; ++step, at = following(at)) {
     const int stage = kStages == 2 ? step % 2 : 0;
     if (kStages == 2 && step + 1 < steps) {
-      load_step(step + 1, (step + 1) % 2);
+      load_step(following(at), (step + 1) % 2);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const int head = step_head(step), m0 = step_m0(step);
+    const int head = at.head, m0 = at.m_tile * kBlockM;
     const elem_t* q_tile = q_tiles + stage * kBlockM * kStride;
     const elem_t* do_tile = do_tiles + stage * kBlockM * kStride;
 
@@ -260,7 +270,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
         }
     }
     __syncthreads();
-    if (kStages == 1 && step + 1 < steps) load_step(step + 1, 0);
+    if (kStages == 1 && step + 1 < steps) load_step(following(at), 0);
   }
   cp_async_wait<0>();  // K/V copies are still pending when no query tile was visited
 
