@@ -7,13 +7,13 @@ read and write the caller's memory directly; nothing here copies data.
 """
 from __future__ import annotations
 
-import dataclasses
-import sys
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 
-@dataclasses.dataclass(frozen=True)
-class ArrayInfo:
+# NamedTuples, not frozen dataclasses: five are made per call, and a frozen dataclass's
+# __init__ (object.__setattr__ per field) was the largest single cost of a small call.
+class ArrayInfo(NamedTuple):
     obj: Any
     framework: str  # "numpy", "cupy", "torch" or "jax"
     ptr: int
@@ -27,11 +27,20 @@ class ArrayInfo:
         return "cpu" if self.device is None else f"cuda:{self.device}"
 
 
+_ROOT_MODULES: dict = {}  # type -> its top-level module's name
+
+
 def _root_module(x) -> str:
-    return type(x).__module__.split(".")[0]
+    t = type(x)
+    return _ROOT_MODULES.get(t) or _ROOT_MODULES.setdefault(t, t.__module__.split(".")[0])
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
+    return _contiguous_strides(tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)  # the same few shapes, call after call
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -68,8 +77,7 @@ def inspect(x, name: str) -> ArrayInfo:
     raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got {type(x).__qualname__}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Allocation:
+class Allocation(NamedTuple):
     array: Any  # what the caller's library holds
     info: ArrayInfo  # what a kernel needs
 
@@ -78,34 +86,40 @@ class Framework:
     """Allocation and stream of the caller's array library, for results of its kind."""
 
     def __init__(self, like: ArrayInfo):
-        import cupy
         self.like = like
-        self.device = cupy.cuda.Device(like.device)  # a handle: entering it selects the device
         if like.framework == "torch":
             import torch
+            self._torch_device = like.obj.device
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch.compile's kernels call
-            self.stream = raw(like.device) if raw else torch.cuda.current_stream(like.obj.device).cuda_stream
+            self.stream = raw(like.device) if raw else torch.cuda.current_stream(self._torch_device).cuda_stream
         else:
+            import cupy
             with self.device:
                 self.stream = cupy.cuda.get_current_stream().ptr
             if like.framework == "jax":
                 like.obj.block_until_ready()  # JAX works on its own stream: wait for the inputs
 
+    @functools.cached_property
+    def device(self):
+        """The CuPy device of the arrays (entering it selects it)."""
+        import cupy
+        return cupy.cuda.Device(self.like.device)
+
     def empty(self, shape: tuple[int, ...], dtype: str, *, zeros: bool = False) -> "Allocation":
         """An array of the caller's kind on the caller's device and stream
         (uninitialised, or zeroed on the stream with ``zeros``)."""
+        shape = tuple(shape)
         if self.like.framework == "torch":
             import torch
             make = torch.zeros if zeros else torch.empty
-            out = make(shape, dtype=getattr(torch, dtype), device=self.like.obj.device)
+            out = make(shape, dtype=_torch_dtype(dtype), device=self._torch_device)
             ptr = out.data_ptr()
         else:
             import cupy
             with self.device:
                 out = (cupy.zeros if zeros else cupy.empty)(shape, dtype=_cupy_dtype(dtype))
             ptr = out.data.ptr
-        info = ArrayInfo(out, self.like.framework, ptr, tuple(shape), contiguous_strides(shape), dtype,
-                         self.like.device)
+        info = ArrayInfo(out, self.like.framework, ptr, shape, contiguous_strides(shape), dtype, self.like.device)
         return Allocation(out, info)
 
     def finish(self, out):
@@ -117,6 +131,12 @@ class Framework:
         with self.device:
             cupy.cuda.get_current_stream().synchronize()  # JAX reads it on its own stream
         return jax.dlpack.from_dlpack(out)
+
+
+@functools.cache
+def _torch_dtype(name: str):
+    import torch
+    return getattr(torch, name)
 
 
 def _cupy_dtype(name: str):

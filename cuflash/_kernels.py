@@ -218,16 +218,22 @@ def _function(kernel, device: int) -> int:
 def _launch(kernel, grid, device: int, stream: int, args: list, function: int | None = None) -> None:
     """Launch ``kernel`` (a _plan.Kernel or Elementwise) with ``args`` (Params first)
     on ``stream``, compiling it on first use (``function``: its handle, if known)."""
-    import cupy
-    from cupy_backends.cuda.api import driver
+    cupy, driver = _cuda()
     if function is None:
         function = _function(kernel, device)
     if _launch_observer is not None:
         _launch_observer(args[0].pointers(), stream)
-    params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
     launch = (function, *grid, kernel.threads, 1, 1, kernel.shared_bytes, stream, ctypes.addressof(params), 0)
     if cupy.cuda.runtime.getDevice() == device:  # entering a Device costs more than asking
         driver.launchKernel(*launch)
     else:
         with cupy.cuda.Device(device):
             driver.launchKernel(*launch)
+
+
+@functools.cache  # an import statement per launch costs microseconds
+def _cuda():
+    import cupy
+    from cupy_backends.cuda.api import driver
+    return cupy, driver
