@@ -20,7 +20,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 template <int kMTiles>
 struct OnlineSoftmax {
-  float row_max[kMTiles][2];  // m: running max of raw scores
+  float row_max[kMTiles][2];  // m: the max of raw scores at the last rescale (update)
   float row_sum[kMTiles][2];  // l: this lane's share of sum exp(scale * (S - m))
 
   __device__ __forceinline__ void init() {
@@ -36,23 +36,50 @@ struct OnlineSoftmax {
     return m == -kInf ? 0.f : m * scale_log2;
   }
 
-  // m_new = max(m, rowmax(S)); P = exp2(S*c - m_new*c); l = l * alpha + rowsum(P);
-  // O *= alpha with alpha = exp2((m - m_new) * c). S is overwritten with P.
+  // P = exp2(S*c - m*c) and l += rowsum(P), where m is the running max as of the last
+  // rescale. The max moves (m = rowmax, l *= alpha, O *= alpha with alpha = exp2((m_old
+  // - m) * c)) only when some row of the warp saw a score more than kSlack above its m in
+  // log2 units: until then P <= 2^kSlack, well inside fp32 and the 16-bit types, and O / l
+  // and LSE = m * scale + log(l) are the same for any m (FlashAttention-4's conditional
+  // rescale). Past the first tiles the max rarely grows that much, so the O rescale (one
+  // FMUL per accumulator, as many as the tile's exps at d 128 x 32 keys) is skipped. S is
+  // overwritten with P.
+  static constexpr float kSlack = 8.f;
+
   template <int kNTiles, int kDTiles>
   __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4],
                                          float scale_log2) {
+    float tile_max[kMTiles][2];
+    bool grown = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float m_new = row_max[mt][h];
+        float m = row_max[mt][h];
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) m_new = fmaxf(m_new, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        m_new = quad_max(m_new);
-        const float offset = scaled_max(m_new, scale_log2);
-        const float alpha = fast_exp2(row_max[mt][h] * scale_log2 - offset);
-        row_max[mt][h] = m_new;
-        float sum = row_sum[mt][h] * alpha;
+        for (int nt = 0; nt < kNTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        tile_max[mt][h] = quad_max(m);
+        // The first visible score: (m - -inf) = inf. A row with nothing visible yet: NaN, false.
+        grown |= (tile_max[mt][h] - row_max[mt][h]) * scale_log2 > kSlack;
+      }
+    if (__any_sync(0xffffffffu, grown)) {  // warp-uniform: every lane rescales or none
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float alpha = fast_exp2(row_max[mt][h] * scale_log2 - scaled_max(tile_max[mt][h], scale_log2));
+          row_max[mt][h] = tile_max[mt][h];
+          row_sum[mt][h] *= alpha;
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float offset = scaled_max(row_max[mt][h], scale_log2);
+        float sum = row_sum[mt][h];
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -61,8 +88,6 @@ struct OnlineSoftmax {
             sum += s[mt][nt][e];
           }
         row_sum[mt][h] = sum;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
       }
   }
 
