@@ -125,6 +125,30 @@ def test_softmax_scale(scale):
     check_against_reference(q, k, v, out, lse, causal=True, scale=scale)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("rising", [True, False])
+def test_row_max_that_keeps_growing(dtype, head_dim, rising):
+    """Scores on a ramp of 0..60 across the keys: the row max grows past the running one
+    by more than the conditional rescale's slack (2^8) tile after tile, whichever end of
+    the key range the kernel visits first."""
+    import cupy
+    rng = cupy.random.default_rng(head_dim)
+    seqlen, scale = 1000, 1 / math.sqrt(head_dim)
+    ramp = cupy.linspace(0, 60, seqlen, dtype=cupy.float32)
+    if not rising:
+        ramp = ramp[::-1]
+    q = 0.1 * rng.standard_normal((2, 600, 2, head_dim), dtype=cupy.float32)
+    k = 0.1 * rng.standard_normal((2, seqlen, 1, head_dim), dtype=cupy.float32)
+    q[..., 0] = 4.0
+    k[:, :, 0, 0] = ramp / (4.0 * scale)  # score of key j: about ramp[j]
+    v = rng.standard_normal((2, seqlen, 1, head_dim), dtype=cupy.float32)
+    q, k, v = (x.astype(cupy_dtype(dtype)) for x in (q, k, v))
+    for causal in (False, True):
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        check_against_reference(q, k, v, out, lse, causal)
+
+
 def test_fully_masked_rows_and_empty_sequences():
     import cupy
     # causal with seqlen_q > seqlen_k: the first 100 queries see no key.

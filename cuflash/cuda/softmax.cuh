@@ -18,7 +18,7 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-template <int kMTiles>
+template <int kMTiles, bool kConditionalRescale>
 struct OnlineSoftmax {
   float row_max[kMTiles][2];  // m: the max of raw scores at the last rescale (update)
   float row_sum[kMTiles][2];  // l: this lane's share of sum exp(scale * (S - m))
@@ -37,12 +37,13 @@ struct OnlineSoftmax {
   }
 
   // P = exp2(S*c - m*c) and l += rowsum(P), where m is the running max as of the last
-  // rescale. The max moves (m = rowmax, l *= alpha, O *= alpha with alpha = exp2((m_old
-  // - m) * c)) only when some row of the warp saw a score more than kSlack above its m in
-  // log2 units: until then P <= 2^kSlack, well inside fp32 and the 16-bit types, and O / l
-  // and LSE = m * scale + log(l) are the same for any m (FlashAttention-4's conditional
-  // rescale). Past the first tiles the max rarely grows that much, so the O rescale (one
-  // FMUL per accumulator, as many as the tile's exps at d 128 x 32 keys) is skipped. S is
+  // rescale (m = rowmax, l *= alpha, O *= alpha with alpha = exp2((m_old - m) * c)).
+  // Without kConditionalRescale the max moves at every tile. With it, only when some row
+  // of the warp saw a score more than kSlack above its m in log2 units: until then P <=
+  // 2^kSlack, well inside fp32 and the 16-bit types, and O / l and LSE = m * scale +
+  // log(l) are the same for any m (FlashAttention-4's conditional rescale). Past the
+  // first tiles the max rarely grows that much, so the O rescale (one FMUL per
+  // accumulator: as many as the tile's exps at d 128 x 32 keys) is skipped. S is
   // overwritten with P.
   static constexpr float kSlack = 8.f;
 
@@ -55,40 +56,59 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float m = row_max[mt][h];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        tile_max[mt][h] = quad_max(m);
+        tile_max[mt][h] = quad_max(row_max_of(s, mt, h, row_max[mt][h]));
         // The first visible score: (m - -inf) = inf. A row with nothing visible yet: NaN, false.
         grown |= (tile_max[mt][h] - row_max[mt][h]) * scale_log2 > kSlack;
+        if constexpr (!kConditionalRescale) {  // row by row, in this order (the faster schedule at d 256)
+          rescale(o, mt, h, tile_max[mt][h], scale_log2);
+          exponentiate(s, mt, h, scale_log2);
+        }
       }
-    if (__any_sync(0xffffffffu, grown)) {  // warp-uniform: every lane rescales or none
+    if constexpr (kConditionalRescale) {
+      if (__any_sync(0xffffffffu, grown)) {  // warp-uniform: every lane rescales or none
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) rescale(o, mt, h, tile_max[mt][h], scale_log2);
+      }
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float alpha = fast_exp2(row_max[mt][h] * scale_log2 - scaled_max(tile_max[mt][h], scale_log2));
-          row_max[mt][h] = tile_max[mt][h];
-          row_sum[mt][h] *= alpha;
-#pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
-        }
+        for (int h = 0; h < 2; ++h) exponentiate(s, mt, h, scale_log2);
     }
+  }
+
+  template <int kNTiles>
+  static __device__ __forceinline__ float row_max_of(const float (&s)[kMTiles][kNTiles][4], int mt, int h, float m) {
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+    for (int nt = 0; nt < kNTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+    return m;
+  }
+
+  // Row (mt, h)'s max moves to m_new: l and O scaled by alpha.
+  template <int kDTiles>
+  __device__ __forceinline__ void rescale(float (&o)[kMTiles][kDTiles][4], int mt, int h, float m_new,
+                                          float scale_log2) {
+    const float alpha = fast_exp2(row_max[mt][h] * scale_log2 - scaled_max(m_new, scale_log2));
+    row_max[mt][h] = m_new;
+    row_sum[mt][h] *= alpha;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float offset = scaled_max(row_max[mt][h], scale_log2);
-        float sum = row_sum[mt][h];
+    for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
+  }
+
+  // Row (mt, h) of S -> P = exp2(S*c - m*c), added to l.
+  template <int kNTiles>
+  __device__ __forceinline__ void exponentiate(float (&s)[kMTiles][kNTiles][4], int mt, int h, float scale_log2) {
+    const float offset = scaled_max(row_max[mt][h], scale_log2);
+    float sum = row_sum[mt][h];
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
+    for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - offset);
-            sum += s[mt][nt][e];
-          }
-        row_sum[mt][h] = sum;
+      for (int e = 2 * h; e < 2 * h + 2; ++e) {
+        s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - offset);
+        sum += s[mt][nt][e];
       }
+    row_sum[mt][h] = sum;
   }
 
   // O *= out_scale / l and LSE = m * scale + log(l) (natural log). l == 0 (nothing
