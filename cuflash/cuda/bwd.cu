@@ -256,9 +256,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       float acc_dq[2][kDqCols / 8][4] = {};
       gemm_ss<T, 2, kDqCols, kBlockN, false, false, kPStride, kStride, kDqUnroll>(acc_dq, ds_tile + s_row0 * kPStride,
                                                                        k_tile + dq_col0, lane);
-      // This lane's first row (g), then 8 rows apart: one 64-bit multiply per step, not per row.
-      float* dq_rows = p.dq_accum + ((seq.q_rows_before + m0 + s_row0 + g) * p.nheads + head) * kHeadDim + dq_col0 +
-                       2 * t;
+      // Up to d 128: this lane's first row (g), then 8 rows apart, one 64-bit multiply per
+      // step (1-2.5% faster). Above, each row's own address (the other way spills 8 bytes in
+      // sm_80's d 192 one-buffer variants under CUDA 12.9).
+      const int64 row_base = (seq.q_rows_before + m0 + s_row0) * p.nheads + head;
+      float* dq_rows = p.dq_accum + (row_base + int64(g) * p.nheads) * kHeadDim + dq_col0 + 2 * t;
       const int64 eight_rows = int64(8 * kHeadDim) * p.nheads;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -266,7 +268,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
         for (int h = 0; h < 2; ++h) {
           const int r = mt * 16 + g + 8 * h;
           if (m0 + s_row0 + r >= seq.seqlen_q) continue;
-          float* dst = dq_rows + (2 * mt + h) * eight_rows;
+          float* dst = kHeadDim <= 128 ? dq_rows + (2 * mt + h) * eight_rows
+                                       : p.dq_accum + (row_base + int64(r) * p.nheads) * kHeadDim + dq_col0 + 2 * t;
 #pragma unroll
           for (int dt = 0; dt < kDqCols / 8; ++dt)
             atomic_add_pair(dst + dt * 8, acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
