@@ -82,6 +82,26 @@ __device__ __forceinline__ void probabilities_and_gradients(
     const Mask<kLocal>& mask, const ScoreMod& mod, const Dropout& dropout, bool dropping, float dropout_scale,
     Lse lse_log2, Delta delta, int row0, int col0, int lane) {
   const int g = lane >> 2, t = lane & 3;
+  // Without extras a hidden score becomes -inf before the exp, in a pass of its own
+  // that only tiles crossing the mask's edge run, one range test per score: the loop
+  // below stays free of per-score tests (folded into it, they doubled the integer work
+  // of every tile). (A modified score of -inf need not be -inf, so extras mask P.)
+  if (!kExtras && masked) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int line = row0 + mt * 16 + g + 8 * h;  // a query, or a key with kTransposed
+        const int2 seen = kTransposed ? mask.queries_seeing(line) : mask.keys_seen_by(line);
+        // Relative to this lane's first column, so that each test is against a constant.
+        const int lo = seen.x - (col0 + 2 * t), hi = seen.y - (col0 + 2 * t);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            if ((nt * 8 + j < lo) | (nt * 8 + j > hi)) s[mt][nt][2 * h + j] = -kInf;
+      }
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -93,7 +113,7 @@ __device__ __forceinline__ void probabilities_and_gradients(
         const int local = kTransposed ? c : r;  // the query's index for lse_log2 / delta
         const float raw = s[mt][nt][e];
         float prob = fast_exp2((kExtras ? mod(raw, query, key) : raw) * scale_log2 - lse_log2(local, e));
-        if (masked && !mask.visible(query, key)) prob = 0.f;
+        if (kExtras && masked && !mask.visible(query, key)) prob = 0.f;
         float kept = 1.f;
         if (kExtras && dropping) kept = dropout.keep(query, key) ? dropout_scale : 0.f;
         float ds = prob * (dp[mt][nt][e] * kept - delta(local, e));
@@ -217,12 +237,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
 
   for (int step = 0; step < steps; ++step, at = following(at)) {
     const int stage = kStages == 2 ? step % 2 : 0;
-    if (kStages == 2 && step + 1 < steps) {
-      load_step(following(at), (step + 1) % 2);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    // This step's Q, dO, LSE and D (loaded during the previous step) are in; past this
+    // barrier every warp is also done with the previous step's P, dS and stage buffers.
+    cp_async_wait<0>();
     __syncthreads();
     const int head = at.head, m0 = at.m_tile * kBlockM;
     const elem_t* q_tile = q_tiles + stage * kBlockM * kStride;
@@ -246,6 +263,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       store_fragments<T, 2, kSKeys / 8, kPStride>(ds_tile + s_row0 * kPStride + s_key0, acc_dp, lane);
     }
     __syncthreads();
+    // The next step's loads go into the other stage here, ahead of this step's dQ
+    // atomics in the memory queue, and have the three products below to land in.
+    if (kStages == 2 && step + 1 < steps) load_step(following(at), (step + 1) % 2);
 
     // dV += dropout(P)^T dO;  dK += dS^T Q (scaled once at the end)
     gemm_ss<T, 2, kKvCols, kBlockM, true, false, kPStride, kStride>(acc_dv, p_tile + kv_key0, do_tile + kv_col0,
@@ -275,8 +295,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
             atomic_add_pair(dst + dt * 8, acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
         }
     }
-    __syncthreads();
-    if (kStages == 1 && step + 1 < steps) load_step(following(at), 0);
+    if (kStages == 1 && step + 1 < steps) {
+      __syncthreads();  // one buffer: every warp is done with this step's Q and dO
+      load_step(following(at), 0);
+    }
   }
   cp_async_wait<0>();  // K/V copies are still pending when no query tile was visited
 

@@ -25,6 +25,16 @@ struct Mask {
     return col < seqlen_k && (!kLocal || (col >= row + diagonal - left && col <= row + diagonal + right));
   }
 
+  // Row by row: the keys query `row` sees are lo <= col <= hi (none when hi < lo) ...
+  __device__ __forceinline__ int2 keys_seen_by(int row) const {
+    return make_int2(kLocal ? row + diagonal - left : 0, kLocal ? min(seqlen_k - 1, row + diagonal + right) : seqlen_k - 1);
+  }
+  // ... and the queries that see key `col` are lo <= row <= hi.
+  __device__ __forceinline__ int2 queries_seeing(int col) const {
+    if (col >= seqlen_k) return make_int2(1, 0);
+    return kLocal ? make_int2(col - diagonal - right, col - diagonal + left) : make_int2(-1 << 30, 1 << 30);
+  }
+
   // The keys any of the query rows [row_begin, row_end) can see are [key_begin, key_end).
   __device__ __forceinline__ int key_begin(int row_begin) const {
     return kLocal ? max(0, row_begin + diagonal - left) : 0;

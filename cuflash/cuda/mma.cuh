@@ -11,23 +11,26 @@
 
 namespace cuflash {
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const elem_t* p) {
+// addr: a shared-memory byte address.
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const elem_t* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
 // Where a lane points for an x4 load of the 16 x 16 block at the tile's origin, in
 // two matrix orders. Rows first: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15),
 // (8-15, 8-15). Columns first: (0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15).
-// The loaders add the block's offset to this lane offset last: the block offset is a
-// compile-time constant in the unrolled loops, so ptxas folds it into the ldmatrix
-// immediate and keeps one address register per operand (adding the lane's column to
-// the block's first, ptxas proves their bits disjoint, ORs them and keeps one register
-// per block).
+// The loaders add the block's offset, in bytes, to the shared address of this lane's
+// origin last: the origin does not change inside a product, and the block offset is a
+// compile-time constant in unrolled loops (folded into the ldmatrix immediate) or one
+// add per trip in partly unrolled ones. (Added to the element pointer before the
+// conversion to a shared address, it cost two integer instructions per ldmatrix in
+// partly unrolled loops; adding the lane's column to the block's first, ptxas proved
+// their bits disjoint, ORed them and kept one register per block.)
 template <int kStride>
 __device__ __forceinline__ int lane_offset_rows_first(int lane) {
   return (lane & 15) * kStride + (lane >> 4) * 8;
@@ -40,28 +43,28 @@ __device__ __forceinline__ int lane_offset_cols_first(int lane) {
 // A fragment of rows [row0, row0+16) x cols [col0, col0+16) of a row-major tile (Q).
 template <int kStride>
 __device__ __forceinline__ void load_a(unsigned a[4], const elem_t* tile, int row0, int col0, int lane) {
-  ldmatrix_x4(a, tile + lane_offset_rows_first<kStride>(lane) + (row0 * kStride + col0));
+  ldmatrix_x4(a, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (row0 * kStride + col0));
 }
 
 // B fragments of two n8 tiles (n0 and n0+8) x k16 at k0, for B = tile^T where the
 // tile is stored [n][k] (K in S = Q K^T). b[0..1]: tile n0, b[2..3]: tile n0+8.
 template <int kStride>
 __device__ __forceinline__ void load_b_transposed(unsigned b[4], const elem_t* tile, int n0, int k0, int lane) {
-  ldmatrix_x4(b, tile + lane_offset_cols_first<kStride>(lane) + (n0 * kStride + k0));
+  ldmatrix_x4(b, smem_addr(tile + lane_offset_cols_first<kStride>(lane)) + 2 * (n0 * kStride + k0));
 }
 
 // B fragments of two n8 tiles (n0, n0+8) x k16 at k0, for B = tile stored [k][n]
 // (V in O = P V); .trans hands each lane the column pairs the fragment wants.
 template <int kStride>
 __device__ __forceinline__ void load_b(unsigned b[4], const elem_t* tile, int k0, int n0, int lane) {
-  ldmatrix_x4_trans(b, tile + lane_offset_rows_first<kStride>(lane) + (k0 * kStride + n0));
+  ldmatrix_x4_trans(b, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (k0 * kStride + n0));
 }
 
 // A fragment of rows [m0, m0+16) x cols [k0, k0+16) of A, where A is stored
 // transposed, [k][m] (dS^T in the backward); .trans hands each lane A's pairs.
 template <int kStride>
 __device__ __forceinline__ void load_a_transposed(unsigned a[4], const elem_t* tile_t, int m0, int k0, int lane) {
-  ldmatrix_x4_trans(a, tile_t + lane_offset_cols_first<kStride>(lane) + (k0 * kStride + m0));
+  ldmatrix_x4_trans(a, smem_addr(tile_t + lane_offset_cols_first<kStride>(lane)) + 2 * (k0 * kStride + m0));
 }
 
 // acc[kMTiles][kN / 8][4] += A . B for A of kMTiles x 16 rows by kK and B of kK x kN,
