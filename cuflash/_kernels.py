@@ -138,11 +138,14 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     one_pass = dq_accum is not None and _plan.has_tile("backward", p.headdim, options.extras,
                                                       _shared_limit(q.device))
     accum_cols = dq_accum.shape[-1] if one_pass else 0
-    per_row = [p, ctypes.c_int(groups), ctypes.c_int(rows_per_batch), ctypes.c_int(accum_cols)]
+    # Lanes per (row, head) of the elementwise kernels: one per 16 bytes of the row, 4-32.
+    lanes = min(32, max(4, 1 << (-(-p.headdim // 8) - 1).bit_length()))
+    per_row = [p, ctypes.c_int(groups), ctypes.c_int(rows_per_batch), ctypes.c_int(accum_cols), ctypes.c_int(lanes)]
+    elementwise_grid = (-(-tasks * lanes // 256), 1, 1)
     if one_pass:
         p.dq_accum = dq_accum.ptr
     if tasks:
-        _launch(_plan.Elementwise("backward_preprocess", q.dtype), (-(-tasks // 8), 1, 1), q.device, stream, per_row)
+        _launch(_plan.Elementwise("backward_preprocess", q.dtype), elementwise_grid, q.device, stream, per_row)
         if not one_pass:
             kernel = _kernel("backward_dq", q, options, vec)
             _launch(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device, stream, [p])
@@ -150,7 +153,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
         kernel = _kernel("backward" if one_pass else "backward_dkdv", q, options, vec)
         _launch(kernel, kernel.grid(p.seqlen_k, nheads_kv, batch), q.device, stream, [p])
     if tasks and one_pass:
-        _launch(_plan.Elementwise("backward_convert_dq", q.dtype), (-(-tasks // 8), 1, 1), q.device, stream, per_row)
+        _launch(_plan.Elementwise("backward_convert_dq", q.dtype), elementwise_grid, q.device, stream, per_row)
 
 
 def _kernel(kind: str, q: ArrayInfo, options: Options, vectorized: bool) -> _plan.Kernel:

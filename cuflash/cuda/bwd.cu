@@ -26,41 +26,78 @@
 
 namespace cuflash {
 
-// D = rowsum(dO * O) in fp32, one warp a (row, head), and that row's dQ accumulator
-// (accum_cols floats; 0 without one) set to zero. Rows are numbered batch-major over
-// `batch` groups of `rows_per_batch` (one group of all rows for packed arrays).
+// The two elementwise kernels below give each (row, head) task `lanes` lanes (4-32, a
+// power of two, at least head-dim bucket / 8 where it can), and each lane 16 bytes of
+// the row at a time where the row allows it: memory-bound, they move as many bytes per
+// instruction as they can. Rows are numbered batch-major over `batch` groups of
+// `rows_per_batch` (one group of all rows for packed arrays).
+struct ElementwiseTask {
+  int64 task;  // = row * nheads + head
+  int b, i, head, lane, lanes;
+  bool exists;
+
+  static __device__ __forceinline__ ElementwiseTask of_thread(const Params& p, int batch, int rows_per_batch,
+                                                              int lanes) {
+    const int64 task = (int64(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
+    const int64 row = task / p.nheads;
+    return ElementwiseTask{task, int(row / rows_per_batch), int(row % rows_per_batch), int(task % p.nheads),
+                           int(threadIdx.x % lanes), lanes, task < int64(batch) * rows_per_batch * p.nheads};
+  }
+  template <typename Pointer>
+  __device__ __forceinline__ Pointer at(Pointer base, const ArrayView& a) const {
+    return base + b * a.batch_stride + i * a.row_stride + head * a.head_stride;
+  }
+};
+
+__device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<unsigned long long>(p) % 16 == 0; }
+
+// D = rowsum(dO * O) in fp32, and that row's dQ accumulator (accum_cols floats, a
+// multiple of 4; 0 without one) set to zero.
 template <typename T>
 __global__ void __launch_bounds__(256)
-attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int accum_cols) {
-  const int64 task = int64(blockIdx.x) * 8 + threadIdx.x / 32;  // = row * nheads + head
-  const int lane = threadIdx.x % 32;
-  if (task >= int64(batch) * rows_per_batch * p.nheads) return;
-  const int head = int(task % p.nheads);
-  const int64 row = task / p.nheads;
-  const int b = int(row / rows_per_batch), i = int(row % rows_per_batch);
-  const elem_t* dO = p.dout.ptr + b * p.dout.batch_stride + i * p.dout.row_stride + head * p.dout.head_stride;
-  const elem_t* O = p.o.ptr + b * p.o.batch_stride + i * p.o.row_stride + head * p.o.head_stride;
+attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int accum_cols, int lanes) {
+  const auto task = ElementwiseTask::of_thread(p, batch, rows_per_batch, lanes);
   float sum = 0.f;
-  for (int c = lane; c < p.headdim; c += 32) sum += DType<T>::to_float(dO[c]) * DType<T>::to_float(O[c]);
+  if (task.exists) {
+    const elem_t* dO = task.at(p.dout.ptr, p.dout);
+    const elem_t* O = task.at(p.o.ptr, p.o);
+    if (p.headdim % 8 == 0 && aligned16(dO) && aligned16(O)) {
+      for (int c = 8 * task.lane; c < p.headdim; c += 8 * lanes) {
+        const uint4 x = *reinterpret_cast<const uint4*>(dO + c), y = *reinterpret_cast<const uint4*>(O + c);
+        const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) p.delta[b * p.lse_batch_stride + head * p.lse_head_stride + i] = sum;
-  for (int c = lane; c < accum_cols; c += 32) p.dq_accum[task * accum_cols + c] = 0.f;
+        for (int w = 0; w < 4; ++w)
+          sum += DType<T>::to_float(elem_t(xs[w])) * DType<T>::to_float(elem_t(ys[w])) +
+                 DType<T>::to_float(elem_t(xs[w] >> 16)) * DType<T>::to_float(elem_t(ys[w] >> 16));
+      }
+    } else {
+      for (int c = task.lane; c < p.headdim; c += lanes) sum += DType<T>::to_float(dO[c]) * DType<T>::to_float(O[c]);
+    }
+    float4* accum = reinterpret_cast<float4*>(p.dq_accum + task.task * accum_cols);
+    for (int c = task.lane; c < accum_cols / 4; c += lanes) accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int offset = lanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (task.exists && task.lane == 0) p.delta[task.b * p.lse_batch_stride + task.head * p.lse_head_stride + task.i] = sum;
 }
 
 // dQ = scale * dq_accum, rounded to the element type; the same tasks as the preprocess.
 template <typename T>
 __global__ void __launch_bounds__(256)
-attention_backward_convert_dq(const Params p, int batch, int rows_per_batch, int accum_cols) {
-  const int64 task = int64(blockIdx.x) * 8 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (task >= int64(batch) * rows_per_batch * p.nheads) return;
-  const int head = int(task % p.nheads);
-  const int64 row = task / p.nheads;
-  const int b = int(row / rows_per_batch), i = int(row % rows_per_batch);
-  elem_t* dq = p.dq.ptr + b * p.dq.batch_stride + i * p.dq.row_stride + head * p.dq.head_stride;
-  const float* accum = p.dq_accum + task * accum_cols;
-  for (int c = lane; c < p.headdim; c += 32) dq[c] = DType<T>::from_float(accum[c] * p.scale);
+attention_backward_convert_dq(const Params p, int batch, int rows_per_batch, int accum_cols, int lanes) {
+  const auto task = ElementwiseTask::of_thread(p, batch, rows_per_batch, lanes);
+  if (!task.exists) return;
+  elem_t* dq = task.at(p.dq.ptr, p.dq);
+  const float* accum = p.dq_accum + task.task * accum_cols;
+  if (p.headdim % 8 == 0 && aligned16(dq)) {
+    for (int c = 8 * task.lane; c < p.headdim; c += 8 * lanes) {
+      const float4 lo = *reinterpret_cast<const float4*>(accum + c), hi = *reinterpret_cast<const float4*>(accum + c + 4);
+      *reinterpret_cast<uint4*>(dq + c) =
+          make_uint4(DType<T>::pack(lo.x * p.scale, lo.y * p.scale), DType<T>::pack(lo.z * p.scale, lo.w * p.scale),
+                     DType<T>::pack(hi.x * p.scale, hi.y * p.scale), DType<T>::pack(hi.z * p.scale, hi.w * p.scale));
+    }
+  } else {
+    for (int c = task.lane; c < p.headdim; c += lanes) dq[c] = DType<T>::from_float(accum[c] * p.scale);
+  }
 }
 
 // Above d 128, overlapping every k16 step of the two score products needs more
