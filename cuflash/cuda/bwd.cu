@@ -120,25 +120,10 @@ __device__ __forceinline__ void probabilities_and_gradients(
     Lse lse_log2, Delta delta, int row0, int col0, int lane) {
   const int g = lane >> 2, t = lane & 3;
   // Without extras a hidden score becomes -inf before the exp, in a pass of its own
-  // that only tiles crossing the mask's edge run, one range test per score: the loop
-  // below stays free of per-score tests (folded into it, they doubled the integer work
-  // of every tile). (A modified score of -inf need not be -inf, so extras mask P.)
-  if (!kExtras && masked) {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int line = row0 + mt * 16 + g + 8 * h;  // a query, or a key with kTransposed
-        const int2 seen = kTransposed ? mask.queries_seeing(line) : mask.keys_seen_by(line);
-        // Relative to this lane's first column, so that each test is against a constant.
-        const int lo = seen.x - (col0 + 2 * t), hi = seen.y - (col0 + 2 * t);
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-            if ((nt * 8 + j < lo) | (nt * 8 + j > hi)) s[mt][nt][2 * h + j] = -kInf;
-      }
-  }
+  // that only tiles crossing the mask's edge run: the loop below stays free of per-score
+  // tests (folded into it, they doubled the integer work of every tile). (A modified
+  // score of -inf need not be -inf, so extras mask P.)
+  if (!kExtras && masked) mask.template apply<kTransposed>(s, row0, col0, lane);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll

@@ -57,18 +57,28 @@ struct Mask {
            (!kLocal || (col_begin >= row_end - 1 + diagonal - left && col_end - 1 <= row_begin + diagonal + right));
   }
 
-  // s[mt][nt][e] is the score of query row0 + 16 mt + g + 8 (e / 2) and key
-  // col0 + 8 nt + 2 t + e % 2 (mma C layout); hidden scores become -inf.
-  template <int kMTiles, int kNTiles>
+  // s[mt][nt][e] is the score of line row0 + 16 mt + g + 8 (e / 2) and column
+  // col0 + 8 nt + 2 t + e % 2 (mma C layout), the lines being queries and the columns
+  // keys, or with kTransposed the other way round; hidden scores become -inf. One range
+  // test per score, against the line's visible columns taken relative to the lane's first
+  // column so that each test compares with a constant (visible() per score, unrolled over
+  // a tile, compiled to a branch and predicate shuffling per score).
+  template <bool kTransposed = false, int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
+      for (int h = 0; h < 2; ++h) {
+        const int line = row0 + mt * 16 + g + 8 * h;
+        const int2 seen = kTransposed ? queries_seeing(line) : keys_seen_by(line);
+        const int lo = seen.x - (col0 + 2 * t), hi = seen.y - (col0 + 2 * t);
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!visible(row0 + mt * 16 + g + 8 * (e >> 1), col0 + nt * 8 + 2 * t + (e & 1))) s[mt][nt][e] = -kInf;
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            if ((nt * 8 + j < lo) | (nt * 8 + j > hi)) s[mt][nt][2 * h + j] = -kInf;
+      }
   }
 };
 
