@@ -163,7 +163,8 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
 //   dQ += dS K                 warps split queries x head dim, 32 queries each; fp32 red
 // Each fragment read from shared memory feeds 4-8 mma (the two-kernel path: 2).
 // @tparam kBlockM  query rows per step, kBlockN key rows per CTA: multiples of 32
-// @tparam kStages  shared buffers for Q / dO: 2 overlaps the next step's load
+// @tparam kStages  shared buffers for Q / dO: 2 overlaps the next step's load with this
+//                  step's products, 3 loads two steps ahead
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
           bool kExtras>
 __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Params p) {
@@ -178,7 +179,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   // registers than the dK and dV accumulators leave (ptxas spilled; with one Q/dO
   // buffer, the tiles of GPUs with less shared memory, already at these depths under
   // CUDA 12.9 for sm_80).
-  constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : 8) / (kStages == 2 ? 1 : 2);
+  constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : 8) / (kStages >= 2 ? 1 : 2);
   constexpr int kDqUnroll = kHeadDim <= 192 ? 4 : 1;
   static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
                 "warp layout");
@@ -256,12 +257,17 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   float acc_dk[2][kKvCols / 8][4] = {}, acc_dv[2][kKvCols / 8][4] = {};
   Position at{kv_head * p.heads_per_kv, m_begin};
   if (steps > 0) load_step(at, 0);
+  if (kStages == 3 && steps > 1) load_step(following(at), 1);
 
   for (int step = 0; step < steps; ++step, at = following(at)) {
-    const int stage = kStages == 2 ? step % 2 : 0;
-    // This step's Q, dO, LSE and D (loaded during the previous step) are in; past this
+    const int stage = step % kStages;
+    // This step's Q, dO, LSE and D (loaded during an earlier step) are in; past this
     // barrier every warp is also done with the previous step's P, dS and stage buffers.
-    cp_async_wait<0>();
+    if (kStages == 3 && step + 1 < steps) {
+      cp_async_wait<1>();  // the next step's loads may still be in flight
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
     const int head = at.head, m0 = at.m_tile * kBlockM;
     const elem_t* q_tile = q_tiles + stage * kBlockM * kStride;
@@ -288,6 +294,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     // The next step's loads go into the other stage here, ahead of this step's dQ
     // atomics in the memory queue, and have the three products below to land in.
     if (kStages == 2 && step + 1 < steps) load_step(following(at), (step + 1) % 2);
+    if (kStages == 3 && step + 2 < steps) load_step(following(following(at)), (step + 2) % 3);
 
     // dV += dropout(P)^T dO;  dK += dS^T Q (scaled once at the end)
     gemm_ss<T, 2, kKvCols, kBlockM, true, false, kPStride, kStride>(acc_dv, p_tile + kv_key0, do_tile + kv_col0,
