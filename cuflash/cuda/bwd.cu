@@ -26,10 +26,10 @@
 
 namespace cuflash {
 
-// The two elementwise kernels below give each (row, head) task `lanes` lanes (4-32, a
-// power of two, at least head-dim bucket / 8 where it can), and each lane 16 bytes of
-// the row at a time where the row allows it: memory-bound, they move as many bytes per
-// instruction as they can. Rows are numbered batch-major over `batch` groups of
+// The two elementwise kernels below give each (row, head) task `lanes` lanes (head dim
+// / 8 rounded up to a power of two, 4-32) and each lane 16 bytes of the row at a time
+// where the row allows it: memory-bound, they move as many bytes per instruction as
+// they can. Rows are numbered batch-major over `batch` groups of
 // `rows_per_batch` (one group of all rows for packed arrays).
 struct ElementwiseTask {
   int64 task;  // = row * nheads + head
@@ -291,8 +291,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       store_fragments<T, 2, kSKeys / 8, kPStride>(ds_tile + s_row0 * kPStride + s_key0, acc_dp, lane);
     }
     __syncthreads();
-    // The next step's loads go into the other stage here, ahead of this step's dQ
-    // atomics in the memory queue, and have the three products below to land in.
+    // The next step's loads (with three buffers, the step after's) go into a free stage
+    // here, ahead of this step's dQ atomics in the memory queue, and have the three
+    // products below to land in.
     if (kStages == 2 && step + 1 < steps) load_step(following(at), (step + 1) % 2);
     if (kStages == 3 && step + 2 < steps) load_step(following(following(at)), (step + 2) % 3);
 
