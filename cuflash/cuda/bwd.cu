@@ -33,7 +33,7 @@ namespace cuflash {
 // `rows_per_batch` (one group of all rows for packed arrays).
 struct ElementwiseTask {
   int64 task;  // = row * nheads + head
-  int b, i, head, lane, lanes;
+  int b, i, head, lane;
   bool exists;
 
   static __device__ __forceinline__ ElementwiseTask of_thread(const Params& p, int batch, int rows_per_batch,
@@ -41,7 +41,7 @@ struct ElementwiseTask {
     const int64 task = (int64(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
     const int64 row = task / p.nheads;
     return ElementwiseTask{task, int(row / rows_per_batch), int(row % rows_per_batch), int(task % p.nheads),
-                           int(threadIdx.x % lanes), lanes, task < int64(batch) * rows_per_batch * p.nheads};
+                           int(threadIdx.x % lanes), task < int64(batch) * rows_per_batch * p.nheads};
   }
   template <typename Pointer>
   __device__ __forceinline__ Pointer at(Pointer base, const ArrayView& a) const {
