@@ -76,13 +76,13 @@ KINDS = {
     # So do softcap, ALiBi and dropout up to d 128: their per-element arithmetic spills
     # these tiles, and the tiles that fit them (64 x 128 at d 64, 128 x 64 at d 128) ran
     # no faster than the two kernels without extras (sweep in docs/performance.md).
-    # Three Q/dO buffers (loads two steps ahead) where shared memory allows: +2-4% at
-    # seqlen 1k, within 1.5% at 8k (docs/performance.md item 29).
+    # Three Q/dO buffers (loads two steps ahead) at d 64 where shared memory allows: +1-2%
+    # over two in two A/B rounds; at d 128 they lost 0.5-3% (docs/performance.md item 29).
     "backward": Kind("bwd.cu", "attention_backward", {
         32: (_T(128, 128, 8, 2), _T(128, 128, 8, 1)),
         # (128 x 128 with one Q/dO buffer, for sm_80's shared memory, spills under CUDA 12.9.)
         64: (_T(128, 128, 8, 3), _T(128, 128, 8, 2), _T(64, 128, 8, 1)),
-        128: (_T(64, 128, 8, 3), _T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
+        128: (_T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
         **{d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (192, 256)},
     }, lambda t, d: (2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m)
                      + 2 * t.block_m * (t.block_n + 8) * 2), "block_n", False,
