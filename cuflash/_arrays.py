@@ -66,7 +66,7 @@ def inspect(x, name: str) -> ArrayInfo:
                             f"(or NumPy arrays for the CPU path)")
         dtype = _TORCH_DTYPE_NAMES.get(x.dtype) or _TORCH_DTYPE_NAMES.setdefault(
             x.dtype, str(x.dtype).removeprefix("torch."))
-        return ArrayInfo(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, x.get_device())
+        return ArrayInfo(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dtype, x.get_device())
     if root in ("jax", "jaxlib"):
         devices = x.devices()
         device = next(iter(devices))
@@ -77,18 +77,13 @@ def inspect(x, name: str) -> ArrayInfo:
     raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got {type(x).__qualname__}")
 
 
-class Allocation(NamedTuple):
-    array: Any  # what the caller's library holds
-    info: ArrayInfo  # what a kernel needs
-
-
 class Framework:
     """Allocation and stream of the caller's array library, for results of its kind."""
 
     def __init__(self, like: ArrayInfo):
         self.like = like
         if like.framework == "torch":
-            import torch
+            torch = _torch()
             self._torch_device = like.obj.device
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch.compile's kernels call
             self.stream = raw(like.device) if raw else torch.cuda.current_stream(self._torch_device).cuda_stream
@@ -105,22 +100,21 @@ class Framework:
         import cupy
         return cupy.cuda.Device(self.like.device)
 
-    def empty(self, shape: tuple[int, ...], dtype: str, *, zeros: bool = False) -> "Allocation":
-        """An array of the caller's kind on the caller's device and stream
-        (uninitialised, or zeroed on the stream with ``zeros``)."""
+    def empty(self, shape: tuple[int, ...], dtype: str, *, zeros: bool = False) -> ArrayInfo:
+        """An array of the caller's kind on the caller's device and stream (uninitialised,
+        or zeroed on the stream with ``zeros``), described; ``.obj`` is the array."""
         shape = tuple(shape)
         if self.like.framework == "torch":
-            import torch
+            torch = _torch()
             make = torch.zeros if zeros else torch.empty
-            out = make(shape, dtype=_torch_dtype(dtype), device=self._torch_device)
+            out = make(*shape, dtype=_TORCH_DTYPES[dtype], device=self._torch_device)  # (unpacked: 1 us faster)
             ptr = out.data_ptr()
         else:
             import cupy
             with self.device:
                 out = (cupy.zeros if zeros else cupy.empty)(shape, dtype=_cupy_dtype(dtype))
             ptr = out.data.ptr
-        info = ArrayInfo(out, self.like.framework, ptr, shape, contiguous_strides(shape), dtype, self.like.device)
-        return Allocation(out, info)
+        return ArrayInfo(out, self.like.framework, ptr, shape, contiguous_strides(shape), dtype, self.like.device)
 
     def finish(self, out):
         """Hand a result allocated by ``empty`` back as the caller's kind."""
@@ -133,10 +127,19 @@ class Framework:
         return jax.dlpack.from_dlpack(out)
 
 
-@functools.cache
-def _torch_dtype(name: str):
+@functools.cache  # an import statement costs ~0.1 us a time on the call path
+def _torch():
     import torch
-    return getattr(torch, name)
+    return torch
+
+
+class _TorchDtypes(dict):
+    def __missing__(self, name: str):
+        self[name] = getattr(_torch(), name)
+        return self[name]
+
+
+_TORCH_DTYPES = _TorchDtypes()  # "float16" -> torch.float16
 
 
 def _cupy_dtype(name: str):

@@ -13,6 +13,7 @@ import ctypes
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,34 +75,54 @@ def scale_log2(scale: float) -> float:
 
 
 def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo, options: Options, *,
-            stream: int, varlen: Varlen | None = None) -> None:
-    """out = attention(q, k, v) and its LSE ((batch, nheads, seqlen_q), or (nheads, total_q))."""
-    arrays = (q, k, v, out, lse)
-    key = _plan_key(arrays, options, varlen)
+            stream: int, varlen: Varlen | None = None, key=None) -> None:
+    """out = attention(q, k, v) and its LSE ((batch, nheads, seqlen_q), or (nheads, total_q)).
+    ``key``: the caller's own cache key for this call but its pointers, if it has one
+    (``api`` passes its validated signature; out and lse are then its own allocations)."""
+    if key is None:
+        key = _plan_key((q, k, v, out, lse), options, varlen)
     plan = _forward_plans.get(key) if key else None
     if plan is None:
-        p, batch = _params(q, k, v, lse, options, varlen, o=out)
-        kernel = _kernel("forward", q, options, _vectorizable(q, k, v, out))
-        work = batch and p.seqlen_q and p.nheads
-        function = _function(kernel, q.device) if work else None
-        plan = (kernel, function, kernel.grid(p.seqlen_q, p.nheads, batch), bytes(p), work)
-        if key:
+        plan = _forward_plan(q, k, v, out, lse, options, varlen)
+        if key and _cacheable(options, varlen) and len(_forward_plans) < 4096:
             _forward_plans[key] = plan
-    kernel, function, grid, params, work = plan
-    if work:
-        p = Params.from_buffer_copy(params)
-        p.q.ptr, p.k.ptr, p.v.ptr, p.o.ptr, p.lse = q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr
-        _launch(kernel, grid, q.device, stream, [p], function)
+    plan.launch(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, stream)
 
 
-# Warm calls: what a dense call signature launches (kernel, grid, Params but for
-# the array pointers) is worked out once. ALiBi, dropout (a fresh seed each call)
-# and packed sequences take the full path.
+class ForwardPlan(NamedTuple):
+    """What a forward call launches, all but its five array pointers."""
+    kernel: _plan.Kernel
+    function: int | None  # None: nothing to do (an empty batch, head or query dimension)
+    grid: tuple[int, int, int]
+    params: bytes  # Params, pointers to be filled in
+    device: int
+
+    def launch(self, q: int, k: int, v: int, out: int, lse: int, stream: int) -> None:
+        if self.function is None:
+            return
+        p = Params.from_buffer_copy(self.params)
+        p.q.ptr, p.k.ptr, p.v.ptr, p.o.ptr, p.lse = q, k, v, out, lse
+        _launch(self.kernel, self.grid, self.device, stream, [p], self.function)
+
+
+def _forward_plan(q, k, v, out, lse, options: Options, varlen: Varlen | None) -> ForwardPlan:
+    p, batch = _params(q, k, v, lse, options, varlen, o=out)
+    kernel = _kernel("forward", q, options, _vectorizable(q, k, v, out))
+    function = _function(kernel, q.device) if batch and p.seqlen_q and p.nheads else None
+    return ForwardPlan(kernel, function, kernel.grid(p.seqlen_q, p.nheads, batch), bytes(p), q.device)
+
+
+# Warm calls: what a dense call signature launches is worked out once. ALiBi (its
+# pointer), dropout (a fresh seed each call) and packed sequences take the full path.
 _forward_plans: dict = {}
 
 
+def _cacheable(options: Options, varlen: Varlen | None) -> bool:
+    return varlen is None and options.alibi is None and options.dropout_p == 0
+
+
 def _plan_key(arrays, options: Options, varlen: Varlen | None):
-    if varlen is not None or options.extras or len(_forward_plans) > 4096:
+    if not _cacheable(options, varlen):
         return None
     return tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in arrays), options
 

@@ -53,7 +53,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         from . import cpu
         out, lse = cpu.attention_forward(q, k, v, **_cpu_options(options, alibi_slopes))
     else:
-        out, lse = _forward_gpu(*arrays.values(), options, None)
+        out, lse = _forward_gpu(*arrays.values(), options, None, key)
     return (out, lse) if return_lse else out
 
 
@@ -140,24 +140,24 @@ for _f in (attention, attention_varlen, attention_backward, attention_varlen_bac
 
 # -- GPU ---------------------------------------------------------------------------------
 
-def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None):
+def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, key=None):
     framework = _arrays.Framework(q)
     out = framework.empty(q.shape, q.dtype)
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if varlen is None else (q.shape[1], q.shape[0])
     lse = framework.empty(lse_shape, "float32")
-    _kernels.forward(q, k, v, out.info, lse.info, options, stream=framework.stream, varlen=varlen)
-    return framework.finish(out.array), framework.finish(lse.array)
+    _kernels.forward(q, k, v, out, lse, options, stream=framework.stream, varlen=varlen, key=key)
+    return framework.finish(out.obj), framework.finish(lse.obj)
 
 
 def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, deterministic: bool):
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     framework = _arrays.Framework(q)
     grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
-    work = {name: framework.empty(shape, dtype).info
+    work = {name: framework.empty(shape, dtype)
             for name, (shape, dtype) in _kernels.backward_workspace(q.shape, deterministic, options.extras).items()}
-    _kernels.backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], *(g.info for g in grads),
+    _kernels.backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], *grads,
                       work["delta"], options, stream=framework.stream, varlen=varlen, dq_accum=work.get("dq_accum"))
-    return tuple(framework.finish(g.array) for g in grads)
+    return tuple(framework.finish(g.obj) for g in grads)
 
 
 def _cpu_options(options: Options, alibi_slopes) -> dict:
@@ -175,11 +175,12 @@ _validated: dict = {}
 
 
 def _signature(arrays: dict, alibi_slopes, dropout_p, *scalars):
-    if alibi_slopes is not None or not (isinstance(dropout_p, numbers.Real) and dropout_p == 0) \
+    if alibi_slopes is not None or dropout_p.__class__ not in (int, float) or dropout_p != 0 \
             or len(_validated) > 4096:
         return None
-    # repr tells apart what == would not (True / 1 / 1.0, a list from a tuple).
-    return (tuple((a.framework, a.device, a.shape, a.strides, a.dtype) for a in arrays.values()),
+    # repr tells apart what == would not (True / 1 / 1.0, a list from a tuple). The
+    # pointers' 16-byte alignment picks the kernel's copy width.
+    return (tuple([(a.framework, a.device, a.shape, a.strides, a.dtype, a.ptr % 16 == 0) for a in arrays.values()]),
             repr((dropout_p, *scalars)))
 
 
