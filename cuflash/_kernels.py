@@ -13,6 +13,7 @@ import ctypes
 import dataclasses
 import functools
 import math
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -74,42 +75,51 @@ def scale_log2(scale: float) -> float:
     return max(scale * math.log2(math.e), _FLOAT32_TINY)
 
 
-def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo, options: Options, *,
+def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo | None, options: Options, *,
             stream: int, varlen: Varlen | None = None, key=None) -> None:
-    """out = attention(q, k, v) and its LSE ((batch, nheads, seqlen_q), or (nheads, total_q)).
+    """out = attention(q, k, v) and its LSE ((batch, nheads, seqlen_q), or (nheads, total_q);
+    contiguous, or None: not written).
     ``key``: the caller's own cache key for this call but its pointers, if it has one
-    (``api`` passes its validated signature; out and lse are then its own allocations)."""
+    (``api`` passes its validated signature; out is then its own allocation)."""
     if key is None:
-        key = _plan_key((q, k, v, out, lse), options, varlen)
+        key = _plan_key((q, k, v, out), options, varlen)
     plan = _forward_plans.get(key) if key else None
     if plan is None:
         plan = _forward_plan(q, k, v, out, lse, options, varlen)
         if key and _cacheable(options, varlen) and len(_forward_plans) < 4096:
             _forward_plans[key] = plan
-    plan.launch(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, stream)
+    plan.launch(q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr, stream)
 
 
 class ForwardPlan(NamedTuple):
     """What a forward call launches, all but its five array pointers."""
-    kernel: _plan.Kernel
-    function: int | None  # None: nothing to do (an empty batch, head or query dimension)
-    grid: tuple[int, int, int]
+    config: tuple | None  # (function, grid, block, shared bytes) as launchKernel takes them; None: no work
     params: bytes  # Params, pointers to be filled in
     device: int
 
     def launch(self, q: int, k: int, v: int, out: int, lse: int, stream: int) -> None:
-        if self.function is None:
+        if self.config is None:
             return
         p = Params.from_buffer_copy(self.params)
-        p.q.ptr, p.k.ptr, p.v.ptr, p.o.ptr, p.lse = q, k, v, out, lse
-        _launch(self.kernel, self.grid, self.device, stream, [p], self.function)
+        _put_pointer(p, _Q_OFFSET, q)  # (a nested field's setattr costs 3x as much)
+        _put_pointer(p, _K_OFFSET, k)
+        _put_pointer(p, _V_OFFSET, v)
+        _put_pointer(p, _O_OFFSET, out)
+        _put_pointer(p, _LSE_OFFSET, lse)
+        _launch_configured(self.config, self.device, stream, p)
+
+
+_put_pointer = struct.Struct("<Q").pack_into
+_Q_OFFSET, _K_OFFSET, _V_OFFSET, _O_OFFSET = (getattr(Params, name).offset for name in "qkvo")
+_LSE_OFFSET = Params.lse.offset
 
 
 def _forward_plan(q, k, v, out, lse, options: Options, varlen: Varlen | None) -> ForwardPlan:
     p, batch = _params(q, k, v, lse, options, varlen, o=out)
     kernel = _kernel("forward", q, options, _vectorizable(q, k, v, out))
-    function = _function(kernel, q.device) if batch and p.seqlen_q and p.nheads else None
-    return ForwardPlan(kernel, function, kernel.grid(p.seqlen_q, p.nheads, batch), bytes(p), q.device)
+    work = batch and p.seqlen_q and p.nheads
+    config = _config(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device) if work else None
+    return ForwardPlan(config, bytes(p), q.device)
 
 
 # Warm calls: what a dense call signature launches is worked out once. ALiBi (its
@@ -194,14 +204,15 @@ def _params(q, k, v, lse, options: Options, varlen: Varlen | None, **arrays) -> 
     p = Params()
     for name, a in dict(q=q, k=k, v=v, **arrays).items():
         setattr(p, name, _view(a))
-    p.lse = lse.ptr
+    p.lse = None if lse is None else lse.ptr
     head_dim, nheads, nheads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
+    # The LSE is contiguous: (batch, nheads, seqlen_q), or (nheads, total_q) when packed.
     if varlen is None:
         batch, p.seqlen_q, p.seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        p.lse_batch_stride, p.lse_head_stride = lse.strides[0], lse.strides[1]
+        p.lse_batch_stride, p.lse_head_stride = nheads * p.seqlen_q, p.seqlen_q
     else:
         batch, p.seqlen_q, p.seqlen_k = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
-        p.lse_batch_stride, p.lse_head_stride = 0, lse.strides[0]
+        p.lse_batch_stride, p.lse_head_stride = 0, q.shape[0]
         p.cu_seqlens_q, p.cu_seqlens_k = varlen.cu_seqlens_q.ptr, varlen.cu_seqlens_k.ptr
     p.nheads, p.heads_per_kv, p.headdim = nheads, nheads // max(nheads_kv, 1), head_dim
     p.window_left, p.window_right = options.window  # normalised per sequence by the kernel (mask.cuh)
@@ -239,21 +250,30 @@ def _function(kernel, device: int) -> int:
     return _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes)
 
 
-def _launch(kernel, grid, device: int, stream: int, args: list, function: int | None = None) -> None:
+def _launch(kernel, grid, device: int, stream: int, args: list) -> None:
     """Launch ``kernel`` (a _plan.Kernel or Elementwise) with ``args`` (Params first)
-    on ``stream``, compiling it on first use (``function``: its handle, if known)."""
+    on ``stream``, compiling it on first use."""
+    _launch_configured(_config(kernel, grid, device), device, stream, *args)
+
+
+def _config(kernel, grid, device: int) -> tuple:
+    """launchKernel's leading arguments: function, grid, block, dynamic shared memory."""
+    return (_function(kernel, device), *grid, kernel.threads, 1, 1, kernel.shared_bytes)
+
+
+_POINTER_ARRAYS = [ctypes.c_void_p * n for n in range(8)]
+
+
+def _launch_configured(config: tuple, device: int, stream: int, *args) -> None:
     cupy, driver = _cuda()
-    if function is None:
-        function = _function(kernel, device)
     if _launch_observer is not None:
         _launch_observer(args[0].pointers(), stream)
-    params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
-    launch = (function, *grid, kernel.threads, 1, 1, kernel.shared_bytes, stream, ctypes.addressof(params), 0)
+    params = _POINTER_ARRAYS[len(args)](*map(ctypes.addressof, args))
     if cupy.cuda.runtime.getDevice() == device:  # entering a Device costs more than asking
-        driver.launchKernel(*launch)
+        driver.launchKernel(*config, stream, ctypes.addressof(params), 0)
     else:
         with cupy.cuda.Device(device):
-            driver.launchKernel(*launch)
+            driver.launchKernel(*config, stream, ctypes.addressof(params), 0)
 
 
 @functools.cache  # an import statement per launch costs microseconds

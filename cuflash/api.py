@@ -53,7 +53,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         from . import cpu
         out, lse = cpu.attention_forward(q, k, v, **_cpu_options(options, alibi_slopes))
     else:
-        out, lse = _forward_gpu(*arrays.values(), options, None, key)
+        out, lse = _forward_gpu(*arrays.values(), options, None, return_lse, key)
     return (out, lse) if return_lse else out
 
 
@@ -80,7 +80,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         out, lse = cpu.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 **_cpu_options(options, alibi_slopes))
     else:
-        out, lse = _forward_gpu(*arrays.values(), options, varlen)
+        out, lse = _forward_gpu(*arrays.values(), options, varlen, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -140,13 +140,15 @@ for _f in (attention, attention_varlen, attention_backward, attention_varlen_bac
 
 # -- GPU ---------------------------------------------------------------------------------
 
-def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, key=None):
+def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, return_lse: bool, key=None):
     framework = _arrays.Framework(q)
     out = framework.empty(q.shape, q.dtype)
-    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if varlen is None else (q.shape[1], q.shape[0])
-    lse = framework.empty(lse_shape, "float32")
+    lse = None
+    if return_lse:  # (the kernel skips the LSE's stores otherwise)
+        lse = framework.empty((q.shape[0], q.shape[2], q.shape[1]) if varlen is None else (q.shape[1], q.shape[0]),
+                              "float32")
     _kernels.forward(q, k, v, out, lse, options, stream=framework.stream, varlen=varlen, key=key)
-    return framework.finish(out.obj), framework.finish(lse.obj)
+    return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
 
 
 def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, deterministic: bool):

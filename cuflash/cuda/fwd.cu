@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = warp_row0 + mt * 16 + g + 8 * h;
-      if (t == 0 && m0 + row < out_seq.seqlen_q) lse[m0 + row] = row_lse[mt][h];
+      if (t == 0 && p.lse != nullptr && m0 + row < out_seq.seqlen_q) lse[m0 + row] = row_lse[mt][h];
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt)
         *reinterpret_cast<unsigned*>(q_tile + row * kStride + dt * 8 + 2 * t) =

@@ -17,7 +17,7 @@ struct Params {
   ArrayView dout, dq, dk, dv;  // backward only
   // LSE (and the backward's D = rowsum(dO O), same layout): row i of (batch, head) is
   // at batch * lse_batch_stride + head * lse_head_stride + first row of the sequence + i.
-  float* lse;
+  float* lse;  // the forward writes none where this is null (a caller that asked for none)
   float* delta;
   // Backward, dQ by atomics: fp32 (rows, nheads, kHeadDim) with rows numbered as
   // Sequence::q_rows_before counts them; null when dQ has its own pass.
