@@ -182,17 +182,30 @@ def read_csv(path: str) -> list[dict]:
 
 
 def _overhead(torch) -> None:
-    """Host time per warm call on a tiny shape, where the launch, not the GPU, is the cost:
-    calls are issued back to back without synchronising and timed on the host."""
+    """Host time per warm call on a tiny shape, where the launch, not the GPU, is the cost
+    (the forward alone, and a training step's forward + backward through autograd): calls
+    are issued back to back without synchronising and timed on the host."""
     import time
     import cuflash
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
+    import cuflash.torch
     q, k, v = (torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    calls = {"cuflash.attention": lambda: cuflash.attention(q, k, v, causal=True)}
+    # A training step's attention: forward and backward through autograd.
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn_like(q)
+
+    def sdpa_step():
+        out = sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True)
+        torch.autograd.grad(out, leaves, dout.transpose(1, 2))
+
+    calls = {"cuflash.attention": lambda: cuflash.attention(q, k, v, causal=True),
+             "sdpa (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
+             "cuflash.torch fwd+bwd": lambda: torch.autograd.grad(
+                 cuflash.torch.attention(*leaves, causal=True), leaves, dout),
+             "sdpa (flash) fwd+bwd": sdpa_step}
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        calls["sdpa (flash)"] = lambda: sdpa(qt, kt, vt, is_causal=True)
         print(f"host time per call, (1, 128, 1, 64) float16 causal, median of 5 x 1000 calls")
         for name, fn in calls.items():
             for _ in range(100):
@@ -205,7 +218,7 @@ def _overhead(torch) -> None:
                     fn()
                 per_call.append((time.perf_counter() - start) * 1e3)  # us per call
                 torch.cuda.synchronize()
-            print(f"{name:>18}: {statistics.median(per_call):6.1f} us")
+            print(f"{name:>22}: {statistics.median(per_call):6.1f} us")
 
 
 def _load_baseline(path: str):

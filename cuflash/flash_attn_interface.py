@@ -64,7 +64,7 @@ def flash_attn_func(
     nheads, seqlen_q) and S_dmask the dropout keep mask (None without dropout).
     """
     q, k, v = _unit_stride(q, k, v)
-    out, softmax_lse, rng_state = cuflash_torch.attention_forward(
+    out, softmax_lse, rng_state = cuflash_torch._forward(
         q, k, v, causal, _scale(softmax_scale), deterministic, *_window(window_size), float(softcap),
         alibi_slopes, float(dropout_p), None)
     if not return_attn_probs:
@@ -137,7 +137,7 @@ def flash_attn_varlen_func(
         raise NotImplementedError("block_table (a paged KV cache) is not implemented in cuflash; "
                                   "pass contiguous packed k and v")
     q, k, v = _unit_stride(q, k, v)
-    out, softmax_lse, rng_state = cuflash_torch.attention_varlen_forward(
+    out, softmax_lse, rng_state = cuflash_torch._varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, _scale(softmax_scale),
         deterministic, *_window(window_size), float(softcap), alibi_slopes, float(dropout_p), None)
     if not return_attn_probs:

@@ -10,7 +10,9 @@ Four custom ops carry the work: ``cuflash::attention_forward`` -> (out, lse, rng
 fake (meta) implementation, so torch.compile traces them as opaque nodes with no graph
 break, and the forwards have an autograd formula that calls the backward op. A custom op
 (unlike an autograd.Function calling CuPy) is what keeps ``torch.compile(fullgraph=True)``
-whole.
+whole. Eager calls of ``attention`` / ``attention_varlen`` (and ``flash_attn_interface``)
+run the same functions and formulas through an autograd.Function instead: the ops' eager
+dispatch checks every output against every input for aliasing, ~500 us a training step.
 
 The options are flash-attn's (see ``cuflash.attention``): ``window_size``, ``softcap``,
 ``alibi_slopes`` (a float32 tensor on q's device; an input of the ops that gets no
@@ -67,8 +69,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     speed. ``seed=None`` with dropout draws one from torch's generator (see the module).
     """
     left, right = window_size
-    out, _, _ = attention_forward(q, k, v, causal, softmax_scale, deterministic, left, right, float(softcap),
-                                  alibi_slopes, float(dropout_p), _int64(seed))
+    out, _, _ = _forward(q, k, v, causal, softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
+                         float(dropout_p), _int64(seed))
     return out
 
 
@@ -85,17 +87,16 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     of k and v (int32 tensors (batch + 1,) on q's device). Gradients reach q, k and v.
     """
     left, right = window_size
-    out, _, _ = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                         softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
-                                         float(dropout_p), _int64(seed))
+    out, _, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
+                                float(dropout_p), _int64(seed))
     return out
 
 
 # --- dense -----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("cuflash::attention_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
                       window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                       dropout_p: float = 0.0, seed: Optional[int] = None
@@ -113,6 +114,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return _tensor(out), _tensor(lse), _rng_state(seed, rng_offset)
 
 
+attention_forward = torch.library.custom_op(
+    "cuflash::attention_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))(_attention_forward)
+
+
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, causal, softmax_scale, deterministic, window_left=-1, window_right=-1,
                             softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None):
@@ -122,8 +127,7 @@ def _attention_forward_fake(q, k, v, causal, softmax_scale, deterministic, windo
             _fake_rng_state())
 
 
-@torch.library.custom_op("cuflash::attention_backward", mutates_args=())
-def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: Optional[float],
                        deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                        alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
@@ -138,6 +142,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     *arrays, alibi_slopes = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
     grads = api.attention_backward(*arrays, alibi_slopes=alibi_slopes, deterministic=deterministic, **options)
     return tuple(_tensor(g) for g in grads)
+
+
+attention_backward = torch.library.custom_op("cuflash::attention_backward", mutates_args=())(_attention_backward)
 
 
 @attention_backward.register_fake
@@ -155,23 +162,43 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _backward(ctx, dout, _dlse, _drng_state):
+def _backward(backward, ctx, dout, _dlse, _drng_state):
     q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
-    dq, dk, dv = attention_backward(_unit_stride(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                                    ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap,
-                                    alibi_slopes, ctx.dropout_p, rng_state)
+    dq, dk, dv = backward(_unit_stride(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+                          ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-attention_forward.register_autograd(_backward, setup_context=_setup_context)
+attention_forward.register_autograd(lambda ctx, *grads: _backward(attention_backward, ctx, *grads),
+                                   setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """attention_forward and its autograd formula run eagerly: the same functions without
+    the custom ops' dispatch and output-aliasing checks, which cost a small training step
+    ~500 us of host time (docs/performance.md item 34). torch.compile traces the ops."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)  # no zero gradients made for lse and rng_state: ~100 us a step
+        output = _attention_forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(_attention_backward, ctx, *grads)
+
+
+def _forward(*inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_forward(*inputs), differentiable: the op when torch.compile traces, else eager."""
+    return attention_forward(*inputs) if torch.compiler.is_compiling() else _EagerAttention.apply(*inputs)
 
 
 # --- packed variable length -------------------------------------------------------------------
 
 
-@torch.library.custom_op("cuflash::attention_varlen_forward", mutates_args=(),
-                         tags=(torch.Tag.nondeterministic_seeded,))
-def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def _attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                              softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
                              window_right: int = -1, softcap: float = 0.0,
@@ -191,6 +218,11 @@ def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return _tensor(out), _tensor(lse), _rng_state(seed, rng_offset)
 
 
+attention_varlen_forward = torch.library.custom_op(
+    "cuflash::attention_varlen_forward", mutates_args=(),
+    tags=(torch.Tag.nondeterministic_seeded,))(_attention_varlen_forward)
+
+
 @attention_varlen_forward.register_fake
 def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                    softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
@@ -199,8 +231,7 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     return (q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32), _fake_rng_state())
 
 
-@torch.library.custom_op("cuflash::attention_varlen_backward", mutates_args=())
-def attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                               softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
@@ -222,6 +253,10 @@ def attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     return tuple(_tensor(g) for g in grads)
 
 
+attention_varlen_backward = torch.library.custom_op(
+    "cuflash::attention_varlen_backward", mutates_args=())(_attention_varlen_backward)
+
+
 @attention_varlen_backward.register_fake
 def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal, softmax_scale, deterministic, window_left=-1,
@@ -238,16 +273,38 @@ def _setup_varlen_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _varlen_backward(ctx, dout, _dlse, _drng_state):
+def _varlen_backward(backward, ctx, dout, _dlse, _drng_state):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
-    dq, dk, dv = attention_varlen_backward(_unit_stride(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                           ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale,
-                                           ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap,
-                                           alibi_slopes, ctx.dropout_p, rng_state)
+    dq, dk, dv = backward(_unit_stride(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
+                          ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.window_left,
+                          ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state)
     return (dq, dk, dv) + (None,) * 13
 
 
-attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+attention_varlen_forward.register_autograd(lambda ctx, *grads: _varlen_backward(attention_varlen_backward, ctx, *grads),
+                                          setup_context=_setup_varlen_context)
+
+
+class _EagerVarlenAttention(torch.autograd.Function):
+    """attention_varlen_forward and its autograd formula run eagerly (see _EagerAttention)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)
+        output = _attention_varlen_forward(*inputs)
+        _setup_varlen_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _varlen_backward(_attention_varlen_backward, ctx, *grads)
+
+
+def _varlen_forward(*inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_varlen_forward(*inputs), differentiable (see _forward)."""
+    if torch.compiler.is_compiling():
+        return attention_varlen_forward(*inputs)
+    return _EagerVarlenAttention.apply(*inputs)
 
 
 # --- helpers ---------------------------------------------------------------------------------
