@@ -270,6 +270,10 @@ def _launch_configured(config: tuple, device: int, stream: int, *args) -> None:
         _launch_observer(args[0].pointers(), stream)
     params = _POINTER_ARRAYS[len(args)](*map(ctypes.addressof, args))
     if cupy.cuda.runtime.getDevice() == device:  # entering a Device costs more than asking
+        if not driver.ctxGetCurrent():
+            # A thread with no CUDA runtime call behind it yet (autograd's device thread)
+            # has no current context: cudaSetDevice makes the primary one current.
+            cupy.cuda.runtime.setDevice(device)
         driver.launchKernel(*config, stream, ctypes.addressof(params), 0)
     else:
         with cupy.cuda.Device(device):

@@ -180,7 +180,6 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        ctx.set_materialize_grads(False)  # no zero gradients made for lse and rng_state: ~100 us a step
         output = _attention_forward(*inputs)
         _setup_context(ctx, inputs, output)
         return output
@@ -290,7 +289,6 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        ctx.set_materialize_grads(False)
         output = _attention_varlen_forward(*inputs)
         _setup_varlen_context(ctx, inputs, output)
         return output

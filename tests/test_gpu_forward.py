@@ -129,6 +129,30 @@ def test_warm_calls_tell_alignment_apart():
         check_against_reference(q, k, v, out, lse, causal=True)
 
 
+def test_warm_call_from_a_fresh_thread():
+    """A thread that has made no CUDA call yet has no current context (autograd runs
+    backwards on such a thread); a warm call there, whose plan and memory are cached,
+    must still launch."""
+    import threading
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 100, 2, 64, device="cuda", dtype=torch.float16)
+    want = cuflash.attention(q, q, q, causal=True)
+    got, errors = [], []
+
+    def run():
+        try:
+            got.append(cuflash.attention(q, q, q, causal=True))
+            torch.cuda.synchronize()
+        except Exception as e:  # re-raised below, in the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert torch.equal(got[0], want)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_lse_not_asked_for_is_not_written(head_dim):
     """Without return_lse the launch gets no LSE buffer (the kernel skips its stores),
