@@ -97,10 +97,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
-                      window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-                      dropout_p: float = 0.0, seed: Optional[int] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
+                       window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                       dropout_p: float = 0.0, seed: Optional[int] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, rng_state). ``deterministic`` is not used by the forward: autograd hands
     it to the backward, and it has to be an input of this op for setup_context to see it.
     rng_state is int64 [seed, rng_offset] on the CPU (zeros without dropout)."""
@@ -128,11 +128,11 @@ def _attention_forward_fake(q, k, v, causal, softmax_scale, deterministic, windo
 
 
 def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: Optional[float],
-                       deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                       alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                       rng_state: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+                        deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                        alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                        rng_state: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): gradients of attention_forward's out, given its out, lse and rng_state."""
     seed, rng_offset = _from_rng_state(rng_state)
     options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
@@ -198,11 +198,11 @@ def _forward(*inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                             softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
-                             window_right: int = -1, softcap: float = 0.0,
-                             alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                             seed: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                              softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
+                              window_right: int = -1, softcap: float = 0.0,
+                              alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                              seed: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, rng_state) of packed sequences; lse is float32 (nheads, total_q)."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
     options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
@@ -231,13 +231,13 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
 
 
 def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                              softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
-                              window_right: int = -1, softcap: float = 0.0,
-                              alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                              rng_state: Optional[torch.Tensor] = None
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                               softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
+                               window_right: int = -1, softcap: float = 0.0,
+                               alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                               rng_state: Optional[torch.Tensor] = None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention_varlen_forward's out."""
     seed, rng_offset = _from_rng_state(rng_state)
     options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
