@@ -169,29 +169,33 @@ def _backward(backward, ctx, dout, _dlse, _drng_state):
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-attention_forward.register_autograd(lambda ctx, *grads: _backward(attention_backward, ctx, *grads),
-                                   setup_context=_setup_context)
+def _differentiable(op, forward, backward_op, backward, setup_context, formula):
+    """Give the custom op ``op`` (which runs ``forward``) its autograd ``formula`` (over
+    ``backward_op``), and return op(*inputs) with autograd: the op while torch.compile
+    traces; eagerly, ``forward`` and the formula over ``backward`` through an
+    autograd.Function, without the ops' per-call dispatch and output-aliasing checks
+    (~500 us a small training step, docs/performance.md item 34)."""
+    op.register_autograd(lambda ctx, *grads: formula(backward_op, ctx, *grads), setup_context=setup_context)
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return formula(backward, ctx, *grads)
+
+    def differentiable(*inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return op(*inputs) if torch.compiler.is_compiling() else Eager.apply(*inputs)
+
+    return differentiable
 
 
-class _EagerAttention(torch.autograd.Function):
-    """attention_forward and its autograd formula run eagerly: the same functions without
-    the custom ops' dispatch and output-aliasing checks, which cost a small training step
-    ~500 us of host time (docs/performance.md item 34). torch.compile traces the ops."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _attention_forward(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _backward(_attention_backward, ctx, *grads)
-
-
-def _forward(*inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """attention_forward(*inputs), differentiable: the op when torch.compile traces, else eager."""
-    return attention_forward(*inputs) if torch.compiler.is_compiling() else _EagerAttention.apply(*inputs)
+_forward = _differentiable(attention_forward, _attention_forward, attention_backward, _attention_backward,
+                           _setup_context, _backward)
 
 
 # --- packed variable length -------------------------------------------------------------------
@@ -280,29 +284,8 @@ def _varlen_backward(backward, ctx, dout, _dlse, _drng_state):
     return (dq, dk, dv) + (None,) * 13
 
 
-attention_varlen_forward.register_autograd(lambda ctx, *grads: _varlen_backward(attention_varlen_backward, ctx, *grads),
-                                          setup_context=_setup_varlen_context)
-
-
-class _EagerVarlenAttention(torch.autograd.Function):
-    """attention_varlen_forward and its autograd formula run eagerly (see _EagerAttention)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _attention_varlen_forward(*inputs)
-        _setup_varlen_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _varlen_backward(_attention_varlen_backward, ctx, *grads)
-
-
-def _varlen_forward(*inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """attention_varlen_forward(*inputs), differentiable (see _forward)."""
-    if torch.compiler.is_compiling():
-        return attention_varlen_forward(*inputs)
-    return _EagerVarlenAttention.apply(*inputs)
+_varlen_forward = _differentiable(attention_varlen_forward, _attention_varlen_forward, attention_varlen_backward,
+                                  _attention_varlen_backward, _setup_varlen_context, _varlen_backward)
 
 
 # --- helpers ---------------------------------------------------------------------------------
