@@ -107,7 +107,7 @@ class Framework:
         if self.like.framework == "torch":
             torch = _torch()
             make = torch.zeros if zeros else torch.empty
-            out = make(*shape, dtype=_TORCH_DTYPES[dtype], device=self._torch_device)  # (unpacked: 1 us faster)
+            out = make(*shape, dtype=_torch_dtype(dtype), device=self._torch_device)  # (unpacked: 1 us faster)
             ptr = out.data_ptr()
         else:
             import cupy
@@ -133,13 +133,9 @@ def _torch():
     return torch
 
 
-class _TorchDtypes(dict):
-    def __missing__(self, name: str):
-        self[name] = getattr(_torch(), name)
-        return self[name]
-
-
-_TORCH_DTYPES = _TorchDtypes()  # "float16" -> torch.float16
+@functools.cache
+def _torch_dtype(name: str):
+    return getattr(_torch(), name)
 
 
 def _cupy_dtype(name: str):

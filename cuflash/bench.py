@@ -186,7 +186,6 @@ def _overhead(torch) -> None:
     (the forward alone, and a training step's forward + backward through autograd): calls
     are issued back to back without synchronising and timed on the host."""
     import time
-    import cuflash
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     import cuflash.torch
