@@ -148,6 +148,14 @@ def assert_close(actual, expected, *, atol, rtol=0.0, name="output"):
         )
 
 
+def rounding_floor(x, dtype=np.float16) -> float:
+    """flash-attn's floor for low-precision comparisons: twice the largest error of storing
+    a value of x's magnitude in dtype, i.e. one ulp at max|x| + 0.3 (the 0.3 keeps it above
+    zero when x is all zero, as with a single key). The bound, not the storing errors of
+    x's own values: with a handful of values those can all be small by chance."""
+    return float(np.spacing(dtype(np.abs(x).max(initial=0.0) + 0.3)))
+
+
 def random_dout(shape, dtype, rng, xp=np):
     """A fresh standard normal upstream gradient shaped like the output (that is, like q).
 

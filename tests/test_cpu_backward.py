@@ -16,7 +16,8 @@ from cuflash.reference import (
     attention_textbook_backward,
     round_to,
 )
-from .strategies import Shape, assert_close, attention_shapes, blocks, random_dout, random_qkv, scales, seeds
+from .strategies import (Shape, assert_close, attention_shapes, blocks, random_dout, random_qkv, rounding_floor, scales,
+                         seeds)
 
 # NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -354,12 +355,6 @@ def test_lowp_backward_error_is_small_but_real(shape, seed):
                 assert error > 0, name
 
 
-def _rounding_noise(x, dtype):
-    """Twice the error of storing values of x's magnitude in dtype (flash-attn's floor: the
-    0.3 keeps it above zero when x is all zero, as with a single key)."""
-    return 2 * np.abs(round_to(x + 0.3, dtype) - (x + 0.3)).max(initial=0.0)
-
-
 @settings(deadline=None, max_examples=60)
 @given(shape=shapes, block_q=blocks, block_k=blocks, seed=seeds)
 def test_float16_within_flash_attn_gradient_rule(shape, block_q, block_k, seed):
@@ -373,5 +368,5 @@ def test_float16_within_flash_attn_gradient_rule(shape, block_q, block_k, seed):
     for name, grad, want, yardstick in zip(("dq", "dk", "dv"), grads, expected, lowp):
         assert not np.isnan(grad).any(), name
         error = np.abs(grad.astype(np.float64) - want).max(initial=0.0)
-        allowed = 3 * np.abs(yardstick - want).max(initial=0.0) + _rounding_noise(want, np.float16)
+        allowed = 3 * np.abs(yardstick - want).max(initial=0.0) + rounding_floor(want)
         assert error <= allowed, f"{name}: error {error:.3e} > allowed {allowed:.3e}"

@@ -35,6 +35,7 @@ from .strategies import (
     blocks,
     random_dout,
     random_qkv,
+    rounding_floor,
     scales,
     seeds,
     seqlens,
@@ -748,11 +749,6 @@ def test_dropout_depends_on_seed_and_offset_not_on_tiles():
 FP16_HALF_ULP = 2.0**-11  # half an ulp at 1, the GPU tests' FLOOR for float16
 
 
-def _rounding_noise(x, dtype):
-    """Twice the error of storing values of x's magnitude in dtype (flash-attn's floor)."""
-    return 2 * np.abs(round_to(x + 0.3, dtype) - (x + 0.3)).max(initial=0.0)
-
-
 @settings(deadline=None, max_examples=50)
 @given(
     shape=attention_shapes(max_batch=2, max_seqlen=70, max_headdim=32),
@@ -780,7 +776,7 @@ def test_float16_within_flash_attn_rules(shape, block_q, block_k, data, seed):
     # measured exactly by the oracle given that out. Dropout's 1 / (1 - p) enlarges out and
     # with it that effect, which the ulp floor alone does not cover.
     grads_given_out = attention_reference_backward(dout, q, k, v, out=out, **options)
-    floors = [_rounding_noise(out_ref, np.float16)]
+    floors = [rounding_floor(out_ref)]
     floors += [
         2 * FP16_HALF_ULP * (1 + np.abs(want).max(initial=0.0)) + np.abs(given - want).max(initial=0.0)
         for want, given in zip(grads_ref, grads_given_out)
