@@ -81,50 +81,61 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: Array
     contiguous, or None: not written).
     ``key``: the caller's own cache key for this call but its pointers, if it has one
     (``api`` passes its validated signature; out is then its own allocation)."""
-    if key is None:
-        key = _plan_key((q, k, v, out), options, varlen)
-    plan = _forward_plans.get(key) if key else None
-    if plan is None:
-        plan = _forward_plan(q, k, v, out, lse, options, varlen)
-        if key and _cacheable(options, varlen) and len(_forward_plans) < 4096:
-            _forward_plans[key] = plan
-    plan.launch(q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr, stream)
+    plan = _cached(_forward_plans, key or _plan_key((q, k, v, out), options, varlen), options, varlen,
+                   lambda: _forward_plan(q, k, v, out, lse, options, varlen))
+    plan.launch(stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr)
 
 
-class ForwardPlan(NamedTuple):
-    """What a forward call launches, all but its five array pointers."""
-    config: tuple | None  # (function, grid, block, shared bytes) as launchKernel takes them; None: no work
-    params: bytes  # Params, pointers to be filled in
+class LaunchPlan(NamedTuple):
+    """What a call launches, all but its array pointers: the Params with the pointers
+    left to fill in at ``offsets``, then each kernel's launch configuration (function,
+    grid, block, shared memory) and its arguments after the Params."""
+    params: bytes
+    offsets: tuple[int, ...]
+    launches: tuple[tuple[tuple, tuple], ...]
     device: int
 
-    def launch(self, q: int, k: int, v: int, out: int, lse: int, stream: int) -> None:
-        if self.config is None:
-            return
+    def launch(self, stream: int, *pointers: int) -> None:
         p = Params.from_buffer_copy(self.params)
-        _put_pointer(p, _Q_OFFSET, q)  # (a nested field's setattr costs 3x as much)
-        _put_pointer(p, _K_OFFSET, k)
-        _put_pointer(p, _V_OFFSET, v)
-        _put_pointer(p, _O_OFFSET, out)
-        _put_pointer(p, _LSE_OFFSET, lse)
-        _launch_configured(self.config, self.device, stream, p)
+        for offset, pointer in zip(self.offsets, pointers):
+            _put_pointer(p, offset, pointer)  # (a nested field's setattr costs 3x as much)
+        for config, args in self.launches:
+            _launch_configured(config, self.device, stream, p, *args)
 
 
 _put_pointer = struct.Struct("<Q").pack_into
-_Q_OFFSET, _K_OFFSET, _V_OFFSET, _O_OFFSET = (getattr(Params, name).offset for name in "qkvo")
-_LSE_OFFSET = Params.lse.offset
 
 
-def _forward_plan(q, k, v, out, lse, options: Options, varlen: Varlen | None) -> ForwardPlan:
+def _offsets(*names: str) -> tuple[int, ...]:
+    """Where each named pointer lies in Params (an ArrayView's pointer is its first field)."""
+    return tuple(getattr(Params, name).offset for name in names)
+
+
+_FORWARD_POINTERS = _offsets("q", "k", "v", "o", "lse")
+_BACKWARD_POINTERS = _offsets("dout", "q", "k", "v", "o", "lse", "dq", "dk", "dv", "delta", "dq_accum")
+
+
+def _forward_plan(q, k, v, out, lse, options: Options, varlen: Varlen | None) -> LaunchPlan:
     p, batch = _params(q, k, v, lse, options, varlen, o=out)
     kernel = _kernel("forward", q, options, _vectorizable(q, k, v, out))
     work = batch and p.seqlen_q and p.nheads
-    config = _config(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device) if work else None
-    return ForwardPlan(config, bytes(p), q.device)
+    launches = ((_config(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device), ()),) if work else ()
+    return LaunchPlan(bytes(p), _FORWARD_POINTERS, launches, q.device)
 
 
 # Warm calls: what a dense call signature launches is worked out once. ALiBi (its
 # pointer), dropout (a fresh seed each call) and packed sequences take the full path.
 _forward_plans: dict = {}
+_backward_plans: dict = {}
+
+
+def _cached(plans: dict, key, options: Options, varlen: Varlen | None, make) -> LaunchPlan:
+    plan = plans.get(key) if key else None
+    if plan is None:
+        plan = make()
+        if key and _cacheable(options, varlen) and len(plans) < 4096:
+            plans[key] = plan
+    return plan
 
 
 def _cacheable(options: Options, varlen: Varlen | None) -> bool:
@@ -134,7 +145,7 @@ def _cacheable(options: Options, varlen: Varlen | None) -> bool:
 def _plan_key(arrays, options: Options, varlen: Varlen | None):
     if not _cacheable(options, varlen):
         return None
-    return tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in arrays), options
+    return tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in arrays if a is not None), options
 
 
 def backward_workspace(q_shape, deterministic: bool = False,
@@ -153,14 +164,22 @@ def backward_workspace(q_shape, deterministic: bool = False,
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
              dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, delta: ArrayInfo, options: Options, *, stream: int,
-             varlen: Varlen | None = None, dq_accum: ArrayInfo | None = None) -> None:
+             varlen: Varlen | None = None, dq_accum: ArrayInfo | None = None, key=None) -> None:
     """dq, dk, dv of attention; delta and dq_accum come from ``backward_workspace``.
     With dq_accum, where the one-pass kernel has an instance (head dim, no softcap,
     ALiBi or dropout, shared memory of the device), it computes all three, dQ through
     fp32 atomics; otherwise dQ has its own pass and every gradient is bitwise
-    reproducible."""
+    reproducible. ``key`` as for ``forward`` (dq, dk, dv, delta and dq_accum are then
+    the caller's own allocations)."""
+    arrays = (dout, q, k, v, out, lse, dq, dk, dv, delta, dq_accum)
+    plan = _cached(_backward_plans, key or _plan_key(arrays, options, varlen), options, varlen,
+                   lambda: _backward_plan(*arrays, options, varlen))
+    plan.launch(stream, *(0 if a is None else a.ptr for a in arrays))
+
+
+def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_accum, options: Options,
+                   varlen: Varlen | None) -> LaunchPlan:
     p, batch = _params(q, k, v, lse, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
-    p.delta = delta.ptr
     vec = _vectorizable(dout, q, k, v, dq, dk, dv)
     nheads_kv = k.shape[-2]
     rows_per_batch = p.seqlen_q if varlen is None else q.shape[0]
@@ -171,20 +190,24 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     accum_cols = dq_accum.shape[-1] if one_pass else 0
     # Lanes per (row, head) of the elementwise kernels: one per 16 bytes of the row, 4-32.
     lanes = min(32, max(4, 1 << (-(-p.headdim // 8) - 1).bit_length()))
-    per_row = [p, ctypes.c_int(groups), ctypes.c_int(rows_per_batch), ctypes.c_int(accum_cols), ctypes.c_int(lanes)]
+    per_row = tuple(map(ctypes.c_int, (groups, rows_per_batch, accum_cols, lanes)))
     elementwise_grid = (-(-tasks * lanes // 256), 1, 1)
-    if one_pass:
-        p.dq_accum = dq_accum.ptr
+    launches = []
     if tasks:
-        _launch(_plan.Elementwise("backward_preprocess", q.dtype), elementwise_grid, q.device, stream, per_row)
+        launches.append((_config(_plan.Elementwise("backward_preprocess", q.dtype), elementwise_grid, q.device),
+                         per_row))
         if not one_pass:
             kernel = _kernel("backward_dq", q, options, vec)
-            _launch(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device, stream, [p])
+            launches.append((_config(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device), ()))
     if batch and p.seqlen_k and nheads_kv:
         kernel = _kernel("backward" if one_pass else "backward_dkdv", q, options, vec)
-        _launch(kernel, kernel.grid(p.seqlen_k, nheads_kv, batch), q.device, stream, [p])
+        launches.append((_config(kernel, kernel.grid(p.seqlen_k, nheads_kv, batch), q.device), ()))
     if tasks and one_pass:
-        _launch(_plan.Elementwise("backward_convert_dq", q.dtype), elementwise_grid, q.device, stream, per_row)
+        launches.append((_config(_plan.Elementwise("backward_convert_dq", q.dtype), elementwise_grid, q.device),
+                         per_row))
+    # dq_accum stays unset without the one-pass kernel: nothing reads it then.
+    offsets = _BACKWARD_POINTERS if one_pass else _BACKWARD_POINTERS[:-1]
+    return LaunchPlan(bytes(p), offsets, tuple(launches), q.device)
 
 
 def _kernel(kind: str, q: ArrayInfo, options: Options, vectorized: bool) -> _plan.Kernel:
@@ -248,12 +271,6 @@ def _shared_limit(device: int) -> int:
 @functools.cache
 def _function(kernel, device: int) -> int:
     return _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes)
-
-
-def _launch(kernel, grid, device: int, stream: int, args: list) -> None:
-    """Launch ``kernel`` (a _plan.Kernel or Elementwise) with ``args`` (Params first)
-    on ``stream``, compiling it on first use."""
-    _launch_configured(_config(kernel, grid, device), device, stream, *args)
 
 
 def _config(kernel, grid, device: int) -> tuple:

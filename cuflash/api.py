@@ -112,7 +112,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     if qi.device is None:
         from . import cpu
         return cpu.attention_backward(dout, q, k, v, out, lse, **_cpu_options(options, alibi_slopes))
-    return _backward_gpu(arrays, options, None, deterministic)
+    return _backward_gpu(arrays, options, None, deterministic, key)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -151,14 +151,15 @@ def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, return_lse: b
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
 
 
-def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, deterministic: bool):
+def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, deterministic: bool, key=None):
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     framework = _arrays.Framework(q)
     grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
     work = {name: framework.empty(shape, dtype)
             for name, (shape, dtype) in _kernels.backward_workspace(q.shape, deterministic, options.extras).items()}
     _kernels.backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], *grads,
-                      work["delta"], options, stream=framework.stream, varlen=varlen, dq_accum=work.get("dq_accum"))
+                      work["delta"], options, stream=framework.stream, varlen=varlen, dq_accum=work.get("dq_accum"),
+                      key=key)
     return tuple(framework.finish(g.obj) for g in grads)
 
 

@@ -93,9 +93,11 @@ def test_deterministic_is_bitwise_stable_across_runs_and_streams(head_dim):
 
 
 def launched_kinds(monkeypatch) -> list[str]:
+    """The kinds of kernel the next backward launches (its launch plan is built afresh)."""
     kinds = []
-    real = _kernels._launch
-    monkeypatch.setattr(_kernels, "_launch", lambda kernel, *args: kinds.append(kernel.kind) or real(kernel, *args))
+    real = _kernels._config
+    monkeypatch.setattr(_kernels, "_backward_plans", {})
+    monkeypatch.setattr(_kernels, "_config", lambda kernel, *args: kinds.append(kernel.kind) or real(kernel, *args))
     return kinds
 
 
@@ -123,7 +125,8 @@ def test_the_tiles_of_smaller_devices(monkeypatch, arch, head_dim):
     """The tiles another arch's shared memory picks (one stage, smaller tiles, or the
     two-kernel backward where the one-pass kernel does not fit) run correctly here."""
     monkeypatch.setattr(_kernels, "_shared_limit", lambda device: _plan.shared_memory_limit(arch))
-    monkeypatch.setattr(_kernels, "_forward_plans", {})
+    monkeypatch.setattr(_kernels, "_forward_plans", {})  # (plans are cached per device, not per limit)
+    monkeypatch.setattr(_kernels, "_backward_plans", {})
     shape = Shape(2, 333, 301, 4, 2, head_dim, True)
     (dout, q, k, v), grads, _ = run_backward(shape, "bfloat16", head_dim, deterministic=False)
     check_gradients(dout, q, k, v, grads, shape.causal)
