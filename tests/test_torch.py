@@ -90,6 +90,24 @@ def test_cpu_expanded_gradient_and_strided_inputs():
         torch.testing.assert_close(grad, want, rtol=0, atol=0)
 
 
+def test_cpu_undefined_output_gradient_gives_undefined_input_gradients():
+    """Zero gradients are not materialized: a consumer that sends none back reaches q, k, v as none."""
+    class Detour(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    q, k, v, _ = make_inputs(Shape(1, 9, 11, 2, 1, 8, False), torch.float32, "cpu")
+    out = cuflash.torch.attention(q, k, v)
+    bias = torch.zeros((), requires_grad=True)
+    (Detour.apply(out).sum() + bias).backward()
+    assert q.grad is None and k.grad is None and v.grad is None and bias.grad == 1
+
+
 def test_cpu_lse_is_not_differentiable_and_softmax_scale_passes_through():
     q, k, v, _ = make_inputs(Shape(1, 9, 11, 2, 1, 8, False), torch.float64, "cpu")
     out, lse, rng_state = cuflash.torch.attention_forward(q, k, v, False, 0.3, False)
