@@ -151,14 +151,14 @@ def _plan_key(arrays, options: Options, varlen: Varlen | None):
 def backward_workspace(q_shape, deterministic: bool = False,
                        extras: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Scratch buffers of ``backward`` (contents on entry do not matter): D = rowsum(dO * O),
-    laid out like the LSE, and, unless ``deterministic``, dQ's fp32 accumulator
-    (rows, nheads, head-dim bucket) where the one-pass kernel has a tile for this head dim
-    and ``extras`` (softcap, ALiBi or dropout on)."""
+    laid out like the LSE, and, unless ``deterministic``, dQ's fp32 accumulator in 8 x 8
+    blocks, (rows / 8, nheads, head-dim bucket / 8, 8, 8) (bwd.cu, DqAccum), where the
+    one-pass kernel has a tile for this head dim and ``extras`` (softcap, ALiBi or dropout on)."""
     *rows, nheads, head_dim = q_shape
     work = {"delta": (((rows[0], nheads, rows[1]) if len(rows) == 2 else (nheads, rows[0])), "float32")}
     bucket = _plan.head_dim_bucket(head_dim)
     if not deterministic and _plan.KINDS["backward"].candidates(bucket, extras):
-        work["dq_accum"] = ((math.prod(rows), nheads, bucket), "float32")
+        work["dq_accum"] = ((-(-math.prod(rows) // 8), nheads, bucket // 8, 8, 8), "float32")
     return work
 
 
@@ -187,7 +187,7 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_accum, options
     tasks = groups * rows_per_batch * p.nheads
     one_pass = dq_accum is not None and _plan.has_tile("backward", p.headdim, options.extras,
                                                       _shared_limit(q.device))
-    accum_cols = dq_accum.shape[-1] if one_pass else 0
+    accum_cols = 8 * dq_accum.shape[2] if one_pass else 0
     # Lanes per (row, head) of the elementwise kernels: one per 16 bytes of the row, 4-32.
     lanes = min(32, max(4, 1 << (-(-p.headdim // 8) - 1).bit_length()))
     per_row = tuple(map(ctypes.c_int, (groups, rows_per_batch, accum_cols, lanes)))

@@ -12,6 +12,8 @@
 // - attention_backward (FlashAttention-2's scheme, the default): the same CTA adds
 //   dQ_i += dS K_j into an fp32 buffer with atomics, and attention_backward_convert_dq
 //   scales and rounds it. Five matmuls per tile; the order of the additions varies.
+//   The buffer is laid out in 8 x 8 blocks (DqAccum below) so that each warp-wide
+//   atomic covers 256 contiguous bytes.
 // - attention_backward_dkdv + attention_backward_dq (deterministic, head dims the
 //   one-pass warp layout does not divide, softcap / ALiBi / dropout up to d 128; see
 //   cuflash/_plan.py): a second kernel, one CTA per
@@ -32,7 +34,7 @@ namespace cuflash {
 // they can. Rows are numbered batch-major over `batch` groups of
 // `rows_per_batch` (one group of all rows for packed arrays).
 struct ElementwiseTask {
-  int64 task;  // = row * nheads + head
+  int64 task, row;  // task = row * nheads + head; row counts rows over all batches
   int b, i, head, lane;
   bool exists;
 
@@ -40,7 +42,7 @@ struct ElementwiseTask {
                                                               int lanes) {
     const int64 task = (int64(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
     const int64 row = task / p.nheads;
-    return ElementwiseTask{task, int(row / rows_per_batch), int(row % rows_per_batch), int(task % p.nheads),
+    return ElementwiseTask{task, row, int(row / rows_per_batch), int(row % rows_per_batch), int(task % p.nheads),
                            int(threadIdx.x % lanes), task < int64(batch) * rows_per_batch * p.nheads};
   }
   template <typename Pointer>
@@ -51,8 +53,22 @@ struct ElementwiseTask {
 
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<unsigned long long>(p) % 16 == 0; }
 
+// dQ's fp32 accumulator, (rows / 8, nheads, cols / 8, 8, 8): 8 x 8 blocks, row-major
+// inside. A warp's red.v2 of an mma C fragment (8 rows x 8 columns) then writes one
+// 256-byte block, where the plain (rows, nheads, cols) layout spread it over 8 lines:
+// 4x the L1 wavefronts, and at d 256 a full memory queue (ncu). FlashAttention-2 also
+// stores this buffer in its atomics' order. `row` counts rows over all batches.
+struct DqAccum {
+  static __device__ __forceinline__ float* at(float* base, int64 row, int head, int nheads, int cols, int col) {
+    return base + ((row >> 3) * nheads + head) * (8 * cols) + (col >> 3) * 64 + (row & 7) * 8 + (col & 7);
+  }
+  static constexpr int kColBlock = 64;  // floats from one 8-column block to the next
+  // floats from one row to the one 8 rows further down
+  static __device__ __forceinline__ int64 eight_rows(int nheads, int cols) { return int64(8) * cols * nheads; }
+};
+
 // D = rowsum(dO * O) in fp32, and that row's dQ accumulator (accum_cols floats, a
-// multiple of 4; 0 without one) set to zero.
+// multiple of 8; 0 without one) set to zero.
 template <typename T>
 __global__ void __launch_bounds__(256)
 attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int accum_cols, int lanes) {
@@ -73,8 +89,11 @@ attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int
     } else {
       for (int c = task.lane; c < p.headdim; c += lanes) sum += DType<T>::to_float(dO[c]) * DType<T>::to_float(O[c]);
     }
-    float4* accum = reinterpret_cast<float4*>(p.dq_accum + task.task * accum_cols);
-    for (int c = task.lane; c < accum_cols / 4; c += lanes) accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float* accum = DqAccum::at(p.dq_accum, task.row, task.head, p.nheads, accum_cols, 0);
+    for (int c = task.lane; c < accum_cols / 8; c += lanes) {  // this row's 8 floats of each block
+      float4* block_row = reinterpret_cast<float4*>(accum + c * DqAccum::kColBlock);
+      block_row[0] = block_row[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
   for (int offset = lanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (task.exists && task.lane == 0) p.delta[task.b * p.lse_batch_stride + task.head * p.lse_head_stride + task.i] = sum;
@@ -87,16 +106,18 @@ attention_backward_convert_dq(const Params p, int batch, int rows_per_batch, int
   const auto task = ElementwiseTask::of_thread(p, batch, rows_per_batch, lanes);
   if (!task.exists) return;
   elem_t* dq = task.at(p.dq.ptr, p.dq);
-  const float* accum = p.dq_accum + task.task * accum_cols;
+  const float* accum = DqAccum::at(p.dq_accum, task.row, task.head, p.nheads, accum_cols, 0);
   if (p.headdim % 8 == 0 && aligned16(dq)) {
     for (int c = 8 * task.lane; c < p.headdim; c += 8 * lanes) {
-      const float4 lo = *reinterpret_cast<const float4*>(accum + c), hi = *reinterpret_cast<const float4*>(accum + c + 4);
+      const float* block_row = accum + (c >> 3) * DqAccum::kColBlock;
+      const float4 lo = *reinterpret_cast<const float4*>(block_row), hi = *reinterpret_cast<const float4*>(block_row + 4);
       *reinterpret_cast<uint4*>(dq + c) =
           make_uint4(DType<T>::pack(lo.x * p.scale, lo.y * p.scale), DType<T>::pack(lo.z * p.scale, lo.w * p.scale),
                      DType<T>::pack(hi.x * p.scale, hi.y * p.scale), DType<T>::pack(hi.z * p.scale, hi.w * p.scale));
     }
   } else {
-    for (int c = task.lane; c < p.headdim; c += lanes) dq[c] = DType<T>::from_float(accum[c] * p.scale);
+    for (int c = task.lane; c < p.headdim; c += lanes)
+      dq[c] = DType<T>::from_float(accum[(c >> 3) * DqAccum::kColBlock + (c & 7)] * p.scale);
   }
 }
 
@@ -306,23 +327,21 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       float acc_dq[2][kDqCols / 8][4] = {};
       gemm_ss<T, 2, kDqCols, kBlockN, false, false, kPStride, kStride, kDqUnroll>(acc_dq, ds_tile + s_row0 * kPStride,
                                                                        k_tile + dq_col0, lane);
-      // Up to d 128: this lane's first row (g), then 8 rows apart, one 64-bit multiply per
-      // step (1-2.5% faster). Above, each row's own address (the other way spills 8 bytes in
-      // sm_80's d 192 one-buffer variants under CUDA 12.9).
-      const int64 row_base = (seq.q_rows_before + m0 + s_row0) * p.nheads + head;
-      float* dq_rows = p.dq_accum + (row_base + int64(g) * p.nheads) * kHeadDim + dq_col0 + 2 * t;
-      const int64 eight_rows = int64(8 * kHeadDim) * p.nheads;
+      // This lane's first row (g), then rows 8 apart: 8 x 8 blocks (DqAccum) one step of
+      // eight_rows apart, from one address per step.
+      const int64 first_row = seq.q_rows_before + m0 + s_row0 + g;
+      float* dq_rows = DqAccum::at(p.dq_accum, first_row, head, p.nheads, kHeadDim, dq_col0 + 2 * t);
+      const int64 eight_rows = DqAccum::eight_rows(p.nheads, kHeadDim);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = mt * 16 + g + 8 * h;
           if (m0 + s_row0 + r >= seq.seqlen_q) continue;
-          float* dst = kHeadDim <= 128 ? dq_rows + (2 * mt + h) * eight_rows
-                                       : p.dq_accum + (row_base + int64(r) * p.nheads) * kHeadDim + dq_col0 + 2 * t;
+          float* dst = dq_rows + (2 * mt + h) * eight_rows;
 #pragma unroll
           for (int dt = 0; dt < kDqCols / 8; ++dt)
-            atomic_add_pair(dst + dt * 8, acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
+            atomic_add_pair(dst + dt * DqAccum::kColBlock, acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
         }
     }
     if (kStages == 1 && step + 1 < steps) {
