@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
         }
     }
     // dK += dS^T Q (scaled once at the end), after dQ: its products cover the atomics'
-    // drain (FlashAttention-2's order; +0-5% once the atomics were blocked, item 36)
+    // drain (FlashAttention-2's order; docs/performance.md item 38)
     gemm_ss<T, 2, kKvCols, kBlockM, true, false, kPStride, kStride>(acc_dk, ds_tile + kv_key0, q_tile + kv_col0,
                                                                      lane);
     if (kStages == 1 && step + 1 < steps) {
