@@ -59,10 +59,10 @@ __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_ca
 // 4x the L1 wavefronts, and at d 256 a full memory queue (ncu). FlashAttention-2 also
 // stores this buffer in its atomics' order. `row` counts rows over all batches.
 struct DqAccum {
-  static __device__ __forceinline__ float* at(float* base, int64 row, int head, int nheads, int cols, int col) {
-    return base + ((row >> 3) * nheads + head) * (8 * cols) + (col >> 3) * 64 + (row & 7) * 8 + (col & 7);
-  }
   static constexpr int kColBlock = 64;  // floats from one 8-column block to the next
+  static __device__ __forceinline__ float* at(float* base, int64 row, int head, int nheads, int cols, int col) {
+    return base + ((row >> 3) * nheads + head) * (8 * cols) + (col >> 3) * kColBlock + (row & 7) * 8 + (col & 7);
+  }
   // floats from one row to the one 8 rows further down
   static __device__ __forceinline__ int64 eight_rows(int nheads, int cols) { return int64(8) * cols * nheads; }
 };
