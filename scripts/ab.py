@@ -16,14 +16,18 @@ from cuflash import bench
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
+    parser.add_argument("--mode", choices=("fwd", "fwdbwd", "all"), default="fwd")
     parser.add_argument("--d", default="128")
     parser.add_argument("--seqlens", default="2048,8192")
     parser.add_argument("packages", nargs="+")
     args = parser.parse_args()
-    backward = args.mode == "fwdbwd"
     modules = {path.rstrip("/").split("/")[-1]: bench._load_baseline(path) for path in args.packages}
-    print(f"{args.mode} TFLOP/s: " + " | ".join(modules) + " | sdpa-flash")
+    for mode in ("fwd", "fwdbwd") if args.mode == "all" else (args.mode,):
+        _table(modules, mode == "fwdbwd", args)
+
+
+def _table(modules: dict, backward: bool, args) -> None:
+    print(f"{'fwdbwd' if backward else 'fwd'} TFLOP/s: " + " | ".join(modules) + " | sdpa-flash")
     for d in map(int, args.d.split(",")):
         for causal in (False, True):
             for s in map(int, args.seqlens.split(",")):
