@@ -187,7 +187,7 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_accum, options
     tasks = groups * rows_per_batch * p.nheads
     one_pass = dq_accum is not None and _plan.has_tile("backward", p.headdim, options.extras,
                                                       _shared_limit(q.device))
-    accum_cols = 8 * dq_accum.shape[2] if one_pass else 0
+    accum_cols = dq_accum.shape[2] * dq_accum.shape[-1] if one_pass else 0  # (rows / 8, nheads, cols / 8, 8, 8)
     # Lanes per (row, head) of the elementwise kernels: one per 16 bytes of the row, 4-32.
     lanes = min(32, max(4, 1 << (-(-p.headdim // 8) - 1).bit_length()))
     per_row = tuple(map(ctypes.c_int, (groups, rows_per_batch, accum_cols, lanes)))

@@ -19,8 +19,9 @@ struct Params {
   // at batch * lse_batch_stride + head * lse_head_stride + first row of the sequence + i.
   float* lse;  // the forward writes none where this is null (a caller that asked for none)
   float* delta;
-  // Backward, dQ by atomics: fp32 (rows, nheads, kHeadDim) with rows numbered as
-  // Sequence::q_rows_before counts them; null when dQ has its own pass.
+  // Backward, dQ by atomics: fp32 in 8 x 8 blocks of (rows, nheads, kHeadDim) (bwd.cu,
+  // DqAccum), rows numbered as Sequence::q_rows_before counts them; null when dQ has its
+  // own pass.
   float* dq_accum;
   int64 lse_batch_stride, lse_head_stride;
   const int* cu_seqlens_q;  // variable length: sequence b is rows [cu[b], cu[b+1]); null when dense
