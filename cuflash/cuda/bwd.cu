@@ -253,13 +253,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   auto following = [&](Position at) {
     return at.m_tile + 1 < m_begin + m_tiles ? Position{at.head, at.m_tile + 1} : Position{at.head + 1, m_begin};
   };
-  auto load_step = [&](Position at, int stage) {
+  // A step's loads in two parts (each its own cp.async group): Q, LSE and D, then dO.
+  enum Part { kQ = 1, kDo = 2, kBoth = 3 };
+  auto load_step = [&](Position at, int stage, int parts) {
     const int head = at.head, m0 = at.m_tile * kBlockM;
-    load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tiles + stage * kBlockM * kStride, seq.rows(p.q, batch, head, true),
-                                                 p.q.row_stride, m0, seq.seqlen_q, p.headdim);
-    load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
-                                                 seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
-                                                 seq.seqlen_q, p.headdim);
+    if (parts & kQ)
+      load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tiles + stage * kBlockM * kStride,
+                                                   seq.rows(p.q, batch, head, true), p.q.row_stride, m0, seq.seqlen_q,
+                                                   p.headdim);
+    if (parts & kDo)
+      load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
+                                                   seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
+                                                   seq.seqlen_q, p.headdim);
+    if (!(parts & kQ)) {
+      cp_async_commit();
+      return;
+    }
     // Rows past seqlen_q read zeros everywhere (Q, dO, LSE, D): their dS is 0 and
     // their dO is 0, so they add nothing to dK and dV, and their dQ is never stored.
     // (With extras their LSE counts as +inf: a modified score of 0, e.g. ALiBi with a
@@ -278,8 +287,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
 
   float acc_dk[2][kKvCols / 8][4] = {}, acc_dv[2][kKvCols / 8][4] = {};
   Position at{kv_head * p.heads_per_kv, m_begin};
-  if (steps > 0) load_step(at, 0);
-  if (kStages == 3 && steps > 1) load_step(following(at), 1);
+  if (steps > 0) load_step(at, 0, kBoth);
+  if (kStages == 3 && steps > 1) load_step(following(at), 1, kBoth);
 
   for (int step = 0; step < steps; ++step, at = following(at)) {
     const int stage = step % kStages;
@@ -316,12 +325,17 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     // The next step's loads (with three buffers, the step after's) go into a free stage
     // here, ahead of this step's dQ atomics in the memory queue, and have the three
     // products below to land in.
-    if (kStages == 2 && step + 1 < steps) load_step(following(at), (step + 1) % 2);
-    if (kStages == 3 && step + 2 < steps) load_step(following(following(at)), (step + 2) % 3);
+    // Above d 128 without a band, the next step's dO follows dV's product, apart from its
+    // Q: one burst of copies less in the memory queue (d 256's LG-throttle stalls; +2.5-4.4%
+    // in two A/B rounds, but -1 to -2% causal and -2 to -3.6% at d 128, docs item 40).
+    constexpr bool kSplitLoads = kStages == 2 && kHeadDim > 128 && !kLocal;
+    if (kStages == 2 && step + 1 < steps) load_step(following(at), (step + 1) % 2, kSplitLoads ? kQ : kBoth);
+    if (kStages == 3 && step + 2 < steps) load_step(following(following(at)), (step + 2) % 3, kBoth);
 
     // dV += dropout(P)^T dO
     gemm_ss<T, 2, kKvCols, kBlockM, true, false, kPStride, kStride>(acc_dv, p_tile + kv_key0, do_tile + kv_col0,
                                                                      lane);
+    if (kSplitLoads && step + 1 < steps) load_step(following(at), (step + 1) % 2, kDo);
     {  // dQ += dS K for this warp's 32 queries x kDqCols columns, added to the fp32 buffer
       float acc_dq[2][kDqCols / 8][4] = {};
       gemm_ss<T, 2, kDqCols, kBlockN, false, false, kPStride, kStride, kDqUnroll>(acc_dq, ds_tile + s_row0 * kPStride,
@@ -349,7 +363,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
                                                                      lane);
     if (kStages == 1 && step + 1 < steps) {
       __syncthreads();  // one buffer: every warp is done with this step's Q and dO
-      load_step(following(at), 0);
+      load_step(following(at), 0, kBoth);
     }
   }
   cp_async_wait<0>();  // K/V copies are still pending when no query tile was visited
