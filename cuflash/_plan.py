@@ -66,14 +66,16 @@ KINDS = {
         # two stages, so two CTAs share an SM and hide each other's barriers and loads
         # (FlashAttention-2's H100 choice; 1.06-1.11x the 128 x 64 x 8-warp, 2-stage
         # tile at d 256 in the sweep in docs/performance.md).
-        # At d 96 and 128, 64-key tiles measured 2-3% faster but spill on some variants.
-        32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 32, 4, 2),), 128: (_T(128, 32, 4, 2),),
+        # At d 96, 64-key tiles with S, the softmax and P V 32 keys at a time inside (fwd.cu,
+        # kSubN): +6-8% over 128 x 32 (docs/performance.md item 41); at d 128 the same
+        # ran 1-5% slower, and a plain 64-key tile spills.
+        32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 64, 4, 2),), 128: (_T(128, 32, 4, 2),),
         **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", False),
     # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
-    # + P and dS tiles. Warps own 32 rows of each product (bwd.cu), so the head dim
-    # must split into multiples of 16 columns: 96, 160 and 224 take the two-kernel path.
-    # So do softcap, ALiBi and dropout up to d 128: their per-element arithmetic spills
+    # + P and dS tiles. Warps own 32 rows of each product (bwd.cu) and multiples of 8
+    # columns of dK, dV and dQ (24 at d 96, 40 at d 160: an odd n8 tile, mma.cuh).
+    # Softcap, ALiBi and dropout take the two-kernel path up to d 128: their per-element arithmetic spills
     # these tiles, and the tiles that fit them (64 x 128 at d 64, 128 x 64 at d 128) ran
     # no faster than the two kernels without extras (sweep in docs/performance.md).
     # Three Q/dO buffers (loads two steps ahead) at d 64 where shared memory allows: +1-2%
@@ -82,11 +84,13 @@ KINDS = {
         32: (_T(128, 128, 8, 2), _T(128, 128, 8, 1)),
         # (128 x 128 with one Q/dO buffer, for sm_80's shared memory, spills under CUDA 12.9.)
         64: (_T(128, 128, 8, 3), _T(128, 128, 8, 2), _T(64, 128, 8, 1)),
+        # (FlashAttention-2's d 96 tile; 64 x 64 fits the shared memory of sm_86.)
+        96: (_T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
         128: (_T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
-        **{d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (192, 256)},
+        **{d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m)
                      + 2 * t.block_m * (t.block_n + 8) * 2), "block_n", False,
-        extras_tiles={d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (192, 256)}),
+        extras_tiles={d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (160, 192, 224, 256)}),
     # The deterministic path: dK/dV here, dQ in its own pass (below).
     # K and V tiles + stages x (Q tile + dO tile + LSE + D)
     "backward_dkdv": Kind("bwd.cu", "attention_backward_dkdv", {

@@ -104,11 +104,10 @@ def launched_kinds(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("head_dim,deterministic,softcap,one_pass", [
     (128, False, 0.0, True), (64, False, 0.0, True), (256, False, 0.0, True),
     (128, True, 0.0, False), (128, False, 5.0, False), (256, False, 5.0, True), (256, True, 5.0, False),
-    (96, False, 0.0, False)])
+    (96, False, 0.0, True), (160, False, 5.0, True), (96, False, 5.0, False)])
 def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_pass):
-    """The one-pass kernel (dQ by atomics) by default; the dK/dV + dQ passes when
-    deterministic, with softcap / ALiBi / dropout up to d 128, and for head dims it has
-    no tile for."""
+    """The one-pass kernel (dQ by atomics) by default, at every head dim; the dK/dV + dQ
+    passes when deterministic and with softcap / ALiBi / dropout up to d 128."""
     import cupy
     q = cupy.ones((1, 70, 2, head_dim), dtype=cupy.float16)
     out, lse = cuflash.attention(q, q, q, softcap=softcap, return_lse=True)
@@ -120,7 +119,7 @@ def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86"])
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 224, 256])
 def test_the_tiles_of_smaller_devices(monkeypatch, arch, head_dim):
     """The tiles another arch's shared memory picks (one stage, smaller tiles, or the
     two-kernel backward where the one-pass kernel does not fit) run correctly here."""

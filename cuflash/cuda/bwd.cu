@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   constexpr int kDqUnroll = kHeadDim <= 192 ? 4 : 1;
   static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
                 "warp layout");
-  static_assert(kSKeys % 16 == 0 && kKvCols % 16 == 0 && kDqCols % 16 == 0, "tile shape");
+  static_assert(kSKeys % 16 == 0 && kKvCols % 8 == 0 && kDqCols % 8 == 0, "tile shape");
 
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* k_tile = reinterpret_cast<elem_t*>(smem);

@@ -36,11 +36,15 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kS
 __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params p) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row mma tiles per warp
-  constexpr int kNTiles = kBlockN / 8;
   constexpr int kDTiles = kHeadDim / 8;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   static_assert(kMTiles * 16 * kWarps == kBlockM && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
   static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
+  // Key tiles load as kBlockN rows, but with 32 rows per warp at d 96, S, the softmax
+  // and P V go 32 keys at a time: the registers of a 32-key tile (a 64-key S spills next
+  // to the O accumulator), the barriers and copies of a 64-key one.
+  constexpr int kSubN = kMTiles == 2 && kHeadDim > 64 ? 32 : kBlockN;
+  static_assert(kBlockN % kSubN == 0 && (kSubN == kBlockN || kStages == 2), "key sub-tiles");
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* q_tile = reinterpret_cast<elem_t*>(smem);
   elem_t* k_tiles = q_tile + kBlockM * kStride;
@@ -116,22 +120,27 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
       cp_async_commit();
     }
 
-    const int n0 = n * kBlockN;
-    float acc_s[kMTiles][kNTiles][4] = {};
-    gemm_qk<T, kMTiles, kBlockN, kHeadDim>(acc_s, q_tile, warp_row0, k_tiles + stage * kBlockN * kStride, lane);
-    if constexpr (kExtras) mod.apply(acc_s, m0 + warp_row0, n0, lane);
-    if (!mask.covers(m0, row_end, n0, n0 + kBlockN)) mask.apply(acc_s, m0 + warp_row0, n0, lane);
-    softmax.update(acc_s, acc_o, scale_log2);
-    if (kExtras && dropping) dropout.apply(acc_s, m0 + warp_row0, n0, lane);
-    if constexpr (kStages == 1) {
-      cp_async_wait<0>();
-      __syncthreads();  // V has landed for every thread; every warp is done with K
-      if (n > n_begin) {
-        load_k(n - 1, 0);
-        cp_async_commit();
+    // (With kSubN == kBlockN the loop has one trip and compiles to the same code as none.)
+#pragma unroll 1  // (unrolled, the sub-tiles' registers overlap and spill)
+    for (int sub = kBlockN / kSubN - 1; sub >= 0; --sub) {  // the later keys first, as the tiles
+      const int n0 = n * kBlockN + sub * kSubN;
+      const int sub_row = stage * kBlockN + sub * kSubN;  // of the K and V buffers
+      float acc_s[kMTiles][kSubN / 8][4] = {};
+      gemm_qk<T, kMTiles, kSubN, kHeadDim>(acc_s, q_tile, warp_row0, k_tiles + sub_row * kStride, lane);
+      if constexpr (kExtras) mod.apply(acc_s, m0 + warp_row0, n0, lane);
+      if (!mask.covers(m0, row_end, n0, n0 + kSubN)) mask.apply(acc_s, m0 + warp_row0, n0, lane);
+      softmax.update(acc_s, acc_o, scale_log2);
+      if (kExtras && dropping) dropout.apply(acc_s, m0 + warp_row0, n0, lane);
+      if constexpr (kStages == 1) {
+        cp_async_wait<0>();
+        __syncthreads();  // V has landed for every thread; every warp is done with K
+        if (n > n_begin) {
+          load_k(n - 1, 0);
+          cp_async_commit();
+        }
       }
+      gemm_pv<T, kMTiles, kSubN, kHeadDim, kStride>(acc_o, acc_s, v_tiles + sub_row * kStride, lane);
     }
-    gemm_pv<T, kMTiles, kBlockN, kHeadDim, kStride>(acc_o, acc_s, v_tiles + stage * kBlockN * kStride, lane);
     // Two stages: the next iteration's loads overwrite the buffers read here. (One
     // stage: its V load waits for the barrier at its top, which every warp reaches
     // after this P V.)

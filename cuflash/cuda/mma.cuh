@@ -21,6 +21,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], unsigned addr) 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+__device__ __forceinline__ void ldmatrix_x2(unsigned r[2], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned r[2], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
 // Where a lane points for an x4 load of the 16 x 16 block at the tile's origin, in
 // two matrix orders. Rows first: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15),
 // (8-15, 8-15). Columns first: (0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15).
@@ -60,6 +67,19 @@ __device__ __forceinline__ void load_b(unsigned b[4], const elem_t* tile, int k0
   ldmatrix_x4_trans(b, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (k0 * kStride + n0));
 }
 
+// The B fragment of one n8 tile (n0) x k16, for an odd last tile (a head dim of
+// 96, 160 or 224 split among warps). x2 takes its two matrices' row addresses from
+// lanes 0-15, which point at the first two matrices of the x4 loads' order in both
+// layouts: k 0-7 and k 8-15 of the n8 tile.
+template <int kStride>
+__device__ __forceinline__ void load_b_transposed_n8(unsigned b[2], const elem_t* tile, int n0, int k0, int lane) {
+  ldmatrix_x2(b, smem_addr(tile + lane_offset_cols_first<kStride>(lane)) + 2 * (n0 * kStride + k0));
+}
+template <int kStride>
+__device__ __forceinline__ void load_b_n8(unsigned b[2], const elem_t* tile, int k0, int n0, int lane) {
+  ldmatrix_x2_trans(b, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (k0 * kStride + n0));
+}
+
 // A fragment of rows [m0, m0+16) x cols [k0, k0+16) of A, where A is stored
 // transposed, [k][m] (dS^T in the backward); .trans hands each lane A's pairs.
 template <int kStride>
@@ -69,8 +89,9 @@ __device__ __forceinline__ void load_a_transposed(unsigned a[4], const elem_t* t
 
 // acc[kMTiles][kN / 8][4] += A . B for A of kMTiles x 16 rows by kK and B of kK x kN,
 // both in shared memory from their origin: A stored [m][k] or, with kATransposed,
-// [k][m]; B stored [k][n] or, with kBTransposed, [n][k]. kUnroll bounds how many k16
-// steps the compiler may overlap (their fragments are live together).
+// [k][m]; B stored [k][n] or, with kBTransposed, [n][k]. kN is a multiple of 8: n8
+// tiles go in pairs, an odd last one alone. kUnroll bounds how many k16 steps the
+// compiler may overlap (their fragments are live together).
 template <typename T, int kMTiles, int kN, int kK, bool kATransposed, bool kBTransposed, int kStrideA,
           int kStrideB, int kUnroll = kK / 16>
 __device__ __forceinline__ void gemm_ss(float (&acc)[kMTiles][kN / 8][4], const elem_t* a, const elem_t* b,
@@ -86,12 +107,15 @@ __device__ __forceinline__ void gemm_ss(float (&acc)[kMTiles][kN / 8][4], const 
 #pragma unroll
     for (int nt = 0; nt < kN / 8; nt += 2) {
       unsigned bf[4];
-      if constexpr (kBTransposed) load_b_transposed<kStrideB>(bf, b, nt * 8, kk, lane);
-      else load_b<kStrideB>(bf, b, kk, nt * 8, lane);
+      const bool pair = nt + 1 < kN / 8;
+      if (pair && kBTransposed) load_b_transposed<kStrideB>(bf, b, nt * 8, kk, lane);
+      if (pair && !kBTransposed) load_b<kStrideB>(bf, b, kk, nt * 8, lane);
+      if (!pair && kBTransposed) load_b_transposed_n8<kStrideB>(bf, b, nt * 8, kk, lane);
+      if (!pair && !kBTransposed) load_b_n8<kStrideB>(bf, b, kk, nt * 8, lane);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         DType<T>::mma(acc[mt][nt], af[mt], bf[0], bf[1]);
-        DType<T>::mma(acc[mt][nt + 1], af[mt], bf[2], bf[3]);
+        if (pair) DType<T>::mma(acc[mt][nt + 1], af[mt], bf[2], bf[3]);
       }
     }
   }
