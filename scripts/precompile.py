@@ -38,7 +38,8 @@ def main() -> None:
     for path in args.packages:
         plan = _module(path, "_plan")
         for d, local in itertools.product(map(int, args.head_dims.split(",")), (False, True)):
-            for kind in ("forward", "backward"):
+            one_pass = plan.has_tile("backward", d, False, SHARED_LIMIT_SM90)
+            for kind in ("forward", "backward") if one_pass else ("forward", "backward_dkdv", "backward_dq"):
                 kernel = plan.kernel(kind, args.dtype, d, local, True, False, SHARED_LIMIT_SM90)
                 jobs.append((path, kernel.source, kernel.instance))
         jobs += [(path, plan.ELEMENTWISE[kind][0], plan.Elementwise(kind, args.dtype).instance)
