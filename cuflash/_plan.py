@@ -66,9 +66,10 @@ KINDS = {
         # two stages, so two CTAs share an SM and hide each other's barriers and loads
         # (FlashAttention-2's H100 choice; 1.06-1.11x the 128 x 64 x 8-warp, 2-stage
         # tile at d 256 in the sweep in docs/performance.md).
-        # At d 96, 64-key tiles with S, the softmax and P V 32 keys at a time inside (fwd.cu,
-        # kSubN): +6-8% over 128 x 32 (docs/performance.md item 41); at d 128 the same
-        # ran 1-5% slower, and a plain 64-key tile spills.
+        # At d 96, 64-key tiles: +5-8% over 128 x 32 (docs/performance.md item 41); with
+        # softcap, ALiBi or dropout their S, softmax and P V go 32 keys at a time (fwd.cu,
+        # kSubN; a 64-key S spilled). At d 128 a 64-key S spills and the 32-key steps ran
+        # 1-5% slower than 128 x 32.
         32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 64, 4, 2),), 128: (_T(128, 32, 4, 2),),
         **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", False),

@@ -40,10 +40,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   static_assert(kMTiles * 16 * kWarps == kBlockM && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
   static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
-  // Key tiles load as kBlockN rows, but with 32 rows per warp at d 96, S, the softmax
-  // and P V go 32 keys at a time: the registers of a 32-key tile (a 64-key S spills next
-  // to the O accumulator), the barriers and copies of a 64-key one.
-  constexpr int kSubN = kMTiles == 2 && kHeadDim > 64 ? 32 : kBlockN;
+  // Key tiles load as kBlockN rows, but with 32 rows per warp above d 64 and softcap,
+  // ALiBi or dropout, S, the softmax and P V go 32 keys at a time: the registers of a
+  // 32-key tile (a 64-key S spills next to the O accumulator and the extras' state), the
+  // barriers and copies of a 64-key one.
+  constexpr int kSubN = kMTiles == 2 && kHeadDim > 64 && kExtras ? 32 : kBlockN;
   static_assert(kBlockN % kSubN == 0 && (kSubN == kBlockN || kStages == 2), "key sub-tiles");
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* q_tile = reinterpret_cast<elem_t*>(smem);
@@ -120,7 +121,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
       cp_async_commit();
     }
 
-    // (With kSubN == kBlockN the loop has one trip and compiles to the same code as none.)
+    // (With kSubN == kBlockN the loop has one trip.)
 #pragma unroll 1  // (unrolled, the sub-tiles' registers overlap and spill)
     for (int sub = kBlockN / kSubN - 1; sub >= 0; --sub) {  // the later keys first, as the tiles
       const int n0 = n * kBlockN + sub * kSubN;
