@@ -5,7 +5,9 @@ seqlen 512..16k, d 64, 128 and 256, causal off and on, bf16 (--dtype float16 for
 fp16). Forward FLOPs = 4 b h sq sk d, halved when causal; forward + backward = 3.5 x
 forward (the backward does 2.5x the forward's matmul work). Each figure is the median
 of ``REPEATS`` CUDA-event timings after ``WARMUP`` calls, all implementations in the
-same run on the same inputs. --plot draws the table (docs/performance.png).
+same run on the same inputs, taking turns call by call (timed one after another, the
+first measured ran up to 8% faster at some d 256 rows: clock state). --plot draws the
+table (docs/performance.png).
 """
 from __future__ import annotations
 
@@ -29,18 +31,26 @@ def _gpu_name() -> str | None:
         return None
 
 
-def _median_ms(fn, torch) -> float:
+def _median_ms_each(fns: dict, torch) -> dict:
+    """name -> median ms of each zero-argument callable, the callables taking turns, so
+    that drifting clocks weigh on every one alike."""
     for _ in range(WARMUP):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _median_ms(fn, torch) -> float:
+    return _median_ms_each({"fn": fn}, torch)["fn"]
 
 
 def _run(module, q, k, v, dout, backward, **options):
@@ -103,9 +113,9 @@ def main(args) -> int:
                     flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1)
                     row = {"pass": "fwd+bwd" if backward else "fwd", "d": d, "causal": causal, "seqlen": s,
                            "batch": b, "nheads": h}
-                    for name, fn in _implementations(torch, b, s, h, d, causal, backward, baseline, args.dtype,
-                                                     args.compare).items():
-                        row[name] = flops / (_median_ms(fn, torch) * 1e-3) / 1e12
+                    impls = _implementations(torch, b, s, h, d, causal, backward, baseline, args.dtype, args.compare)
+                    for name, ms in _median_ms_each(impls, torch).items():
+                        row[name] = flops / (ms * 1e-3) / 1e12
                     rows.append(row)
                     torch.cuda.empty_cache()
 
@@ -244,8 +254,9 @@ def _variants(torch, gpu) -> None:
     h, d, s = 16, 128, 16384
     q, k, v, dout = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for backward in (False, True):
-        causal = _median_ms(lambda: _run(cuflash, q, k, v, dout, backward, causal=True), torch)
-        window = _median_ms(lambda: _run(cuflash, q, k, v, dout, backward, causal=True, window_size=(256, 0)), torch)
+        causal, window = _median_ms_each({
+            "causal": lambda: _run(cuflash, q, k, v, dout, backward, causal=True),
+            "window": lambda: _run(cuflash, q, k, v, dout, backward, causal=True, window_size=(256, 0))}, torch).values()
         print(f"{'fwd+bwd' if backward else 'fwd':>7}  seqlen {s}: causal {causal:8.3f} ms, window (256, 0) "
               f"{window:7.3f} ms, speedup {causal / window:6.1f}x")
     del q, k, v, dout
@@ -262,7 +273,7 @@ def _variants(torch, gpu) -> None:
                 return cuflash.attention_varlen(qp, kp, vp, cu, cu, longest, longest, causal=True)
             out, lse = cuflash.attention_varlen(qp, kp, vp, cu, cu, longest, longest, causal=True, return_lse=True)
             return cuflash.attention_varlen_backward(dp, qp, kp, vp, out, lse, cu, cu, longest, longest, causal=True)
-        varlen = _median_ms(packed, torch)
-        padded = _median_ms(lambda: _run(cuflash, qr, kr, vr, dr, backward, causal=True), torch)
+        varlen, padded = _median_ms_each({
+            "packed": packed, "padded": lambda: _run(cuflash, qr, kr, vr, dr, backward, causal=True)}, torch).values()
         print(f"{'fwd+bwd' if backward else 'fwd':>7}  {len(lengths)} sequences, {total} tokens, longest {longest}: "
               f"padded {padded:7.3f} ms, packed {varlen:7.3f} ms, speedup {padded / varlen:5.2f}x")

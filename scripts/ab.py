@@ -4,7 +4,7 @@
 
 Each folder is imported under its own name (bench._load_baseline), so every copy
 compiles and caches its own kernels; all copies run in one process on the same inputs
-(SDPA-flash on inputs of the same shape).
+(SDPA-flash on inputs of the same shape), taking turns call by call (bench._median_ms_each).
 Prints TFLOP/s per copy and SDPA-flash's on the standard grid's shapes.
 """
 import argparse
@@ -34,14 +34,12 @@ def _table(modules: dict, backward: bool, args) -> None:
                 b, h = bench.TOKENS // s, bench.HIDDEN // d
                 flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1)
                 impls = bench._implementations(torch, b, s, h, d, causal, backward)
-                cells = []
                 x = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-                for name, module in modules.items():
-                    ms = bench._median_ms(lambda: bench._run(module, *x, backward, causal=causal), torch)
-                    cells.append(f"{flops / ms / 1e9:6.1f}")
-                flash = flops / bench._median_ms(impls["sdpa-flash"], torch) / 1e9
-                print(f"d {d:3d} causal {causal!s:5} seqlen {s:5d}: " + " | ".join(cells) + f" | {flash:6.1f}",
-                      flush=True)
+                fns = {name: (lambda module=module: bench._run(module, *x, backward, causal=causal))
+                       for name, module in modules.items()}
+                ms = bench._median_ms_each({**fns, "sdpa-flash": impls["sdpa-flash"]}, torch)
+                print(f"d {d:3d} causal {causal!s:5} seqlen {s:5d}: " +
+                      " | ".join(f"{flops / t / 1e9:6.1f}" for t in ms.values()), flush=True)
                 torch.cuda.empty_cache()
 
 

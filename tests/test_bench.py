@@ -1,5 +1,7 @@
-"""The bench's table round-trips through its CSV and draws (no GPU needed)."""
+"""The bench's table round-trips through its CSV and draws; its timings take turns (no GPU
+needed)."""
 import csv
+import types
 
 import pytest
 
@@ -31,3 +33,34 @@ def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     bench.plot(ROWS, str(tmp_path / "p.png"), "test")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timed_implementations_take_turns():
+    """Each repeat times every implementation once, in turn, so a drifting clock weighs on
+    all alike; each gets its own median."""
+    clock, calls = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event))
+
+    def call(name, ms):
+        def fn():
+            calls.append(name)
+            clock[0] += ms
+        return fn
+
+    medians = bench._median_ms_each({"a": call("a", 1.0), "b": call("b", 3.0)}, fake_torch)
+    assert medians == {"a": 1.0, "b": 3.0}
+    assert calls == ["a", "b"] * (bench.WARMUP + bench.REPEATS)
