@@ -121,13 +121,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
       cp_async_commit();
     }
 
-    // (With kSubN == kBlockN the loop has one trip.)
-#pragma unroll 1  // (unrolled, the sub-tiles' registers overlap and spill)
-    for (int sub = kBlockN / kSubN - 1; sub >= 0; --sub) {  // the later keys first, as the tiles
-      const int n0 = n * kBlockN + sub * kSubN;
-      const int sub_row = stage * kBlockN + sub * kSubN;  // of the K and V buffers
+    // S, the softmax and P V of the keys n0 .. n0 + kSubN, held at k_sub and v_sub.
+    auto scores_and_pv = [&](int n0, const elem_t* k_sub, const elem_t* v_sub) {
       float acc_s[kMTiles][kSubN / 8][4] = {};
-      gemm_qk<T, kMTiles, kSubN, kHeadDim>(acc_s, q_tile, warp_row0, k_tiles + sub_row * kStride, lane);
+      gemm_qk<T, kMTiles, kSubN, kHeadDim>(acc_s, q_tile, warp_row0, k_sub, lane);
       if constexpr (kExtras) mod.apply(acc_s, m0 + warp_row0, n0, lane);
       if (!mask.covers(m0, row_end, n0, n0 + kSubN)) mask.apply(acc_s, m0 + warp_row0, n0, lane);
       softmax.update(acc_s, acc_o, scale_log2);
@@ -140,7 +137,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
           cp_async_commit();
         }
       }
-      gemm_pv<T, kMTiles, kSubN, kHeadDim, kStride>(acc_o, acc_s, v_tiles + sub_row * kStride, lane);
+      gemm_pv<T, kMTiles, kSubN, kHeadDim, kStride>(acc_o, acc_s, v_sub, lane);
+    };
+    if constexpr (kSubN == kBlockN) {
+      scores_and_pv(n * kBlockN, k_tiles + stage * kBlockN * kStride, v_tiles + stage * kBlockN * kStride);
+    } else {
+#pragma unroll 1  // (unrolled, the sub-tiles' registers overlap and spill)
+      for (int sub = kBlockN / kSubN - 1; sub >= 0; --sub)  // the later keys first, as the tiles
+        scores_and_pv(n * kBlockN + sub * kSubN, k_tiles + (stage * kBlockN + sub * kSubN) * kStride,
+                      v_tiles + (stage * kBlockN + sub * kSubN) * kStride);
     }
     // Two stages: the next iteration's loads overwrite the buffers read here. (One
     // stage: its V load waits for the barrier at its top, which every warp reaches
