@@ -5,8 +5,9 @@ seqlen 512..16k, d 64, 128 and 256, causal off and on, bf16 (--dtype float16 for
 fp16). Forward FLOPs = 4 b h sq sk d, halved when causal; forward + backward = 3.5 x
 forward (the backward does 2.5x the forward's matmul work). Each figure is the median
 of ``REPEATS`` CUDA-event timings after ``WARMUP`` calls, all implementations in the
-same run on the same inputs, taking turns call by call (timed one after another, the
-first measured ran up to 8% faster at some d 256 rows: clock state). --plot draws the
+same run on the same inputs, taking turns call by call in an order that rotates (timed
+one after another, the first measured ran up to 8% faster at some d 256 rows: clock
+state). --plot draws the
 table (docs/performance.png).
 """
 from __future__ import annotations
@@ -32,14 +33,16 @@ def _gpu_name() -> str | None:
 
 
 def _median_ms_each(fns: dict, torch) -> dict:
-    """name -> median ms of each zero-argument callable, the callables taking turns, so
-    that drifting clocks weigh on every one alike."""
+    """name -> median ms of each zero-argument callable, the callables taking turns and
+    the order rotating each round, so that drifting clocks, and whatever the previous
+    call leaves behind (a cuDNN call's power draw), weigh on every one alike."""
     for _ in range(WARMUP):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    for _ in range(REPEATS):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for i in range(REPEATS):
+        for name, fn in order[i % len(order):] + order[:i % len(order)]:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()

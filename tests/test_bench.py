@@ -36,8 +36,8 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_timed_implementations_take_turns():
-    """Each repeat times every implementation once, in turn, so a drifting clock weighs on
-    all alike; each gets its own median."""
+    """Each repeat times every implementation once, in turn and in a rotating order, so
+    a drifting clock weighs on all alike; each gets its own median."""
     clock, calls = [0.0], []
 
     class Event:
@@ -61,6 +61,8 @@ def test_timed_implementations_take_turns():
             clock[0] += ms
         return fn
 
-    medians = bench._median_ms_each({"a": call("a", 1.0), "b": call("b", 3.0)}, fake_torch)
-    assert medians == {"a": 1.0, "b": 3.0}
-    assert calls == ["a", "b"] * (bench.WARMUP + bench.REPEATS)
+    medians = bench._median_ms_each({"a": call("a", 1.0), "b": call("b", 3.0), "c": call("c", 2.0)}, fake_torch)
+    assert medians == {"a": 1.0, "b": 3.0, "c": 2.0}
+    timed = calls[3 * bench.WARMUP:]
+    assert len(timed) == 3 * bench.REPEATS
+    assert timed[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
