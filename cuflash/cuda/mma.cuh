@@ -11,21 +11,22 @@
 
 namespace cuflash {
 
-// addr: a shared-memory byte address.
-__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x2(unsigned r[2], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x2_trans(unsigned r[2], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+// kCount (4, or 2 for one n8 tile of B) 8x8 matrices into r; addr: a shared-memory byte
+// address. An x2 load takes its two row addresses from lanes 0-15, which point at the
+// first two matrices of the x4 order in both lane layouts below.
+template <int kCount, bool kTrans>
+__device__ __forceinline__ void ldmatrix(unsigned* r, unsigned addr) {
+  static_assert(kCount == 2 || kCount == 4, "x2 or x4");
+  if constexpr (kCount == 4 && kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+  else if constexpr (kCount == 4)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+  else if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
 // Where a lane points for an x4 load of the 16 x 16 block at the tile's origin, in
@@ -50,41 +51,30 @@ __device__ __forceinline__ int lane_offset_cols_first(int lane) {
 // A fragment of rows [row0, row0+16) x cols [col0, col0+16) of a row-major tile (Q).
 template <int kStride>
 __device__ __forceinline__ void load_a(unsigned a[4], const elem_t* tile, int row0, int col0, int lane) {
-  ldmatrix_x4(a, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (row0 * kStride + col0));
+  ldmatrix<4, false>(a, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (row0 * kStride + col0));
 }
 
 // B fragments of two n8 tiles (n0 and n0+8) x k16 at k0, for B = tile^T where the
-// tile is stored [n][k] (K in S = Q K^T). b[0..1]: tile n0, b[2..3]: tile n0+8.
-template <int kStride>
-__device__ __forceinline__ void load_b_transposed(unsigned b[4], const elem_t* tile, int n0, int k0, int lane) {
-  ldmatrix_x4(b, smem_addr(tile + lane_offset_cols_first<kStride>(lane)) + 2 * (n0 * kStride + k0));
+// tile is stored [n][k] (K in S = Q K^T). b[0..1]: tile n0, b[2..3]: tile n0+8; with
+// kCount 2, tile n0 only (an odd last tile: a head dim of 96, 160 or 224 split among warps).
+template <int kStride, int kCount = 4>
+__device__ __forceinline__ void load_b_transposed(unsigned* b, const elem_t* tile, int n0, int k0, int lane) {
+  ldmatrix<kCount, false>(b, smem_addr(tile + lane_offset_cols_first<kStride>(lane)) + 2 * (n0 * kStride + k0));
 }
 
-// B fragments of two n8 tiles (n0, n0+8) x k16 at k0, for B = tile stored [k][n]
-// (V in O = P V); .trans hands each lane the column pairs the fragment wants.
-template <int kStride>
-__device__ __forceinline__ void load_b(unsigned b[4], const elem_t* tile, int k0, int n0, int lane) {
-  ldmatrix_x4_trans(b, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (k0 * kStride + n0));
-}
-
-// The B fragment of one n8 tile (n0) x k16, for an odd last tile (a head dim of
-// 96, 160 or 224 split among warps). x2 takes its two matrices' row addresses from
-// lanes 0-15, which point at the first two matrices of the x4 loads' order in both
-// layouts: k 0-7 and k 8-15 of the n8 tile.
-template <int kStride>
-__device__ __forceinline__ void load_b_transposed_n8(unsigned b[2], const elem_t* tile, int n0, int k0, int lane) {
-  ldmatrix_x2(b, smem_addr(tile + lane_offset_cols_first<kStride>(lane)) + 2 * (n0 * kStride + k0));
-}
-template <int kStride>
-__device__ __forceinline__ void load_b_n8(unsigned b[2], const elem_t* tile, int k0, int n0, int lane) {
-  ldmatrix_x2_trans(b, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (k0 * kStride + n0));
+// B fragments of two n8 tiles (n0, n0+8), or with kCount 2 one, x k16 at k0, for B =
+// tile stored [k][n] (V in O = P V); .trans hands each lane the column pairs the
+// fragment wants.
+template <int kStride, int kCount = 4>
+__device__ __forceinline__ void load_b(unsigned* b, const elem_t* tile, int k0, int n0, int lane) {
+  ldmatrix<kCount, true>(b, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (k0 * kStride + n0));
 }
 
 // A fragment of rows [m0, m0+16) x cols [k0, k0+16) of A, where A is stored
 // transposed, [k][m] (dS^T in the backward); .trans hands each lane A's pairs.
 template <int kStride>
 __device__ __forceinline__ void load_a_transposed(unsigned a[4], const elem_t* tile_t, int m0, int k0, int lane) {
-  ldmatrix_x4_trans(a, smem_addr(tile_t + lane_offset_cols_first<kStride>(lane)) + 2 * (k0 * kStride + m0));
+  ldmatrix<4, true>(a, smem_addr(tile_t + lane_offset_cols_first<kStride>(lane)) + 2 * (k0 * kStride + m0));
 }
 
 // acc[kMTiles][kN / 8][4] += A . B for A of kMTiles x 16 rows by kK and B of kK x kN,
@@ -110,8 +100,8 @@ __device__ __forceinline__ void gemm_ss(float (&acc)[kMTiles][kN / 8][4], const 
       const bool pair = nt + 1 < kN / 8;
       if (pair && kBTransposed) load_b_transposed<kStrideB>(bf, b, nt * 8, kk, lane);
       if (pair && !kBTransposed) load_b<kStrideB>(bf, b, kk, nt * 8, lane);
-      if (!pair && kBTransposed) load_b_transposed_n8<kStrideB>(bf, b, nt * 8, kk, lane);
-      if (!pair && !kBTransposed) load_b_n8<kStrideB>(bf, b, kk, nt * 8, lane);
+      if (!pair && kBTransposed) load_b_transposed<kStrideB, 2>(bf, b, nt * 8, kk, lane);
+      if (!pair && !kBTransposed) load_b<kStrideB, 2>(bf, b, kk, nt * 8, lane);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         DType<T>::mma(acc[mt][nt], af[mt], bf[0], bf[1]);
