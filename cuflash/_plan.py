@@ -68,17 +68,18 @@ KINDS = {
         # tile at d 256 in the sweep in docs/performance.md).
         # At d 96, 64-key tiles: +5-8% over 128 x 32 (docs/performance.md item 41); with
         # softcap, ALiBi or dropout their S, softmax and P V go 32 keys at a time (fwd.cu,
-        # kSubN; a 64-key S spilled). At d 128 a 64-key S spills and the 32-key steps ran
-        # 1-5% slower than 128 x 32.
+        # kSubN; a 64-key S spilled). At d 128 a 64-key S spills, and the 32-key steps ran
+        # no faster than 128 x 32 (and do not fit sm_86).
         32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 64, 4, 2),), 128: (_T(128, 32, 4, 2),),
         **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", False),
     # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
     # + P and dS tiles. Warps own 32 rows of each product (bwd.cu) and multiples of 8
     # columns of dK, dV and dQ (24 at d 96, 40 at d 160: an odd n8 tile, mma.cuh).
-    # Softcap, ALiBi and dropout take the two-kernel path up to d 128: their per-element arithmetic spills
-    # these tiles, and the tiles that fit them (64 x 128 at d 64, 128 x 64 at d 128) ran
-    # no faster than the two kernels without extras (sweep in docs/performance.md).
+    # Softcap, ALiBi and dropout take the two-kernel path up to d 128: their per-element
+    # arithmetic spills these tiles, and the tiles that fit them (64 x 128 at d 64,
+    # 128 x 64 at d 128) ran no faster than the two kernels without extras (sweep in
+    # docs/performance.md).
     # Three Q/dO buffers (loads two steps ahead) at d 64 where shared memory allows: +1-2%
     # over two in two A/B rounds; at d 128 they lost 0.5-3% (docs/performance.md item 29).
     "backward": Kind("bwd.cu", "attention_backward", {

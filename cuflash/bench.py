@@ -7,8 +7,7 @@ forward (the backward does 2.5x the forward's matmul work). Each figure is the m
 of ``REPEATS`` CUDA-event timings after ``WARMUP`` calls, all implementations in the
 same run on the same inputs, taking turns call by call in an order that rotates (timed
 one after another, the first measured ran up to 8% faster at some d 256 rows: clock
-state). --plot draws the
-table (docs/performance.png).
+state). --plot draws the table (docs/performance.png).
 """
 from __future__ import annotations
 
