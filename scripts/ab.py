@@ -19,6 +19,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=("fwd", "fwdbwd", "all"), default="fwd")
     parser.add_argument("--d", default="128")
     parser.add_argument("--seqlens", default="2048,8192")
+    parser.add_argument("--causal", choices=("both", "on", "off"), default="both")
     parser.add_argument("packages", nargs="+")
     args = parser.parse_args()
     modules = {path.rstrip("/").split("/")[-1]: bench._load_baseline(path) for path in args.packages}
@@ -29,7 +30,7 @@ def main() -> None:
 def _table(modules: dict, backward: bool, args) -> None:
     print(f"{'fwdbwd' if backward else 'fwd'} TFLOP/s: " + " | ".join(modules) + " | sdpa-flash")
     for d in map(int, args.d.split(",")):
-        for causal in (False, True):
+        for causal in {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]:
             for s in map(int, args.seqlens.split(",")):
                 b, h = bench.TOKENS // s, bench.HIDDEN // d
                 flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1)
