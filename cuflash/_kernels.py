@@ -118,8 +118,10 @@ _BACKWARD_POINTERS = _offsets("dout", "q", "k", "v", "o", "lse", "dq", "dk", "dv
 def _forward_plan(q, k, v, out, lse, options: Options, varlen: Varlen | None) -> LaunchPlan:
     p, batch = _params(q, k, v, lse, options, varlen, o=out)
     kernel = _kernel("forward", q, options, _vectorizable(q, k, v, out))
-    work = batch and p.seqlen_q and p.nheads
-    launches = ((_config(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device), ()),) if work else ()
+    launches = ()
+    if batch and p.seqlen_q and p.nheads:
+        p.tile_group = tile_group(kernel, batch * p.nheads, q.device)
+        launches = ((_config(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device), ()),)
     return LaunchPlan(bytes(p), _FORWARD_POINTERS, launches, q.device)
 
 
@@ -146,6 +148,9 @@ def _plan_key(arrays, options: Options, varlen: Varlen | None):
     if not _cacheable(options, varlen):
         return None
     return tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in arrays if a is not None), options
+
+
+PREPROCESS_ROWS = 4  # (row, head) tasks per thread of the backward's preprocess (bwd.cu, kPreprocessRows)
 
 
 def backward_workspace(q_shape, deterministic: bool = False,
@@ -192,15 +197,19 @@ def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_accum, options
     lanes = min(32, max(4, 1 << (-(-p.headdim // 8) - 1).bit_length()))
     per_row = tuple(map(ctypes.c_int, (groups, rows_per_batch, accum_cols, lanes)))
     elementwise_grid = (-(-tasks * lanes // 256), 1, 1)
+    preprocess_grid = (-(-(-(-tasks // PREPROCESS_ROWS)) * lanes // 256), 1, 1)
     launches = []
     if tasks:
-        launches.append((_config(_plan.Elementwise("backward_preprocess", q.dtype), elementwise_grid, q.device),
+        launches.append((_config(_plan.Elementwise("backward_preprocess", q.dtype), preprocess_grid, q.device),
                          per_row))
         if not one_pass:
             kernel = _kernel("backward_dq", q, options, vec)
+            p.tile_group = tile_group(kernel, batch * p.nheads, q.device)
             launches.append((_config(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), q.device), ()))
     if batch and p.seqlen_k and nheads_kv:
         kernel = _kernel("backward" if one_pass else "backward_dkdv", q, options, vec)
+        if one_pass:  # (backward_dkdv goes head by head)
+            p.tile_group = tile_group(kernel, batch * nheads_kv, q.device)
         launches.append((_config(kernel, kernel.grid(p.seqlen_k, nheads_kv, batch), q.device), ()))
     if tasks and one_pass:
         launches.append((_config(_plan.Elementwise("backward_convert_dq", q.dtype), elementwise_grid, q.device),
@@ -255,6 +264,26 @@ def _vectorizable(*arrays: ArrayInfo) -> bool:
     if arrays[0].shape[-1] % 8:
         return False
     return all(a.ptr % 16 == 0 and all(s % 8 == 0 for s in a.strides[:-1]) for a in arrays)
+
+
+def tile_group(kernel: _plan.Kernel, heads: int, device: int) -> int:
+    """(head, batch) pairs per group of the tile-major order of banded grids (GridTile in
+    cuda/common.cuh): a quarter of the CTAs resident at once, so that a head's CTAs run
+    together and keep the rows they share in L2 (docs/performance.md item 48)."""
+    return max(1, min(heads, _multiprocessors(device) * _resident_ctas(kernel, device) // 4))
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    import cupy
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
+
+
+@functools.cache
+def _resident_ctas(kernel: _plan.Kernel, device: int) -> int:
+    from cupy.cuda import driver
+    return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(_function(kernel, device), kernel.threads,
+                                                                   kernel.shared_bytes))
 
 
 _shared_limits: dict[int, int] = {}

@@ -25,6 +25,7 @@ class Params(ctypes.Structure):
         ("window_left", ctypes.c_int), ("window_right", ctypes.c_int),
         ("scale", ctypes.c_float), ("scale_log2", ctypes.c_float), ("softcap", ctypes.c_float),
         ("dropout_threshold", ctypes.c_uint32), ("dropout_scale", ctypes.c_float),
+        ("tile_group", ctypes.c_int),
     ]
 
     def pointers(self) -> list[int]:

@@ -15,8 +15,8 @@ import cuflash
 from cuflash import _kernels, _plan
 from cuflash.reference import attention_lowp_backward, attention_reference_backward
 
-from .strategies import Shape, assert_close, attention_shapes, random_qkv
-from .test_gpu_forward import FLOOR, Launches, cupy_dtype, poisoned_allocations
+from .strategies import Shape, assert_close, attention_shapes, random_dout, random_qkv
+from .test_gpu_forward import FLOOR, Launches, check_against_reference, cupy_dtype, poisoned_allocations
 
 pytestmark = pytest.mark.gpu
 
@@ -140,6 +140,55 @@ def test_fully_masked_rows_have_zero_gradients():
         assert not any(cupy.isnan(g).any() for g in (dq, dk, dv))
         assert (dq[:, :100] == 0).all()
         check_gradients(dout, q, k, v, (dq, dk, dv), causal=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [59, 64, 128, 200, 256])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_strided_and_unaligned_views(dtype, head_dim, aligned):
+    """dout and out as (b, h, s, d) storage viewed as (b, s, h, d), or as column windows
+    of a wider array whose rows are not 16-byte aligned: the preprocess reads D = rowsum(dO
+    O) from the strides as they are, with 16-byte loads only where every row allows them."""
+    import cupy
+    rng = np.random.default_rng(head_dim)
+    shape = Shape(2, 301, 257, 4, 2, head_dim, True)
+    q, k, v = random_qkv(shape, cupy_dtype(dtype), rng, xp=cupy)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+
+    def relaid(x):
+        if aligned:  # a transposed storage: other row and head strides, rows still aligned
+            return cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        wide = cupy.empty(x.shape[:-1] + (x.shape[-1] + 3,), dtype=x.dtype)
+        wide[..., 1:x.shape[-1] + 1] = x
+        return wide[..., 1:x.shape[-1] + 1]
+    dout = relaid(random_dout(shape, cupy_dtype(dtype), rng, xp=cupy))
+    out_view = relaid(out)
+    assert not dout.flags.c_contiguous and not out_view.flags.c_contiguous
+    with poisoned_allocations():
+        grads = cuflash.attention_backward(dout, q, k, v, out_view, lse, causal=True)
+    check_gradients(dout, q, k, v, grads, causal=True)
+
+
+@pytest.mark.parametrize("group", [None, 1, 3, 7])
+def test_tile_major_groups(monkeypatch, group):
+    """Causal grids run tile-major within groups of (head, batch) pairs (GridTile in
+    common.cuh, _kernels.tile_group): every CTA must still run once, the last group
+    partial. None: the device's own group size, with more pairs (9 x 8) than a group
+    holds on the H200 (33 backward, 66 forward)."""
+    import cupy
+    if group is not None:
+        monkeypatch.setattr(_kernels, "tile_group", lambda kernel, heads, device: min(group, heads))
+        shape = Shape(5, 200 + group, 190, 4, 2, 64, True)  # 20 pairs forward, 10 backward
+    else:
+        shape = Shape(9, 130, 150, 8, 8, 128, True)
+    rng = np.random.default_rng(7)
+    q, k, v = random_qkv(shape, cupy_dtype("bfloat16"), rng, xp=cupy)
+    dout = random_dout(shape, cupy_dtype("bfloat16"), rng, xp=cupy)
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    check_against_reference(q, k, v, out, lse, causal=True)
+    check_gradients(dout, q, k, v, grads, causal=True)
 
 
 def test_empty_sequences():

@@ -29,21 +29,25 @@
 namespace cuflash {
 
 // The two elementwise kernels below give each (row, head) task `lanes` lanes (head dim
-// / 8 rounded up to a power of two, 4-32) and each lane 16 bytes of the row at a time
-// where the row allows it: memory-bound, they move as many bytes per instruction as
-// they can. Rows are numbered batch-major over `batch` groups of
+// / 8 rounded up to a power of two, 4-32, so 8 * lanes >= head dim) and each lane 16
+// bytes of the row where the row allows it: memory-bound, they move as many bytes per
+// instruction as they can. Rows are numbered batch-major over `batch` groups of
 // `rows_per_batch` (one group of all rows for packed arrays).
 struct ElementwiseTask {
   int64 task, row;  // task = row * nheads + head; row counts rows over all batches
   int b, i, head, lane;
   bool exists;
 
-  static __device__ __forceinline__ ElementwiseTask of_thread(const Params& p, int batch, int rows_per_batch,
-                                                              int lanes) {
-    const int64 task = (int64(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
+  static __device__ __forceinline__ ElementwiseTask of(const Params& p, int batch, int rows_per_batch, int64 task,
+                                                       int lane) {
     const int64 row = task / p.nheads;
     return ElementwiseTask{task, row, int(row / rows_per_batch), int(row % rows_per_batch), int(task % p.nheads),
-                           int(threadIdx.x % lanes), task < int64(batch) * rows_per_batch * p.nheads};
+                           lane, task < int64(batch) * rows_per_batch * p.nheads};
+  }
+  static __device__ __forceinline__ ElementwiseTask of_thread(const Params& p, int batch, int rows_per_batch,
+                                                              int lanes) {
+    return of(p, batch, rows_per_batch, (int64(blockIdx.x) * blockDim.x + threadIdx.x) / lanes,
+              int(threadIdx.x % lanes));
   }
   template <typename Pointer>
   __device__ __forceinline__ Pointer at(Pointer base, const ArrayView& a) const {
@@ -52,6 +56,11 @@ struct ElementwiseTask {
 };
 
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<unsigned long long>(p) % 16 == 0; }
+// Every row of `a` starts on 16 bytes: one test for the whole grid, so that a thread's
+// loads of several rows go out together.
+__device__ __forceinline__ bool rows_aligned16(const ArrayView& a) {
+  return aligned16(a.ptr) && (a.batch_stride | a.row_stride | a.head_stride) % 8 == 0;
+}
 
 // dQ's fp32 accumulator, (rows / 8, nheads, cols / 8, 8, 8): 8 x 8 blocks, row-major
 // inside. A warp's red.v2 of an mma C fragment (8 rows x 8 columns) then writes one
@@ -67,36 +76,71 @@ struct DqAccum {
   static __device__ __forceinline__ int64 eight_rows(int nheads, int cols) { return int64(8) * cols * nheads; }
 };
 
-// D = rowsum(dO * O) in fp32, and that row's dQ accumulator (accum_cols floats, a
-// multiple of 8; 0 without one) set to zero.
+// All of dQ's accumulator, (rows / 8 rounded up, nheads, accum_cols / 8, 8, 8) floats,
+// set to zero by the grid's threads, 16 contiguous bytes each at a time.
+__device__ __forceinline__ void zero_dq_accum(const Params& p, int64 rows, int accum_cols, int64 thread) {
+  const int64 count = ceil_div(rows, int64(8)) * 8 * p.nheads * accum_cols / 4;  // float4s
+  const int64 threads = int64(gridDim.x) * blockDim.x;
+  for (int64 i = thread; i < count; i += threads) reinterpret_cast<float4*>(p.dq_accum)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// D = rowsum(dO * O) in fp32, and the dQ accumulator (accum_cols floats a row, a
+// multiple of 8; 0 without one) set to zero. Each group of `lanes` threads takes
+// kPreprocessRows tasks, task_groups apart (a warp's loads stay contiguous), and issues
+// all their loads before it adds: with one task a thread, one 16-byte load of each
+// tensor was in flight and the kernel ran at half FlashAttention-2's bandwidth
+// (docs/performance.md item 46). The zeros go out in the accumulator's own order, 16
+// contiguous bytes a lane (a row's 8 floats of each 8 x 8 block, 256 bytes apart, were
+// half-sector stores). (_kernels.PREPROCESS_ROWS is this count.)
+constexpr int kPreprocessRows = 4;
+
 template <typename T>
 __global__ void __launch_bounds__(256)
 attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int accum_cols, int lanes) {
-  const auto task = ElementwiseTask::of_thread(p, batch, rows_per_batch, lanes);
-  float sum = 0.f;
-  if (task.exists) {
-    const elem_t* dO = task.at(p.dout.ptr, p.dout);
-    const elem_t* O = task.at(p.o.ptr, p.o);
-    if (p.headdim % 8 == 0 && aligned16(dO) && aligned16(O)) {
-      for (int c = 8 * task.lane; c < p.headdim; c += 8 * lanes) {
-        const uint4 x = *reinterpret_cast<const uint4*>(dO + c), y = *reinterpret_cast<const uint4*>(O + c);
-        const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+  const int64 thread = int64(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64 rows = int64(batch) * rows_per_batch;
+  const int64 n_tasks = rows * p.nheads, task_groups = ceil_div(n_tasks, int64(kPreprocessRows));
+  const int64 group = thread / lanes;  // the grid may hold more groups than there are
+  ElementwiseTask tasks[kPreprocessRows];
 #pragma unroll
-        for (int w = 0; w < 4; ++w)
-          sum += DType<T>::to_float(elem_t(xs[w])) * DType<T>::to_float(elem_t(ys[w])) +
-                 DType<T>::to_float(elem_t(xs[w] >> 16)) * DType<T>::to_float(elem_t(ys[w] >> 16));
-      }
-    } else {
-      for (int c = task.lane; c < p.headdim; c += lanes) sum += DType<T>::to_float(dO[c]) * DType<T>::to_float(O[c]);
+  for (int k = 0; k < kPreprocessRows; ++k)
+    tasks[k] = ElementwiseTask::of(p, batch, rows_per_batch, group < task_groups ? group + k * task_groups : n_tasks,
+                                   int(thread % lanes));
+  const int lane = tasks[0].lane;
+  float sums[kPreprocessRows] = {};
+  if (p.headdim % 8 == 0 && rows_aligned16(p.dout) && rows_aligned16(p.o)) {
+    uint4 x[kPreprocessRows], y[kPreprocessRows];
+#pragma unroll
+    for (int k = 0; k < kPreprocessRows; ++k) {
+      const bool load = tasks[k].exists && 8 * lane < p.headdim;
+      x[k] = load ? *reinterpret_cast<const uint4*>(tasks[k].at(p.dout.ptr, p.dout) + 8 * lane) : uint4{};
+      y[k] = load ? *reinterpret_cast<const uint4*>(tasks[k].at(p.o.ptr, p.o) + 8 * lane) : uint4{};
     }
-    float* accum = DqAccum::at(p.dq_accum, task.row, task.head, p.nheads, accum_cols, 0);
-    for (int c = task.lane; c < accum_cols / 8; c += lanes) {  // this row's 8 floats of each block
-      float4* block_row = reinterpret_cast<float4*>(accum + c * DqAccum::kColBlock);
-      block_row[0] = block_row[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    zero_dq_accum(p, rows, accum_cols, thread);  // under the loads
+#pragma unroll
+    for (int k = 0; k < kPreprocessRows; ++k) {
+      const unsigned xs[4] = {x[k].x, x[k].y, x[k].z, x[k].w}, ys[4] = {y[k].x, y[k].y, y[k].z, y[k].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        sums[k] += DType<T>::to_float(elem_t(xs[w])) * DType<T>::to_float(elem_t(ys[w])) +
+                   DType<T>::to_float(elem_t(xs[w] >> 16)) * DType<T>::to_float(elem_t(ys[w] >> 16));
+    }
+  } else {
+    zero_dq_accum(p, rows, accum_cols, thread);
+#pragma unroll
+    for (int k = 0; k < kPreprocessRows; ++k) {
+      if (!tasks[k].exists) continue;
+      const elem_t* dO = tasks[k].at(p.dout.ptr, p.dout);
+      const elem_t* O = tasks[k].at(p.o.ptr, p.o);
+      for (int c = lane; c < p.headdim; c += lanes) sums[k] += DType<T>::to_float(dO[c]) * DType<T>::to_float(O[c]);
     }
   }
-  for (int offset = lanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (task.exists && task.lane == 0) p.delta[task.b * p.lse_batch_stride + task.head * p.lse_head_stride + task.i] = sum;
+#pragma unroll
+  for (int k = 0; k < kPreprocessRows; ++k) {
+    for (int offset = lanes / 2; offset > 0; offset /= 2) sums[k] += __shfl_xor_sync(0xffffffffu, sums[k], offset);
+    const ElementwiseTask& task = tasks[k];
+    if (task.exists && lane == 0) p.delta[task.b * p.lse_batch_stride + task.head * p.lse_head_stride + task.i] = sums[k];
+  }
 }
 
 // dQ = scale * dq_accum, rounded to the element type; the same tasks as the preprocess.
@@ -202,7 +246,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   // buffer, the tiles of GPUs with less shared memory, already at these depths under
   // CUDA 12.9 for sm_80).
   constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : 8) / (kStages >= 2 ? 1 : 2);
-  constexpr int kDqUnroll = kHeadDim <= 192 ? 4 : 1;
+  constexpr int kDqUnroll = kHeadDim <= 192 ? 4 : 2;  // 2 at d 256: +3% not causal (docs item 47)
   static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
                 "warp layout");
   static_assert(kSKeys % 16 == 0 && kKvCols % 8 == 0 && kDqCols % 8 == 0, "tile shape");
@@ -219,7 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
 
   // Under a causal band the first key tiles see the most queries: they are numbered first.
   // (Not with extras: decoding GridTile's order costs registers those variants lack.)
-  const auto grid_tile = GridTile<kLocal && !kExtras>::of_block();
+  const auto grid_tile = GridTile<kLocal && !kExtras>::of_block(p.tile_group);
   const int n_block = grid_tile.tile, kv_head = grid_tile.head, batch = grid_tile.batch;
   const Sequence seq = Sequence::of(p, batch);
   const int n0 = n_block * kBlockN;
@@ -373,18 +417,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     }
   }
   cp_async_wait<0>();  // K/V copies are still pending when no query tile was visited
+  __syncthreads();     // every warp is done reading K and V
 
+  // dK and dV through the K and V tiles, so that the global stores are 16 bytes wide
+  // and coalesced (from the fragments they were 4-byte pieces of 8 rows).
+  store_fragments<T, 2, kKvCols / 8, kStride>(k_tile + kv_key0 * kStride + kv_col0, acc_dk, lane, p.scale);
+  store_fragments<T, 2, kKvCols / 8, kStride>(v_tile + kv_key0 * kStride + kv_col0, acc_dv, lane);
+  __syncthreads();
   const Sequence out_seq = Sequence::of(p, batch);
-  elem_t* dk = out_seq.rows(p.dk, batch, kv_head, false);
-  elem_t* dv = out_seq.rows(p.dv, batch, kv_head, false);
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    const int row0 = n0 + kv_key0 + mt * 16;
-    store_accumulators<T, kKvCols / 8, kVec>(dk, p.dk.row_stride, acc_dk[mt], row0, out_seq.seqlen_k, kv_col0,
-                                            p.headdim, p.scale, lane);
-    store_accumulators<T, kKvCols / 8, kVec>(dv, p.dv.row_stride, acc_dv[mt], row0, out_seq.seqlen_k, kv_col0,
-                                            p.headdim, 1.f, lane);
-  }
+  store_tile<kBlockN, kHeadDim, kThreads, kVec>(out_seq.rows(p.dk, batch, kv_head, false), k_tile, p.dk.row_stride,
+                                                n0, out_seq.seqlen_k, p.headdim);
+  store_tile<kBlockN, kHeadDim, kThreads, kVec>(out_seq.rows(p.dv, batch, kv_head, false), v_tile, p.dv.row_stride,
+                                                n0, out_seq.seqlen_k, p.headdim);
 }
 
 // @tparam kBlockM   query rows per step; a multiple of 16
@@ -524,7 +568,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
   elem_t* v_tiles = k_tiles + kStages * kBlockN * kStride;
 
   // Under a causal band the last query tiles see the most keys: number them first.
-  const auto grid_tile = GridTile<kLocal>::of_block();
+  const auto grid_tile = GridTile<kLocal>::of_block(p.tile_group);
   const int m_block = gridDim.x - 1 - grid_tile.tile, head = grid_tile.head, batch = grid_tile.batch;
   const Sequence seq = Sequence::of(p, batch);
   const int m0 = m_block * kBlockM;

@@ -13,6 +13,7 @@ constexpr float kLn2 = 0.6931471805599453f;    // log(x) == log2(x) * kLn2
 constexpr float kInf = __builtin_bit_cast(float, 0x7f800000u);
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int64 ceil_div(int64 a, int64 b) { return (a + b - 1) / b; }
 
 struct half_t {};      // IEEE fp16
 struct bfloat16_t {};  // bf16
@@ -81,22 +82,28 @@ __device__ __forceinline__ float fast_log2(float x) {
 
 // Which (tile, head, batch) a CTA of a (tiles, heads, batch) grid computes. CTAs start
 // in order of blockIdx x, then y, then z. Under a causal or local band the tiles of a
-// head differ in length: with kTileMajor the order visits tile 0 of every head, then
-// tile 1, ..., so when tile 0 is the longest (callers number them so), the longest
-// start first and the short ones fill the last wave (longest-processing-time first:
-// head by head, the last heads' long tiles would start late and finish alone).
+// head differ in length: with kTileMajor the order visits tile 0 of every head of a
+// group of `group` (head, batch) pairs, then tile 1, ..., then the next group. When
+// tile 0 is the longest (callers number them so), the longest start first and the
+// short ones fill the group's last wave (longest-processing-time first: head by head,
+// the last heads' long tiles would start late and finish alone). The groups keep the
+// rows their tiles share (K and V in the forward; Q, dO and dQ's accumulator in the
+// backward) in L2 while they run (_kernels.tile_group; over all heads at once, at
+// seqlen 512 they were read from memory again by every tile).
 template <bool kTileMajor>
 struct GridTile {
   int tile, head, batch;
 
-  static __device__ __forceinline__ GridTile of_block() {
+  static __device__ __forceinline__ GridTile of_block(int group) {
     if constexpr (!kTileMajor) {
       return GridTile{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
     } else {
-      const int heads = gridDim.y * gridDim.z;
-      const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-      const int rest = linear % heads;
-      return GridTile{linear / heads, rest % int(gridDim.y), rest / int(gridDim.y)};
+      const int tiles = gridDim.x, heads = gridDim.y * gridDim.z;
+      const int linear = blockIdx.x + tiles * (blockIdx.y + gridDim.y * blockIdx.z);
+      const int first = linear / (group * tiles) * group;  // the group's first (head, batch)
+      const int in_group = min(group, heads - first), at = linear - first * tiles;
+      const int pair = first + at % in_group;
+      return GridTile{at / in_group, pair % int(gridDim.y), pair / int(gridDim.y)};
     }
   }
 };

@@ -46,13 +46,24 @@ __device__ __forceinline__ void load_chunk(elem_t* s, const elem_t* g, const ele
   }
 }
 
-// Global rows [row0, row0 + kRows) of one (batch, head) slice -> shared tile.
-// kLanes threads share a row (the largest power of two dividing its chunks: 4 for
+// How a CTA's threads share the 16-byte chunks of a tile's rows, in load_tile and
+// store_tile: kLanes threads a row (the largest power of two dividing its chunks: 4 for
 // the 12, 20 and 28 chunks of head dims 96, 160 and 224), each taking every kLanes-th
-// chunk, and walk down the rows in steps of kThreads / kLanes, so a thread's addresses
-// advance by constants: no per-chunk division or 64-bit index arithmetic (at d 96 a
-// loop over chunk indices, i / 12 and i % 12 per chunk, cost the forward 60% more ALU
+// chunk, walking down the rows in steps of kRowStep, so a thread's addresses advance
+// by constants: no per-chunk division or 64-bit index arithmetic (at d 96 a loop over
+// chunk indices, i / 12 and i % 12 per chunk, cost the forward 60% more ALU
 // instructions than FlashAttention-2's, ncu).
+template <int kHeadDim, int kThreads>
+struct ChunkLanes {
+  static constexpr int kChunks = SmemTile<kHeadDim>::kChunks;
+  static constexpr int kLanes = kChunks & -kChunks;  // lowest set bit
+  static constexpr int kPerLane = kChunks / kLanes, kRowStep = kThreads / kLanes;
+  static_assert(kThreads % kLanes == 0, "threads per row");
+  static __device__ __forceinline__ int first_chunk() { return threadIdx.x % kLanes; }
+  static __device__ __forceinline__ int first_row() { return threadIdx.x / kLanes; }
+};
+
+// Global rows [row0, row0 + kRows) of one (batch, head) slice -> shared tile.
 // kVec: every row start is 16-byte aligned and headdim % 8 == 0, so whole chunks
 // go through cp.async; otherwise (odd head dims, odd strides) each element is
 // loaded on its own and the chunk is assembled in registers.
@@ -60,41 +71,47 @@ template <int kRows, int kHeadDim, int kThreads, bool kVec>
 __device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* src, int64 row_stride,
                                           int row0, int nrows, int headdim) {
   using S = SmemTile<kHeadDim>;
-  constexpr int kLanes = S::kChunks & -S::kChunks;  // lowest set bit
-  constexpr int kPerLane = S::kChunks / kLanes, kRowStep = kThreads / kLanes;
-  static_assert(kThreads % kLanes == 0, "threads per row");
-  const int c_first = threadIdx.x % kLanes, r_first = threadIdx.x / kLanes;
+  using L = ChunkLanes<kHeadDim, kThreads>;
+  const int c_first = L::first_chunk(), r_first = L::first_row();
   const elem_t* g = src + (row0 + r_first) * row_stride + c_first * 8;
   elem_t* s = tile + r_first * S::kStride + c_first * 8;
   // Element loads are synchronous: unrolled, all their registers would be live at once.
-  constexpr int kUnroll = kVec ? ceil_div(kRows, kRowStep) : 1, kChunkUnroll = kVec ? kPerLane : 1;
+  constexpr int kUnroll = kVec ? ceil_div(kRows, L::kRowStep) : 1, kChunkUnroll = kVec ? L::kPerLane : 1;
 #pragma unroll kUnroll
-  for (int it = 0; it < ceil_div(kRows, kRowStep); ++it, g += kRowStep * row_stride, s += kRowStep * S::kStride) {
-    const int r = r_first + it * kRowStep;
-    if (kRows % kRowStep != 0 && r >= kRows) break;
+  for (int it = 0; it < ceil_div(kRows, L::kRowStep); ++it, g += L::kRowStep * row_stride, s += L::kRowStep * S::kStride) {
+    const int r = r_first + it * L::kRowStep;
+    if (kRows % L::kRowStep != 0 && r >= kRows) break;
 #pragma unroll kChunkUnroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int c = c_first + j * kLanes;
-      load_chunk<kVec>(s + j * kLanes * 8, g + j * kLanes * 8, src, row0 + r < nrows && c * 8 < headdim,
+    for (int j = 0; j < L::kPerLane; ++j) {
+      const int c = c_first + j * L::kLanes;
+      load_chunk<kVec>(s + j * L::kLanes * 8, g + j * L::kLanes * 8, src, row0 + r < nrows && c * 8 < headdim,
                        headdim - c * 8);
     }
   }
 }
 
-// Shared tile -> global rows [row0, row0 + kRows), clipped to nrows x headdim.
+// Shared tile -> global rows [row0, row0 + kRows), clipped to nrows x headdim; the
+// threads share the chunks as in load_tile. (Addresses from the row index: with
+// pointers advanced as in load_tile, the d 128 causal backward spilled 4 bytes.)
 template <int kRows, int kHeadDim, int kThreads, bool kVec>
 __device__ __forceinline__ void store_tile(elem_t* dst, const elem_t* tile, int64 row_stride,
                                            int row0, int nrows, int headdim) {
   using S = SmemTile<kHeadDim>;
-  for (int i = threadIdx.x; i < kRows * S::kChunks; i += kThreads) {
-    const int r = i / S::kChunks, c = i % S::kChunks;
-    if (row0 + r >= nrows || c * 8 >= headdim) continue;
-    elem_t* g = dst + (row0 + r) * row_stride + c * 8;
-    const elem_t* s = tile + r * S::kStride + c * 8;
-    if constexpr (kVec) {
-      *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(s);
-    } else {
-      for (int e = 0; e < 8 && c * 8 + e < headdim; ++e) g[e] = s[e];
+  using L = ChunkLanes<kHeadDim, kThreads>;
+  const int c_first = L::first_chunk();
+#pragma unroll 1
+  for (int r = L::first_row(); r < kRows && row0 + r < nrows; r += L::kRowStep) {
+#pragma unroll
+    for (int j = 0; j < L::kPerLane; ++j) {
+      const int c = (c_first + j * L::kLanes) * 8;
+      if (c >= headdim) continue;
+      elem_t* g = dst + (row0 + r) * row_stride + c;
+      const elem_t* s = tile + r * S::kStride + c;
+      if constexpr (kVec) {
+        *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(s);
+      } else {
+        for (int e = 0; e < 8 && c + e < headdim; ++e) g[e] = s[e];
+      }
     }
   }
 }

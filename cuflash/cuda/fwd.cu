@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   elem_t* v_tiles = k_tiles + kStages * kBlockN * kStride;
 
   // Under a causal band the last query tiles see the most keys: number them first.
-  const auto grid_tile = GridTile<kLocal>::of_block();
+  const auto grid_tile = GridTile<kLocal>::of_block(p.tile_group);
   const int m_block = gridDim.x - 1 - grid_tile.tile, head = grid_tile.head, batch = grid_tile.batch;
   const Sequence seq = Sequence::of(p, batch);
   const int m0 = m_block * kBlockM;

@@ -159,9 +159,10 @@ __device__ __forceinline__ void gemm_pv(float (&acc)[kMTiles][kCols / 8][4],
 }
 
 // Accumulators in the C layout (kMTiles x 16 rows, kNTiles x 8 columns) -> a 16-bit
-// row-major shared tile from its origin; each lane writes its column pairs.
+// row-major shared tile from its origin, times mul; each lane writes its column pairs.
 template <typename T, int kMTiles, int kNTiles, int kStride>
-__device__ __forceinline__ void store_fragments(elem_t* tile, const float (&acc)[kMTiles][kNTiles][4], int lane) {
+__device__ __forceinline__ void store_fragments(elem_t* tile, const float (&acc)[kMTiles][kNTiles][4], int lane,
+                                                float mul = 1.f) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -170,7 +171,7 @@ __device__ __forceinline__ void store_fragments(elem_t* tile, const float (&acc)
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
         *reinterpret_cast<unsigned*>(tile + (mt * 16 + g + 8 * h) * kStride + nt * 8 + 2 * t) =
-            DType<T>::pack(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+            DType<T>::pack(acc[mt][nt][2 * h] * mul, acc[mt][nt][2 * h + 1] * mul);
 }
 
 }  // namespace cuflash

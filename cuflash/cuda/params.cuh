@@ -37,6 +37,7 @@ struct Params {
   float softcap;     // > 0: scores become softcap * tanh(scale * q.k / softcap)
   unsigned dropout_threshold;  // a probability is dropped iff its Philox word < this; 0: no dropout
   float dropout_scale;         // 1 / (1 - dropout_p)
+  int tile_group;  // (head, batch) pairs per group of GridTile's tile-major order, 1..all
 };
 
 // Where one sequence lives: its lengths and the global index of its first row.
