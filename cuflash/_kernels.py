@@ -268,9 +268,12 @@ def _vectorizable(*arrays: ArrayInfo) -> bool:
 
 def tile_group(kernel: _plan.Kernel, heads: int, device: int) -> int:
     """(head, batch) pairs per group of the tile-major order of banded grids (GridTile in
-    cuda/common.cuh): a quarter of the CTAs resident at once, so that a head's CTAs run
-    together and keep the rows they share in L2 (docs/performance.md item 48)."""
-    return max(1, min(heads, _multiprocessors(device) * _resident_ctas(kernel, device) // 4))
+    cuda/common.cuh): at most a quarter of the CTAs resident at once, so that a head's
+    CTAs run together and keep the rows they share in L2, in groups of equal size (a
+    small last group ran its long tiles alone: docs/performance.md item 49)."""
+    most = max(1, _multiprocessors(device) * _resident_ctas(kernel, device) // 4)
+    groups = -(-heads // most)
+    return -(-heads // groups)
 
 
 @functools.cache
