@@ -36,8 +36,10 @@ class Tile:
     col_split: int = 1
 
 
-def _padded(d: int) -> int:
-    return (d + 8) * 2  # bytes of one shared-memory row (copy.cuh pads by 8 elements)
+def _row_bytes(d: int) -> int:
+    """Bytes of one shared-memory row of a head-dim-wide tile (copy.cuh, SmemTile):
+    swizzled whole 128-byte lines at d 64, 128 and 256, else padded by 8 elements."""
+    return d * 2 if d in (64, 128, 256) else (d + 8) * 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,7 @@ KINDS = {
         # no faster than 128 x 32 (and do not fit sm_86).
         32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 64, 4, 2),), 128: (_T(128, 32, 4, 2),),
         **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
-    }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", False),
+    }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False),
     # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
     # + P and dS tiles. Warps own 32 rows of each product (bwd.cu) and multiples of 8
     # columns of dK, dV and dQ (24 at d 96, 40 at d 160: an odd n8 tile, mma.cuh).
@@ -90,7 +92,7 @@ KINDS = {
         96: (_T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
         128: (_T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
         **{d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (160, 192, 224, 256)},
-    }, lambda t, d: (2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m)
+    }, lambda t, d: (2 * t.block_n * _row_bytes(d) + t.stages * (2 * t.block_m * _row_bytes(d) + 8 * t.block_m)
                      + 2 * t.block_m * (t.block_n + 8) * 2), "block_n", False,
         extras_tiles={d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (160, 192, 224, 256)}),
     # The deterministic path: dK/dV here, dQ in its own pass (below).
@@ -103,14 +105,14 @@ KINDS = {
         **{d: (_T(32, 64, 4, 2, 2), _T(32, 64, 4, 1, 2), _T(32, 32, 2, 1, 2)) for d in (160, 192, 256)},
         # At d 224 the halves (112 columns) spill under CUDA 12's ptxas in some variants.
         224: (_T(32, 64, 4, 2, 7), _T(32, 64, 4, 1, 7)),
-    }, lambda t, d: 2 * t.block_n * _padded(d) + t.stages * (2 * t.block_m * _padded(d) + 8 * t.block_m),
+    }, lambda t, d: 2 * t.block_n * _row_bytes(d) + t.stages * (2 * t.block_m * _row_bytes(d) + 8 * t.block_m),
         "block_n", True),
     # Q tile + dO tile + stages x (K tile + V tile)
     "backward_dq": Kind("bwd.cu", "attention_backward_dq", {
         32: (_T(64, 128, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(64, 64, 4, 2),),
         128: (_T(64, 32, 4, 2), _T(64, 32, 4, 1)),
         **{d: (_T(64, 32, 4, 2), _T(64, 32, 4, 1), _T(32, 32, 2, 1)) for d in (160, 192, 224, 256)},
-    }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _padded(d), "block_m", True),
+    }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", True),
 }
 
 # Untiled helpers of the backward, one instance per dtype.

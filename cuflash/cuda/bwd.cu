@@ -235,8 +235,9 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kS
           bool kExtras>
 __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Params p) {
   constexpr int kThreads = kWarps * 32;
-  constexpr int kStride = SmemTile<kHeadDim>::kStride;
-  constexpr int kPStride = kBlockN + 8;  // rows of (kBlockN + 8) * 2 bytes: conflict-free ldmatrix
+  using S = SmemTile<kHeadDim>;
+  using P = PaddedRows<kBlockN>;  // P and dS, [query][key]
+  constexpr int kStride = S::kRowElems, kPStride = P::kRowElems;  // elements from one row to the next
   constexpr int kQueryWarps = kBlockM / 32, kKeyWarps = kBlockN / 32;
   constexpr int kSKeys = kBlockN / (kWarps / kQueryWarps);    // S, dP: 32 queries x kSKeys keys a warp
   constexpr int kKvCols = kHeadDim / (kWarps / kKeyWarps);    // dK, dV: 32 keys x kKvCols a warp
@@ -244,14 +245,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   // k16 steps of the S / dP and dQ products the compiler may overlap: more needs more
   // registers than the dK and dV accumulators leave (ptxas spilled; with one Q/dO
   // buffer, the tiles of GPUs with less shared memory, already at these depths under
-  // CUDA 12.9 for sm_80).
-  constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : 8) / (kStages >= 2 ? 1 : 2);
+  // CUDA 12.9 for sm_80, and at d 128 before sm_90, where 8 spilled 4 bytes causal).
+  constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : kHeadDim == 128 && kBeforeSm90 ? 4 : 8) / (kStages >= 2 ? 1 : 2);
   constexpr int kDqUnroll = kHeadDim <= 192 ? 4 : 2;  // 2 at d 256: +3% not causal (docs item 47)
   static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
                 "warp layout");
   static_assert(kSKeys % 16 == 0 && kKvCols % 8 == 0 && kDqCols % 8 == 0, "tile shape");
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];  // swizzled rows start on 128-byte lines
   elem_t* k_tile = reinterpret_cast<elem_t*>(smem);
   elem_t* v_tile = k_tile + kBlockN * kStride;
   elem_t* q_tiles = v_tile + kBlockN * kStride;
@@ -283,10 +284,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
   const bool dropping = kExtras && p.dropout_threshold > 0;
 
-  load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tile, seq.rows(p.k, batch, kv_head, false), p.k.row_stride, n0,
-                                                seq.seqlen_k, p.headdim);
-  load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tile, seq.rows(p.v, batch, kv_head, false), p.v.row_stride, n0,
-                                                seq.seqlen_k, p.headdim);
+  load_tile<kBlockN, S, kThreads, kVec>(k_tile, seq.rows(p.k, batch, kv_head, false), p.k.row_stride, n0,
+                                        seq.seqlen_k, p.headdim);
+  load_tile<kBlockN, S, kThreads, kVec>(v_tile, seq.rows(p.v, batch, kv_head, false), p.v.row_stride, n0,
+                                        seq.seqlen_k, p.headdim);
   cp_async_commit();
 
   // The steps walk (query head of the group, query tile) in order: each step's position
@@ -302,13 +303,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   auto load_step = [&](Position at, int stage, int parts) {
     const int head = at.head, m0 = at.m_tile * kBlockM;
     if (parts & kQ)
-      load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tiles + stage * kBlockM * kStride,
-                                                   seq.rows(p.q, batch, head, true), p.q.row_stride, m0, seq.seqlen_q,
-                                                   p.headdim);
+      load_tile<kBlockM, S, kThreads, kVec>(q_tiles + stage * kBlockM * kStride,
+                                            seq.rows(p.q, batch, head, true), p.q.row_stride, m0, seq.seqlen_q,
+                                            p.headdim);
     if (parts & kDo)
-      load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
-                                                   seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
-                                                   seq.seqlen_q, p.headdim);
+      load_tile<kBlockM, S, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
+                                            seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
+                                            seq.seqlen_q, p.headdim);
     if (!(parts & kQ)) {
       cp_async_commit();
       return;
@@ -356,14 +357,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       const float* step_delta = deltas + stage * kBlockM + s_row0;
       const int warp_rows = seq.seqlen_q - m0 - s_row0;  // of this warp's 32 rows, those that exist
       float acc_s[2][kSKeys / 8][4] = {}, acc_dp[2][kSKeys / 8][4] = {};
-      gemm_qk<T, 2, kSKeys, kHeadDim, kQkUnroll>(acc_s, q_tile, s_row0, k_tile + s_key0 * kStride, lane);
-      gemm_qk<T, 2, kSKeys, kHeadDim, kQkUnroll>(acc_dp, do_tile, s_row0, v_tile + s_key0 * kStride, lane);
+      gemm_qk<T, 2, kSKeys, S, kQkUnroll>(acc_s, q_tile, s_row0, k_tile + s_key0 * kStride, lane);
+      gemm_qk<T, 2, kSKeys, S, kQkUnroll>(acc_dp, do_tile, s_row0, v_tile + s_key0 * kStride, lane);
       probabilities_and_gradients<false, kLocal, kExtras>(
           acc_s, acc_dp, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask,
           mod, dropout, dropping, p.dropout_scale, [=](int r, int) { return !kExtras || r < warp_rows ? step_lse[r] * kLog2e : kInf; },
           [=](int r, int) { return step_delta[r]; }, m0 + s_row0, n0 + s_key0, lane);
-      store_fragments<T, 2, kSKeys / 8, kPStride>(p_tile + s_row0 * kPStride + s_key0, acc_s, lane);
-      store_fragments<T, 2, kSKeys / 8, kPStride>(ds_tile + s_row0 * kPStride + s_key0, acc_dp, lane);
+      store_fragments<T, 2, kSKeys / 8, P>(p_tile + s_row0 * kPStride, s_key0, acc_s, lane);
+      store_fragments<T, 2, kSKeys / 8, P>(ds_tile + s_row0 * kPStride, s_key0, acc_dp, lane);
     }
     __syncthreads();
     // The next step's loads (with three buffers, the step after's) go into a free stage
@@ -377,8 +378,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     if (kStages == 3 && step + 2 < steps) load_step(following(following(at)), (step + 2) % 3, kBoth);
 
     // dV += dropout(P)^T dO
-    gemm_ss<T, 2, kKvCols, kBlockM, true, false, kPStride, kStride>(acc_dv, p_tile + kv_key0, do_tile + kv_col0,
-                                                                     lane);
+    gemm_ss<T, 2, kKvCols, kBlockM, true, false, P, S>(acc_dv, p_tile, kv_key0, do_tile, kv_col0, lane);
     if (kSplitLoads && step + 1 < steps) load_step(following(at), (step + 1) % 2, kDo);
     // dQ += dS K for this warp's 32 queries x kDqCols columns, added to the fp32 buffer.
     // 64 columns a warp (d 256) go in two parts: the first part's reductions drain under
@@ -388,8 +388,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     for (int part = 0; part < kDqParts; ++part) {
       const int col0 = dq_col0 + part * kPartCols;
       float acc_dq[2][kPartCols / 8][4] = {};
-      gemm_ss<T, 2, kPartCols, kBlockN, false, false, kPStride, kStride, kDqUnroll>(
-          acc_dq, ds_tile + s_row0 * kPStride, k_tile + col0, lane);
+      gemm_ss<T, 2, kPartCols, kBlockN, false, false, P, S, kDqUnroll>(acc_dq, ds_tile + s_row0 * kPStride, 0,
+                                                                        k_tile, col0, lane);
       // This lane's first row (g), then rows 8 apart: 8 x 8 blocks (DqAccum) one step of
       // eight_rows apart, from one address per step.
       const int64 first_row = seq.q_rows_before + m0 + s_row0 + g;
@@ -409,8 +409,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     }
     // dK += dS^T Q (scaled once at the end), after dQ: its products cover the atomics'
     // drain (FlashAttention-2's order; docs/performance.md item 38)
-    gemm_ss<T, 2, kKvCols, kBlockM, true, false, kPStride, kStride>(acc_dk, ds_tile + kv_key0, q_tile + kv_col0,
-                                                                     lane);
+    gemm_ss<T, 2, kKvCols, kBlockM, true, false, P, S>(acc_dk, ds_tile, kv_key0, q_tile, kv_col0, lane);
     if (kStages == 1 && step + 1 < steps) {
       __syncthreads();  // one buffer: every warp is done with this step's Q and dO
       load_step(following(at), 0, kBoth);
@@ -421,14 +420,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
 
   // dK and dV through the K and V tiles, so that the global stores are 16 bytes wide
   // and coalesced (from the fragments they were 4-byte pieces of 8 rows).
-  store_fragments<T, 2, kKvCols / 8, kStride>(k_tile + kv_key0 * kStride + kv_col0, acc_dk, lane, p.scale);
-  store_fragments<T, 2, kKvCols / 8, kStride>(v_tile + kv_key0 * kStride + kv_col0, acc_dv, lane);
+  store_fragments<T, 2, kKvCols / 8, S>(k_tile + kv_key0 * kStride, kv_col0, acc_dk, lane, p.scale);
+  store_fragments<T, 2, kKvCols / 8, S>(v_tile + kv_key0 * kStride, kv_col0, acc_dv, lane);
   __syncthreads();
   const Sequence out_seq = Sequence::of(p, batch);
-  store_tile<kBlockN, kHeadDim, kThreads, kVec>(out_seq.rows(p.dk, batch, kv_head, false), k_tile, p.dk.row_stride,
-                                                n0, out_seq.seqlen_k, p.headdim);
-  store_tile<kBlockN, kHeadDim, kThreads, kVec>(out_seq.rows(p.dv, batch, kv_head, false), v_tile, p.dv.row_stride,
-                                                n0, out_seq.seqlen_k, p.headdim);
+  store_tile<kBlockN, S, kThreads, kVec>(out_seq.rows(p.dk, batch, kv_head, false), k_tile, p.dk.row_stride,
+                                         n0, out_seq.seqlen_k, p.headdim);
+  store_tile<kBlockN, S, kThreads, kVec>(out_seq.rows(p.dv, batch, kv_head, false), v_tile, p.dv.row_stride,
+                                         n0, out_seq.seqlen_k, p.headdim);
 }
 
 // @tparam kBlockM   query rows per step; a multiple of 16
@@ -442,12 +441,13 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kS
           bool kExtras, int kColSplit>
 __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const Params p) {
   constexpr int kThreads = kWarps * 32;
-  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+  using S = SmemTile<kHeadDim, true>;  // (copy.cuh: kXorAddress)
+  constexpr int kStride = S::kRowElems;  // elements from one row of a tile to the next
   constexpr int kCols = kHeadDim / kColSplit;
   constexpr int kQkUnroll = qk_unroll(kHeadDim);
   static_assert(kBlockN == 16 * kWarps && kBlockM % 16 == 0 && kCols % 16 == 0, "tile shape");
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];  // swizzled rows start on 128-byte lines
   elem_t* k_tile = reinterpret_cast<elem_t*>(smem);
   elem_t* v_tile = k_tile + kBlockN * kStride;
   elem_t* q_tiles = v_tile + kBlockN * kStride;
@@ -476,19 +476,19 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
   const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
   const bool dropping = kExtras && p.dropout_threshold > 0;
 
-  load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tile, k, p.k.row_stride, n0, seq.seqlen_k, p.headdim);
-  load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tile, v, p.v.row_stride, n0, seq.seqlen_k, p.headdim);
+  load_tile<kBlockN, S, kThreads, kVec>(k_tile, k, p.k.row_stride, n0, seq.seqlen_k, p.headdim);
+  load_tile<kBlockN, S, kThreads, kVec>(v_tile, v, p.v.row_stride, n0, seq.seqlen_k, p.headdim);
   cp_async_commit();
 
   auto step_head = [&](int step) { return kv_head * p.heads_per_kv + step / max(m_tiles, 1); };
   auto step_m0 = [&](int step) { return (m_begin + step % max(m_tiles, 1)) * kBlockM; };
   auto load_step = [&](int step, int stage) {
     const int head = step_head(step), m0 = step_m0(step);
-    load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tiles + stage * kBlockM * kStride, seq.rows(p.q, batch, head, true),
-                                                 p.q.row_stride, m0, seq.seqlen_q, p.headdim);
-    load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
-                                                 seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
-                                                 seq.seqlen_q, p.headdim);
+    load_tile<kBlockM, S, kThreads, kVec>(q_tiles + stage * kBlockM * kStride, seq.rows(p.q, batch, head, true),
+                                          p.q.row_stride, m0, seq.seqlen_q, p.headdim);
+    load_tile<kBlockM, S, kThreads, kVec>(do_tiles + stage * kBlockM * kStride,
+                                          seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
+                                          seq.seqlen_q, p.headdim);
     cp_async_commit();
     // Rows past seqlen_q get LSE = +inf, so their P is 0 like a fully masked row's.
     const int64 at = seq.lse_offset(p, batch, head) + m0;
@@ -526,15 +526,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
 
       // dP^T = V dO^T and S^T = K Q^T: this warp's 16 keys x kBlockM queries.
       float acc_s[1][kBlockM / 8][4] = {}, acc_ds[1][kBlockM / 8][4] = {};
-      gemm_qk<T, 1, kBlockM, kHeadDim, kQkUnroll>(acc_ds, v_tile, warp * 16, do_tile, lane);
-      gemm_qk<T, 1, kBlockM, kHeadDim, kQkUnroll>(acc_s, k_tile, warp * 16, q_tile, lane);
+      gemm_qk<T, 1, kBlockM, S, kQkUnroll>(acc_ds, v_tile, warp * 16, do_tile, lane);
+      gemm_qk<T, 1, kBlockM, S, kQkUnroll>(acc_s, k_tile, warp * 16, q_tile, lane);
       probabilities_and_gradients<true, kLocal, kExtras>(
           acc_s, acc_ds, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask, mod,
           dropout, dropping, p.dropout_scale, [=](int c, int) { return step_lse[c]; },
           [=](int c, int) { return step_delta[c]; }, n0 + warp * 16, m0, lane);
       // dV += dropout(P)^T dO;  dK += dS^T Q (scaled once at the end)
-      gemm_pv<T, 1, kBlockM, kCols, kStride>(acc_dv, acc_s, do_tile + col0, lane);
-      gemm_pv<T, 1, kBlockM, kCols, kStride>(acc_dk, acc_ds, q_tile + col0, lane);
+      gemm_pv<T, 1, kBlockM, kCols, S>(acc_dv, acc_s, do_tile, col0, lane);
+      gemm_pv<T, 1, kBlockM, kCols, S>(acc_dk, acc_ds, q_tile, col0, lane);
 
       __syncthreads();
       if (kStages == 1 && step + 1 < steps) load_step(step + 1, 0);
@@ -556,12 +556,13 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kS
           bool kExtras, int kColSplit>
 __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Params p) {
   constexpr int kThreads = kWarps * 32;
-  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+  using S = SmemTile<kHeadDim, true>;  // (copy.cuh: kXorAddress)
+  constexpr int kStride = S::kRowElems;  // elements from one row of a tile to the next
   constexpr int kCols = kHeadDim / kColSplit;
   constexpr int kQkUnroll = qk_unroll(kHeadDim);
   static_assert(kBlockM == 16 * kWarps && kBlockN % 16 == 0 && kCols % 16 == 0, "tile shape");
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];  // swizzled rows start on 128-byte lines
   elem_t* q_tile = reinterpret_cast<elem_t*>(smem);
   elem_t* do_tile = q_tile + kBlockM * kStride;
   elem_t* k_tiles = do_tile + kBlockM * kStride;
@@ -601,16 +602,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
   }
 
   auto load_kv = [&](int n, int stage) {
-    load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tiles + stage * kBlockN * kStride, k, p.k.row_stride,
-                                                  n * kBlockN, seq.seqlen_k, p.headdim);
-    load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tiles + stage * kBlockN * kStride, v, p.v.row_stride,
-                                                  n * kBlockN, seq.seqlen_k, p.headdim);
+    load_tile<kBlockN, S, kThreads, kVec>(k_tiles + stage * kBlockN * kStride, k, p.k.row_stride,
+                                          n * kBlockN, seq.seqlen_k, p.headdim);
+    load_tile<kBlockN, S, kThreads, kVec>(v_tiles + stage * kBlockN * kStride, v, p.v.row_stride,
+                                          n * kBlockN, seq.seqlen_k, p.headdim);
     cp_async_commit();
   };
-  load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tile, seq.rows(p.q, batch, head, true), p.q.row_stride, m0,
-                                               seq.seqlen_q, p.headdim);
-  load_tile<kBlockM, kHeadDim, kThreads, kVec>(do_tile, seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
-                                               seq.seqlen_q, p.headdim);
+  load_tile<kBlockM, S, kThreads, kVec>(q_tile, seq.rows(p.q, batch, head, true), p.q.row_stride, m0,
+                                        seq.seqlen_q, p.headdim);
+  load_tile<kBlockM, S, kThreads, kVec>(do_tile, seq.rows(p.dout, batch, head, true), p.dout.row_stride, m0,
+                                        seq.seqlen_q, p.headdim);
   cp_async_commit();
 
 #pragma unroll 1
@@ -632,13 +633,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
       const int n0 = n * kBlockN;
 
       float acc_s[1][kBlockN / 8][4] = {}, acc_ds[1][kBlockN / 8][4] = {};
-      gemm_qk<T, 1, kBlockN, kHeadDim, kQkUnroll>(acc_s, q_tile, warp * 16, k_tile, lane);
-      gemm_qk<T, 1, kBlockN, kHeadDim, kQkUnroll>(acc_ds, do_tile, warp * 16, v_tile, lane);
+      gemm_qk<T, 1, kBlockN, S, kQkUnroll>(acc_s, q_tile, warp * 16, k_tile, lane);
+      gemm_qk<T, 1, kBlockN, S, kQkUnroll>(acc_ds, do_tile, warp * 16, v_tile, lane);
       probabilities_and_gradients<false, kLocal, kExtras>(
           acc_s, acc_ds, scale_log2, !mask.covers(m0, row_end, n0, n0 + kBlockN), mask, mod, dropout, dropping,
           p.dropout_scale, [=](int, int e) { return row_lse[e >> 1]; }, [=](int, int e) { return row_delta[e >> 1]; },
           m0 + warp * 16, n0, lane);
-      gemm_pv<T, 1, kBlockN, kCols, kStride>(acc_dq, acc_ds, k_tile + col0, lane);
+      gemm_pv<T, 1, kBlockN, kCols, S>(acc_dq, acc_ds, k_tile, col0, lane);
       __syncthreads();
       if (kStages == 1 && n + 1 < n_end) load_kv(n + 1, 0);
     }

@@ -8,6 +8,14 @@ using int64 = long long;
 // instruction and the float conversion need to know which one they are.
 using elem_t = unsigned short;
 
+// Compiling for a GPU before Hopper (sm_80 / 86 / 89): fewer registers to spare there
+// under CUDA 12's ptxas.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool kBeforeSm90 = true;
+#else
+constexpr bool kBeforeSm90 = false;
+#endif
+
 constexpr float kLog2e = 1.4426950408889634f;  // exp(x) == exp2(x * kLog2e)
 constexpr float kLn2 = 0.6931471805599453f;    // log(x) == log2(x) * kLn2
 constexpr float kInf = __builtin_bit_cast(float, 0x7f800000u);

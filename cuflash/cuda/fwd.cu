@@ -37,7 +37,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   constexpr int kThreads = kWarps * 32;
   constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row mma tiles per warp
   constexpr int kDTiles = kHeadDim / 8;
-  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+  using S = SmemTile<kHeadDim>;
+  constexpr int kStride = S::kRowElems;  // elements from one row of a tile to the next
   static_assert(kMTiles * 16 * kWarps == kBlockM && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
   static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
   // Key tiles load as kBlockN rows, but with 32 rows per warp above d 64 and softcap,
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   // barriers and copies of a 64-key one.
   constexpr int kSubN = kMTiles == 2 && kHeadDim > 64 && kExtras ? 32 : kBlockN;
   static_assert(kBlockN % kSubN == 0 && (kSubN == kBlockN || kStages == 2), "key sub-tiles");
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem[];  // swizzled rows start on 128-byte lines
   elem_t* q_tile = reinterpret_cast<elem_t*>(smem);
   elem_t* k_tiles = q_tile + kBlockM * kStride;
   elem_t* v_tiles = k_tiles + kStages * kBlockN * kStride;
@@ -79,15 +80,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
 
   auto load_k = [&](int n, int stage) {
-    load_tile<kBlockN, kHeadDim, kThreads, kVec>(k_tiles + stage * kBlockN * kStride, k, p.k.row_stride,
-                                                  n * kBlockN, seq.seqlen_k, p.headdim);
+    load_tile<kBlockN, S, kThreads, kVec>(k_tiles + stage * kBlockN * kStride, k, p.k.row_stride,
+                                          n * kBlockN, seq.seqlen_k, p.headdim);
   };
   auto load_v = [&](int n, int stage) {
-    load_tile<kBlockN, kHeadDim, kThreads, kVec>(v_tiles + stage * kBlockN * kStride, v, p.v.row_stride,
-                                                  n * kBlockN, seq.seqlen_k, p.headdim);
+    load_tile<kBlockN, S, kThreads, kVec>(v_tiles + stage * kBlockN * kStride, v, p.v.row_stride,
+                                          n * kBlockN, seq.seqlen_k, p.headdim);
   };
 
-  load_tile<kBlockM, kHeadDim, kThreads, kVec>(q_tile, q, p.q.row_stride, m0, seq.seqlen_q, p.headdim);
+  load_tile<kBlockM, S, kThreads, kVec>(q_tile, q, p.q.row_stride, m0, seq.seqlen_q, p.headdim);
   if (n_end > n_begin) {
     load_k(n_end - 1, 0);
     if constexpr (kStages == 2) load_v(n_end - 1, 0);
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
     // S, the softmax and P V of the keys n0 .. n0 + kSubN, held at k_sub and v_sub.
     auto scores_and_pv = [&](int n0, const elem_t* k_sub, const elem_t* v_sub) {
       float acc_s[kMTiles][kSubN / 8][4] = {};
-      gemm_qk<T, kMTiles, kSubN, kHeadDim>(acc_s, q_tile, warp_row0, k_sub, lane);
+      gemm_qk<T, kMTiles, kSubN, S>(acc_s, q_tile, warp_row0, k_sub, lane);
       if constexpr (kExtras) mod.apply(acc_s, m0 + warp_row0, n0, lane);
       if (!mask.covers(m0, row_end, n0, n0 + kSubN)) mask.apply(acc_s, m0 + warp_row0, n0, lane);
       softmax.update(acc_s, acc_o, scale_log2);
@@ -137,7 +138,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
           cp_async_commit();
         }
       }
-      gemm_pv<T, kMTiles, kSubN, kHeadDim, kStride>(acc_o, acc_s, v_sub, lane);
+      gemm_pv<T, kMTiles, kSubN, kHeadDim, S>(acc_o, acc_s, v_sub, 0, lane);
     };
     if constexpr (kSubN == kBlockN) {
       scores_and_pv(n * kBlockN, k_tiles + stage * kBlockN * kStride, v_tiles + stage * kBlockN * kStride);
@@ -173,15 +174,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = warp_row0 + mt * 16 + g + 8 * h;
-      if (t == 0 && p.lse != nullptr && m0 + row < out_seq.seqlen_q) lse[m0 + row] = row_lse[mt][h];
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt)
-        *reinterpret_cast<unsigned*>(q_tile + row * kStride + dt * 8 + 2 * t) =
-            DType<T>::pack(acc_o[mt][dt][2 * h], acc_o[mt][dt][2 * h + 1]);
+      const int row = m0 + warp_row0 + mt * 16 + g + 8 * h;
+      if (t == 0 && p.lse != nullptr && row < out_seq.seqlen_q) lse[row] = row_lse[mt][h];
     }
+  store_fragments<T, kMTiles, kDTiles, S>(q_tile + warp_row0 * kStride, 0, acc_o, lane);
   __syncthreads();
-  store_tile<kBlockM, kHeadDim, kThreads, kVec>(o, q_tile, p.o.row_stride, m0, out_seq.seqlen_q, p.headdim);
+  store_tile<kBlockM, S, kThreads, kVec>(o, q_tile, p.o.row_stride, m0, out_seq.seqlen_q, p.headdim);
 }
 
 }  // namespace cuflash

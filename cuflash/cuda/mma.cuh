@@ -29,79 +29,54 @@ __device__ __forceinline__ void ldmatrix(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
-// Where a lane points for an x4 load of the 16 x 16 block at the tile's origin, in
-// two matrix orders. Rows first: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15),
-// (8-15, 8-15). Columns first: (0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15).
-// The loaders add the block's offset, in bytes, to the shared address of this lane's
-// origin last: the origin does not change inside a product, and the block offset is a
-// compile-time constant in unrolled loops (folded into the ldmatrix immediate) or one
-// add per trip in partly unrolled ones. (Added to the element pointer before the
-// conversion to a shared address, it cost two integer instructions per ldmatrix in
-// partly unrolled loops; adding the lane's column to the block's first, ptxas proved
-// their bits disjoint, ORed them and kept one register per block.)
-template <int kStride>
-__device__ __forceinline__ int lane_offset_rows_first(int lane) {
-  return (lane & 15) * kStride + (lane >> 4) * 8;
+// Where a lane points for an x4 load of a 16 x 16 block, in two matrix orders, as an
+// offset in layout L of the tile (copy.cuh) for the block whose first column is col0.
+// Rows first: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
+// Columns first: (0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15). A product computes
+// its lanes' offsets once; each block's address then follows from them (L::address),
+// its compile-time part folded into the ldmatrix immediate.
+template <typename L>
+__device__ __forceinline__ int rows_first(int col0, int lane) {
+  return L::at(lane & 15, col0 + (lane >> 4) * 8);
 }
-template <int kStride>
-__device__ __forceinline__ int lane_offset_cols_first(int lane) {
-  return ((lane & 7) + (lane >> 4) * 8) * kStride + ((lane >> 3) & 1) * 8;
-}
-
-// A fragment of rows [row0, row0+16) x cols [col0, col0+16) of a row-major tile (Q).
-template <int kStride>
-__device__ __forceinline__ void load_a(unsigned a[4], const elem_t* tile, int row0, int col0, int lane) {
-  ldmatrix<4, false>(a, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (row0 * kStride + col0));
-}
-
-// B fragments of two n8 tiles (n0 and n0+8) x k16 at k0, for B = tile^T where the
-// tile is stored [n][k] (K in S = Q K^T). b[0..1]: tile n0, b[2..3]: tile n0+8; with
-// kCount 2, tile n0 only (an odd last tile: a head dim of 96, 160 or 224 split among warps).
-template <int kStride, int kCount = 4>
-__device__ __forceinline__ void load_b_transposed(unsigned* b, const elem_t* tile, int n0, int k0, int lane) {
-  ldmatrix<kCount, false>(b, smem_addr(tile + lane_offset_cols_first<kStride>(lane)) + 2 * (n0 * kStride + k0));
-}
-
-// B fragments of two n8 tiles (n0, n0+8), or with kCount 2 one, x k16 at k0, for B =
-// tile stored [k][n] (V in O = P V); .trans hands each lane the column pairs the
-// fragment wants.
-template <int kStride, int kCount = 4>
-__device__ __forceinline__ void load_b(unsigned* b, const elem_t* tile, int k0, int n0, int lane) {
-  ldmatrix<kCount, true>(b, smem_addr(tile + lane_offset_rows_first<kStride>(lane)) + 2 * (k0 * kStride + n0));
-}
-
-// A fragment of rows [m0, m0+16) x cols [k0, k0+16) of A, where A is stored
-// transposed, [k][m] (dS^T in the backward); .trans hands each lane A's pairs.
-template <int kStride>
-__device__ __forceinline__ void load_a_transposed(unsigned a[4], const elem_t* tile_t, int m0, int k0, int lane) {
-  ldmatrix<4, true>(a, smem_addr(tile_t + lane_offset_cols_first<kStride>(lane)) + 2 * (k0 * kStride + m0));
+template <typename L>
+__device__ __forceinline__ int cols_first(int col0, int lane) {
+  return L::at((lane & 7) + (lane >> 4) * 8, col0 + ((lane >> 3) & 1) * 8);
 }
 
 // acc[kMTiles][kN / 8][4] += A . B for A of kMTiles x 16 rows by kK and B of kK x kN,
-// both in shared memory from their origin: A stored [m][k] or, with kATransposed,
-// [k][m]; B stored [k][n] or, with kBTransposed, [n][k]. kN is a multiple of 8: n8
-// tiles go in pairs, an odd last one alone. kUnroll bounds how many k16 steps the
-// compiler may overlap (their fragments are live together).
-template <typename T, int kMTiles, int kN, int kK, bool kATransposed, bool kBTransposed, int kStrideA,
-          int kStrideB, int kUnroll = kK / 16>
-__device__ __forceinline__ void gemm_ss(float (&acc)[kMTiles][kN / 8][4], const elem_t* a, const elem_t* b,
-                                        int lane) {
+// both in shared memory: A stored [m][k] or, with kATransposed, [k][m], in layout LA
+// from row 0 and column a_col0 of the tile at `a`; B stored [k][n] or, with
+// kBTransposed, [n][k], in layout LB from column b_col0. kN is a multiple of 8: n8 tiles
+// go in pairs (ldmatrix.x4), an odd last one alone (.x2; a head dim of 96, 160 or 224
+// split among warps). Fragments: A as rows first (.trans, columns first, when stored
+// transposed), so each lane gets its pairs; B = tile^T columns first, B = tile rows
+// first with .trans. kUnroll bounds how many k16 steps the compiler may overlap (their
+// fragments are live together).
+template <typename T, int kMTiles, int kN, int kK, bool kATransposed, bool kBTransposed, typename LA, typename LB,
+          int kUnroll = kK / 16>
+__device__ __forceinline__ void gemm_ss(float (&acc)[kMTiles][kN / 8][4], const elem_t* a, int a_col0,
+                                        const elem_t* b, int b_col0, int lane) {
+  static_assert(LA::composes(kATransposed ? kMTiles * 16 : kK) && LB::composes(kBTransposed ? kK : kN),
+                "a product's first column must compose with its layout (copy.cuh)");
+  const int a_lane = kATransposed ? cols_first<LA>(a_col0, lane) : rows_first<LA>(a_col0, lane);
+  const int b_lane = kBTransposed ? cols_first<LB>(b_col0, lane) : rows_first<LB>(b_col0, lane);
 #pragma unroll kUnroll
   for (int kk = 0; kk < kK; kk += 16) {
     unsigned af[kMTiles][4];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-      if constexpr (kATransposed) load_a_transposed<kStrideA>(af[mt], a, mt * 16, kk, lane);
-      else load_a<kStrideA>(af[mt], a, mt * 16, kk, lane);
+      if constexpr (kATransposed) ldmatrix<4, true>(af[mt], LA::address(a, a_lane, kk, mt * 16));
+      else ldmatrix<4, false>(af[mt], LA::address(a, a_lane, mt * 16, kk));
     }
 #pragma unroll
     for (int nt = 0; nt < kN / 8; nt += 2) {
       unsigned bf[4];
       const bool pair = nt + 1 < kN / 8;
-      if (pair && kBTransposed) load_b_transposed<kStrideB>(bf, b, nt * 8, kk, lane);
-      if (pair && !kBTransposed) load_b<kStrideB>(bf, b, kk, nt * 8, lane);
-      if (!pair && kBTransposed) load_b_transposed<kStrideB, 2>(bf, b, nt * 8, kk, lane);
-      if (!pair && !kBTransposed) load_b<kStrideB, 2>(bf, b, kk, nt * 8, lane);
+      if (pair && kBTransposed) ldmatrix<4, false>(bf, LB::address(b, b_lane, nt * 8, kk));
+      if (pair && !kBTransposed) ldmatrix<4, true>(bf, LB::address(b, b_lane, kk, nt * 8));
+      if (!pair && kBTransposed) ldmatrix<2, false>(bf, LB::address(b, b_lane, nt * 8, kk));
+      if (!pair && !kBTransposed) ldmatrix<2, true>(bf, LB::address(b, b_lane, kk, nt * 8));
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         DType<T>::mma(acc[mt][nt], af[mt], bf[0], bf[1]);
@@ -111,12 +86,12 @@ __device__ __forceinline__ void gemm_ss(float (&acc)[kMTiles][kN / 8][4], const 
   }
 }
 
-// S = Q K^T for the kMTiles x 16 rows of Q from q_row0, over the full head dim.
-template <typename T, int kMTiles, int kN, int kHeadDim, int kUnroll = kHeadDim / 16>
+// S = Q K^T for the kMTiles x 16 rows of Q from q_row0 (a multiple of 8), over all the
+// columns of Q and K, two tiles in layout S.
+template <typename T, int kMTiles, int kN, typename S, int kUnroll = S::kCols / 16>
 __device__ __forceinline__ void gemm_qk(float (&acc)[kMTiles][kN / 8][4], const elem_t* q, int q_row0,
                                         const elem_t* k, int lane) {
-  constexpr int kStride = SmemTile<kHeadDim>::kStride;
-  gemm_ss<T, kMTiles, kN, kHeadDim, false, true, kStride, kStride, kUnroll>(acc, q + q_row0 * kStride, k, lane);
+  gemm_ss<T, kMTiles, kN, S::kCols, false, true, S, S, kUnroll>(acc, q + q_row0 * S::kRowElems, 0, k, 0, lane);
 }
 
 // S-shaped accumulators (kMTiles x 16 rows, kN columns) -> A fragments of kN / 16
@@ -137,19 +112,21 @@ __device__ __forceinline__ void pack_a_fragments(unsigned (&a)[kMTiles][kN / 16]
 }
 
 // acc[kM][kCols / 8][4] += P . B with P taken from S-shaped accumulators (packed to
-// A fragments first, so the fp32 P is dead before the first mma). B is stored [k][n]
-// (V in O = P V; dO, Q in the backward), kCols columns from b.
-template <typename T, int kMTiles, int kN, int kCols, int kStride>
+// A fragments first, so the fp32 P is dead before the first mma). B is stored [k][n] in
+// layout L (V in O = P V; dO, Q in the backward), kCols columns from column b_col0.
+template <typename T, int kMTiles, int kN, int kCols, typename L>
 __device__ __forceinline__ void gemm_pv(float (&acc)[kMTiles][kCols / 8][4],
-                                        const float (&p)[kMTiles][kN / 8][4], const elem_t* b, int lane) {
+                                        const float (&p)[kMTiles][kN / 8][4], const elem_t* b, int b_col0, int lane) {
+  static_assert(L::composes(kCols), "a product's first column must compose with its layout (copy.cuh)");
   unsigned a[kMTiles][kN / 16][4];
   pack_a_fragments<T, kMTiles, kN>(a, p);
+  const int b_lane = rows_first<L>(b_col0, lane);
 #pragma unroll
   for (int kk = 0; kk < kN / 16; ++kk)
 #pragma unroll
     for (int dt = 0; dt < kCols / 8; dt += 2) {
       unsigned bf[4];
-      load_b<kStride>(bf, b, kk * 16, dt * 8, lane);
+      ldmatrix<4, true>(bf, L::address(b, b_lane, kk * 16, dt * 8));
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         DType<T>::mma(acc[mt][dt], a[mt][kk], bf[0], bf[1]);
@@ -159,18 +136,22 @@ __device__ __forceinline__ void gemm_pv(float (&acc)[kMTiles][kCols / 8][4],
 }
 
 // Accumulators in the C layout (kMTiles x 16 rows, kNTiles x 8 columns) -> a 16-bit
-// row-major shared tile from its origin, times mul; each lane writes its column pairs.
-template <typename T, int kMTiles, int kNTiles, int kStride>
-__device__ __forceinline__ void store_fragments(elem_t* tile, const float (&acc)[kMTiles][kNTiles][4], int lane,
-                                                float mul = 1.f) {
+// shared tile in layout L from row 0 and column col0 of `tile`, times mul; each lane
+// writes its column pairs.
+template <typename T, int kMTiles, int kNTiles, typename L>
+__device__ __forceinline__ void store_fragments(elem_t* tile, int col0, const float (&acc)[kMTiles][kNTiles][4],
+                                                int lane, float mul = 1.f) {
+  static_assert(L::composes(kNTiles * 8), "a product's first column must compose with its layout (copy.cuh)");
   const int g = lane >> 2, t = lane & 3;
+  const int origin = L::at(g, col0 + 2 * t);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
-        *reinterpret_cast<unsigned*>(tile + (mt * 16 + g + 8 * h) * kStride + nt * 8 + 2 * t) =
+        // (the pointer first, the constant last: folded into the store's immediate)
+        *reinterpret_cast<unsigned*>(tile + L::moved(origin, nt * 8) + L::fixed(mt * 16 + 8 * h, nt * 8)) =
             DType<T>::pack(acc[mt][nt][2 * h] * mul, acc[mt][nt][2 * h + 1] * mul);
 }
 
