@@ -70,8 +70,8 @@ KINDS = {
         # tile at d 256 in the sweep in docs/performance.md).
         # At d 96, 64-key tiles: +5-8% over 128 x 32 (docs/performance.md item 41); with
         # softcap, ALiBi or dropout their S, softmax and P V go 32 keys at a time (fwd.cu,
-        # kSubN; a 64-key S spilled). At d 128 a 64-key S spills, and the 32-key steps ran
-        # no faster than 128 x 32 (and do not fit sm_86).
+        # kSubN; a 64-key S spilled). At d 128 a 64-key S spills; 32-key steps of 128 x 64
+        # gain 3-5% causal on the swizzled tiles but spill 8 bytes there (item 54).
         32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 64, 4, 2),), 128: (_T(128, 32, 4, 2),),
         **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False),
