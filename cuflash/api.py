@@ -251,9 +251,16 @@ def _check_outputs(arrays: dict, lse_shape) -> None:
             raise TypeError(f"{name} must have dtype {dtype}, got {a.dtype}")
         if q.device is not None and name != "lse":
             _check_last_dim_contiguous(name, a)
-    lse = arrays["lse"]
-    if lse.device is not None and math.prod(lse.shape) and lse.strides != _arrays.contiguous_strides(lse.shape):
+    lse = arrays["lse"]  # contiguous on every backend: one layout contract, whoever runs it
+    if not _is_contiguous(lse):
         raise ValueError(f"lse must be contiguous, got strides {lse.strides} for shape {lse.shape}")
+
+
+def _is_contiguous(a: _arrays.ArrayInfo) -> bool:
+    """Row-major and dense; the stride of a dimension of size 1 never matters."""
+    if not math.prod(a.shape):
+        return True
+    return all(n == 1 or s == c for n, s, c in zip(a.shape, a.strides, _arrays.contiguous_strides(a.shape)))
 
 
 def _check_bool(name: str, value) -> None:
@@ -261,34 +268,46 @@ def _check_bool(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
-def _check_real(name: str, value, *, low: float, high: float | None = None, high_open: bool = False) -> float:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+# The kernels compute in float32, the scale in log2 units (scale * log2(e)): beyond
+# these bounds a finite Python float becomes inf there and the output NaN.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_SCALE_MAX = _FLOAT32_MAX / math.log2(math.e)
+
+
+def _check_real(name: str, value, *, low: float, high: float = _FLOAT32_MAX, high_open: bool = False) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     value = float(value)
-    in_range = math.isfinite(value) and value >= low and (high is None or (value < high if high_open else value <= high))
-    if not in_range:
-        bound = "" if high is None else (f" and < {high}" if high_open else f" and <= {high}")
-        raise ValueError(f"{name} must be finite, >= {low}{bound}, got {value}")
+    if not (math.isfinite(value) and value >= low and (value < high if high_open else value <= high)):
+        raise ValueError(f"{name} must be finite, >= {low} and {'<' if high_open else '<='} {high:.6g}, got {value!r}")
     return value
+
+
+def _check_integer(name: str, value, high: int) -> int:
+    """An integer in [0, high): not a bool (True is no seed), not a float."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if not 0 <= value < high:
+        raise ValueError(f"{name} must be an integer in [0, 2**64), got {value!r}")
+    return int(value)
 
 
 def _options(q, k, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed, rng_offset, *,
              backward: bool, batch: int | None = None, seqlen_k: int | None = None) -> Options:
     _check_bool("causal", causal)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else _check_real("softmax_scale", softmax_scale, low=0)
+    scale = (1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None
+             else _check_real("softmax_scale", softmax_scale, low=0, high=_SCALE_MAX))
     window = _window(window_size, bool(causal), k.shape[1] if seqlen_k is None else seqlen_k)
     softcap = _check_real("softcap", softcap, low=0)
     dropout_p = _check_real("dropout_p", dropout_p, low=0, high=1, high_open=True)
     alibi = None if alibi_slopes is None else _alibi(alibi_slopes, q, q.shape[0] if batch is None else batch)
-    if not isinstance(rng_offset, numbers.Integral) or not 0 <= rng_offset < 2**64:
-        raise ValueError(f"rng_offset must be an integer in [0, 2**64), got {rng_offset!r}")
+    rng_offset = _check_integer("rng_offset", rng_offset, 2**64)
     if seed is None:
         if dropout_p > 0 and backward:
             raise ValueError("seed is required for the backward with dropout_p > 0: pass the forward's seed")
         seed = int.from_bytes(os.urandom(8), "little") if dropout_p > 0 else 0
-    elif not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return Options(bool(causal), scale, window, softcap, alibi, dropout_p, int(seed), int(rng_offset))
+    seed = _check_integer("seed", seed, 2**64)
+    return Options(bool(causal), scale, window, softcap, alibi, dropout_p, seed, rng_offset)
 
 
 def _window(window_size, causal: bool, seqlen_k: int) -> tuple[int, int]:
@@ -316,6 +335,10 @@ def _alibi(alibi_slopes, q: _arrays.ArrayInfo, batch: int) -> _arrays.ArrayInfo:
         raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {a.shape}")
     if a.strides[-1] != 1 and nheads > 1:
         raise ValueError(f"alibi_slopes must be contiguous in its last dimension, got strides {a.strides}")
+    values = _host_values(a)
+    if values is not None and not np.isfinite(values).all():
+        raise ValueError(f"alibi_slopes must be finite, got {values.ravel()[~np.isfinite(values.ravel())][:4].tolist()}"
+                         f" among its values")
     return a
 
 
@@ -351,6 +374,20 @@ def _varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Var
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got "
                          f"{infos['cu_seqlens_q'].shape[0]} and {infos['cu_seqlens_k'].shape[0]}")
     return Varlen(infos["cu_seqlens_q"], infos["cu_seqlens_k"], lengths["cu_seqlens_q"], lengths["cu_seqlens_k"])
+
+
+def _host_values(a: _arrays.ArrayInfo) -> np.ndarray | None:
+    """A small array's values for a check, or None where reading them would break a
+    CUDA-graph capture (the values then go to the kernel unchecked)."""
+    if a.framework == "torch" and a.device is not None:
+        import torch
+        if torch.cuda.is_current_stream_capturing():
+            return None
+    if a.framework == "cupy":
+        import cupy
+        if cupy.cuda.get_current_stream().is_capturing():
+            return None
+    return _to_numpy(a)
 
 
 def _to_numpy(a: _arrays.ArrayInfo) -> np.ndarray:

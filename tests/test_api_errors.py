@@ -57,10 +57,18 @@ def test_head_dim_limits():
 
 
 @pytest.mark.parametrize("scale,error", [(-1.0, ValueError), (math.inf, ValueError), (math.nan, ValueError),
-                                         ("0.1", TypeError), (True, TypeError)])
+                                         (1e39, ValueError), (3e38, ValueError), ("0.1", TypeError),
+                                         (True, TypeError)])
 def test_softmax_scale(scale, error):
     with pytest.raises(error, match="softmax_scale"):
         cuflash.attention(*qkv(), softmax_scale=scale)
+
+
+def test_large_finite_softmax_scale_is_accepted():
+    """The bound is the scale's own float32 range in log2 units, not a tighter guess:
+    whether scores overflow depends on the data, as in any attention."""
+    out = cuflash.attention(*qkv(), softmax_scale=1e30)
+    assert np.isfinite(out).all()
 
 
 def test_causal_must_be_bool():
@@ -95,14 +103,24 @@ def test_valid_edge_cases_do_not_raise():
     (dict(window_size=(-2, 0)), ValueError, r"window_size left must be an integer >= -1 \(-1: unbounded\), got -2"),
     (dict(window_size=(0, 1.5)), ValueError, "window_size right must be an integer"),
     (dict(window_size=3), TypeError, r"window_size must be a pair \(left, right\), got 3"),
-    (dict(softcap=-1.0), ValueError, r"softcap must be finite, >= 0, got -1.0"),
+    (dict(softcap=-1.0), ValueError, r"softcap must be finite, >= 0 and <= 3.40282e\+38, got -1.0"),
+    (dict(softcap=1e39), ValueError, r"softcap must be finite, >= 0 and <= 3.40282e\+38, got 1e\+39"),
+    (dict(softcap=math.inf), ValueError, "softcap must be finite"),
     (dict(dropout_p=1.0), ValueError, r"dropout_p must be finite, >= 0 and < 1, got 1.0"),
     (dict(dropout_p=-0.1), ValueError, "dropout_p must be finite"),
+    (dict(dropout_p=math.nan), ValueError, "dropout_p must be finite"),
+    (dict(dropout_p=True), TypeError, "dropout_p must be a real number, got True"),
     (dict(dropout_p=0.1, seed=-1), ValueError, r"seed must be an integer in \[0, 2\*\*64\), got -1"),
+    (dict(dropout_p=0.1, seed=True), TypeError, "seed must be an integer, got True"),
+    (dict(dropout_p=0.1, seed=1.0), TypeError, "seed must be an integer, got 1.0"),
     (dict(rng_offset=2**64), ValueError, "rng_offset must be an integer"),
+    (dict(rng_offset=True), TypeError, "rng_offset must be an integer, got True"),
+    (dict(rng_offset=np.bool_(True)), TypeError, "rng_offset must be an integer, got "),
     (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\), got \(3,\)"),
     (dict(alibi_slopes=np.ones(4, np.float64)), TypeError, "alibi_slopes must be float32, got float64"),
     (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a NumPy, CuPy, PyTorch or JAX array"),
+    (dict(alibi_slopes=np.array([0.5, np.inf, 0.1, np.nan], np.float32)), ValueError,
+     r"alibi_slopes must be finite, got \[inf, nan\]"),
 ])
 def test_variant_options(options, error, message):
     with pytest.raises(error, match=message):
@@ -164,3 +182,30 @@ def test_warm_calls_are_checked_like_the_first():
     cuflash.attention(q, q, q, window_size=(-1, -1))
     with pytest.raises(ValueError, match="window_size right must be an integer"):
         cuflash.attention(q, q, q, window_size=(-1, -1.0))
+
+
+@pytest.mark.parametrize("name,make,error,message", [
+    ("lse", lambda lse: np.ascontiguousarray(lse.transpose(0, 2, 1)).transpose(0, 2, 1), ValueError,
+     r"lse must be contiguous, got strides"),
+    ("lse", lambda lse: lse[..., :-1], ValueError, r"lse must have shape \(2, 4, 8\), got \(2, 4, 7\)"),
+    ("lse", lambda lse: lse.astype(np.float64), TypeError, "lse must have dtype float32, got float64"),
+    ("out", lambda out: out[:, :-1], ValueError, r"out must have shape \(2, 8, 4, 16\), got \(2, 7, 4, 16\)"),
+    ("out", lambda out: out.astype(np.float64), TypeError, "out must have dtype float32, got float64"),
+    ("dout", lambda dout: dout[..., :8], ValueError, "dout must have shape"),
+])
+def test_backward_buffers(name, make, error, message):
+    """The backward's out, dout and lse are held to one layout contract on every backend
+    (the CPU path could read a strided lse, the kernels cannot)."""
+    q, k, v = qkv()
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    arrays = dict(dout=out.copy(), out=out, lse=lse)
+    arrays[name] = make(arrays[name])
+    with pytest.raises(error, match=message):
+        cuflash.attention_backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"])
+
+
+def test_lse_with_unit_dimensions_of_any_stride_is_contiguous():
+    q, k, v = qkv((1, 8, 1, 16), (1, 8, 1, 16))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    strided = np.lib.stride_tricks.as_strided(lse, lse.shape, (4096, 4096, 4))
+    cuflash.attention_backward(out, q, k, v, out, strided)
