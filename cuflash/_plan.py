@@ -66,12 +66,14 @@ KINDS = {
         # memory feeds two m16 tiles). Above, the O accumulator only fits 16 rows: 4
         # warps with one K and one V buffer (fwd.cu) take half the shared memory of
         # two stages, so two CTAs share an SM and hide each other's barriers and loads
-        # (FlashAttention-2's H100 choice; 1.06-1.11x the 128 x 64 x 8-warp, 2-stage
-        # tile at d 256 in the sweep in docs/performance.md).
-        # At d 96, 64-key tiles: +5-8% over 128 x 32 (docs/performance.md item 41); with
+        # (FlashAttention-2's H100 choice; 1.04-1.10x the 128 x 64 x 8-warp, 2-stage
+        # tile at d 256 in a tile sweep, docs/tuning.md "Forward tiles").
+        # At d 96, 64-key tiles: +5-8% over the same tiles taken 32 keys at a time (which
+        # were themselves +6-8% over 128 x 32 tiles, not causal) in A/B rounds; with
         # softcap, ALiBi or dropout their S, softmax and P V go 32 keys at a time (fwd.cu,
         # kSubN; a 64-key S spilled). At d 128 a 64-key S spills; 32-key steps of 128 x 64
-        # gain 3-5% causal on the swizzled tiles but spill 8 bytes there (item 54).
+        # gain 3-5% causal on the swizzled tiles but spill 8 bytes in the causal variant
+        # on sm_90, and without the spill (fewer k16 steps overlapped) lose 1.6-4.5%.
         32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 64, 4, 2),), 128: (_T(128, 32, 4, 2),),
         **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False),
@@ -80,10 +82,10 @@ KINDS = {
     # columns of dK, dV and dQ (24 at d 96, 40 at d 160: an odd n8 tile, mma.cuh).
     # Softcap, ALiBi and dropout take the two-kernel path up to d 128: their per-element
     # arithmetic spills these tiles, and the tiles that fit them (64 x 128 at d 64,
-    # 128 x 64 at d 128) ran no faster than the two kernels without extras (sweep in
-    # docs/performance.md).
+    # 128 x 64 at d 128) ran no faster than the two kernels without extras (tile sweep,
+    # docs/tuning.md "Backward structure").
     # Three Q/dO buffers (loads two steps ahead) at d 64 where shared memory allows: +1-2%
-    # over two in two A/B rounds; at d 128 they lost 0.5-3% (docs/performance.md item 29).
+    # over two in two A/B rounds (up to +6% at 1k); at d 128 they lost 0.5-3%.
     "backward": Kind("bwd.cu", "attention_backward", {
         32: (_T(128, 128, 8, 2), _T(128, 128, 8, 1)),
         # (128 x 128 with one Q/dO buffer, for sm_80's shared memory, spills under CUDA 12.9.)

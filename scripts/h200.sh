@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the lent GPU: compile every variant, run the GPU tests, benchmark.
+# One call on the H200: compile every variant, run the GPU tests, benchmark.
 # Full logs go to $OUT; a short summary is printed last.
 #   usage: [BENCH_ARGS="--mode fwd"] bash scripts/h200.sh [tests|bench|all] [pytest args, default: tests]
 set -uo pipefail

@@ -1,6 +1,6 @@
 """Fill the kernel cache off the GPU for the benchmark's shapes, so that a timed run on
-the lent GPU spends no device minutes in NVRTC. The cache key includes the NVRTC
-version: compile with the GPU machine's (the lent H200's CuPy uses NVRTC 13.0: a venv
+the GPU machine spends no device minutes in NVRTC. The cache key includes the NVRTC
+version: compile with the GPU machine's (the H200's CuPy uses NVRTC 13.0: a venv
 with nvidia-cuda-nvrtc==13.0.*) and carry the cache there (CUFLASH_CACHE_DIR).
 
     CUFLASH_CACHE_DIR=.baseline/cache python scripts/precompile.py cuflash .baseline/cuflash_x

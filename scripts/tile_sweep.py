@@ -1,4 +1,4 @@
-"""Time candidate tile shapes beside SDPA-flash, in one process, on the lent GPU.
+"""Time candidate tile shapes beside SDPA-flash, in one process, on the GPU machine.
 
     python scripts/tile_sweep.py --mode fwd --d 128 --tiles "forward=128x64x4x2,128x32x4x2"
     python scripts/tile_sweep.py --mode fwdbwd --d 128 \

@@ -88,10 +88,11 @@ __device__ __forceinline__ void zero_dq_accum(const Params& p, int64 rows, int a
 // multiple of 8; 0 without one) set to zero. Each group of `lanes` threads takes
 // kPreprocessRows tasks, task_groups apart (a warp's loads stay contiguous), and issues
 // all their loads before it adds: with one task a thread, one 16-byte load of each
-// tensor was in flight and the kernel ran at half FlashAttention-2's bandwidth
-// (docs/performance.md item 46). The zeros go out in the accumulator's own order, 16
-// contiguous bytes a lane (a row's 8 floats of each 8 x 8 block, 256 bytes apart, were
-// half-sector stores). (_kernels.PREPROCESS_ROWS is this count.)
+// tensor was in flight and the kernel ran at half FlashAttention-2's bandwidth (122-125
+// us against its 67-68 at seqlen 512 and 1k; now about 70). The zeros go out in the
+// accumulator's own order, 16 contiguous bytes a lane (a row's 8 floats of each 8 x 8
+// block, 256 bytes apart, were half-sector stores). (_kernels.PREPROCESS_ROWS is this
+// count.)
 constexpr int kPreprocessRows = 4;
 
 template <typename T>
@@ -247,7 +248,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   // buffer, the tiles of GPUs with less shared memory, already at these depths under
   // CUDA 12.9 for sm_80, and at d 128 before sm_90, where 8 spilled 4 bytes causal).
   constexpr int kQkUnroll = (kHeadDim <= 64 ? 2 : kHeadDim == 128 && kBeforeSm90 ? 4 : 8) / (kStages >= 2 ? 1 : 2);
-  constexpr int kDqUnroll = kHeadDim <= 192 ? 4 : 2;  // 2 at d 256: +3% not causal (docs item 47)
+  constexpr int kDqUnroll = kHeadDim <= 192 ? 4 : 2;  // 2 at d 256: +3% not causal over 1, no spill
   static_assert(kBlockM % 32 == 0 && kBlockN % 32 == 0 && kWarps % kQueryWarps == 0 && kWarps % kKeyWarps == 0,
                 "warp layout");
   static_assert(kSKeys % 16 == 0 && kKvCols % 8 == 0 && kDqCols % 8 == 0, "tile shape");
@@ -372,7 +373,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     // products below to land in.
     // Above d 128 without a band, the next step's dO follows dV's product, apart from its
     // Q: one burst of copies less in the memory queue (d 256's LG-throttle stalls; +2.5-4.4%
-    // in two A/B rounds, but -1 to -2% causal and -2 to -3.6% at d 128, docs item 40).
+    // in two A/B rounds, but -1 to -2% causal and -2 to -3.6% at d 128).
     constexpr bool kSplitLoads = kStages == 2 && kHeadDim > 128 && !kLocal;
     if (kStages == 2 && step + 1 < steps) load_step(following(at), (step + 1) % 2, kSplitLoads ? kQ : kBoth);
     if (kStages == 3 && step + 2 < steps) load_step(following(following(at)), (step + 2) % 3, kBoth);
@@ -382,7 +383,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     if (kSplitLoads && step + 1 < steps) load_step(following(at), (step + 1) % 2, kDo);
     // dQ += dS K for this warp's 32 queries x kDqCols columns, added to the fp32 buffer.
     // 64 columns a warp (d 256) go in two parts: the first part's reductions drain under
-    // the second's products, in half the accumulator (+1-5% not causal, docs item 42).
+    // the second's products, in half the accumulator (+1-5% not causal in two A/B rounds).
     constexpr int kDqParts = kDqCols >= 64 ? 2 : 1, kPartCols = kDqCols / kDqParts;
 #pragma unroll
     for (int part = 0; part < kDqParts; ++part) {
@@ -408,7 +409,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
         }
     }
     // dK += dS^T Q (scaled once at the end), after dQ: its products cover the atomics'
-    // drain (FlashAttention-2's order; docs/performance.md item 38)
+    // drain (FlashAttention-2's order; -0.6 to +5.6% in an A/B, the most causal)
     gemm_ss<T, 2, kKvCols, kBlockM, true, false, P, S>(acc_dk, ds_tile, kv_key0, q_tile, kv_col0, lane);
     if (kStages == 1 && step + 1 < steps) {
       __syncthreads();  // one buffer: every warp is done with this step's Q and dO

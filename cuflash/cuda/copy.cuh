@@ -18,7 +18,8 @@ namespace cuflash {
 //   inside each line, chunk c of row r lies at chunk c ^ (r % 8). Rows start on a line, so
 //   a warp's cp.async of 128-byte row pieces writes whole lines (ncu: 4 shared wavefronts a
 //   512-byte copy instruction, where the padded rows took 10.5; FlashAttention-2's copies
-//   take 4 the same way; docs/performance.md item 52).
+//   take 4 the same way). Against padded rows: forward d 256 +3.5-7.7%, forward +
+//   backward +2-5% at d 64, 128 and 256 (A/B, 512-8k, not causal).
 //
 // Both also say how to reach (row + dr, col + dc) from a lane's own offset at (row, col)
 // with dr and dc known at compile time: `tile + moved(offset, dc) + fixed(dr, dc)`, or as
@@ -45,7 +46,7 @@ struct PaddedRows {
 // kXorAddress: `address` applies the swizzle to the byte address itself, one LOP3 an
 // ldmatrix (the tile must start on a 128-byte line); otherwise to the lane's element
 // offset, which the compiler may keep in registers, one for each of the four chunk
-// pairs. A/B (docs/performance.md item 52): the first +1-4% at d 64, forward and
+// pairs. A/B: the first +1-4% at d 64, forward and
 // backward; the second up to 4% faster in the d 256 causal backward; within 2% either
 // way at d 128. The two-kernel backward takes the first: the second's registers spilled
 // its d 256 dQ kernel with extras.
