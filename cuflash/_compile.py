@@ -3,9 +3,15 @@
 The cache key covers every byte of every source in ``cuflash/cuda``, the NVRTC
 options, the NVRTC version, the target arch and the template instance, so any
 edit to any header recompiles. Nothing here needs a GPU except ``load_kernel``.
+
+An entry is ``<key>.cubin`` plus ``<key>.json`` (its key, the cubin's sha256, the
+mangled name, ptxas's report). It is never trusted blindly: an entry that fails its
+checks is reported once, removed and rebuilt. Writes are atomic, cubin first; a
+``<key>.lock`` file makes processes that need the same entry at once compile it once.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -13,11 +19,17 @@ import json
 import logging
 import os
 import re
+import secrets
 import struct
-import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; processes may then compile one variant twice
+    fcntl = None
 
 log = logging.getLogger("cuflash")
 
@@ -76,6 +88,10 @@ class Compiled:
     resources: Resources
 
 
+CACHE_FORMAT = 2  # part of the key: entries of an older layout are never looked up
+# Every file the cache writes: an entry's cubin and metadata, its lock, a write under way.
+_CACHE_FILE = re.compile(r"[0-9a-f]{64}\.(cubin|json|lock)(\.[0-9a-f]{16}\.tmp)?")
+
 _lock = threading.Lock()
 
 
@@ -86,22 +102,115 @@ def compile_kernel(source: str, instance: str, arch: str) -> Compiled:
     key = hashlib.sha256()
     for name, text in _sources().items():
         key.update(name.encode() + b"\0" + text + b"\0")
-    key.update(repr((source, instance, options, nvrtc_version())).encode())
+    key.update(repr((CACHE_FORMAT, source, instance, options, nvrtc_version())).encode())
     path = cache_dir() / key.hexdigest()
-    try:
-        meta = json.loads(path.with_suffix(".json").read_text())
-        return Compiled(path.with_suffix(".cubin").read_bytes(), meta["lowered_name"], Resources(**meta["resources"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-
-    start = time.perf_counter()
-    compiled = _run_nvrtc(source, instance, options)
-    log.info("cuflash: compiled %s for %s in %.1f s (%d registers, %d bytes spilled)", instance, arch,
-             time.perf_counter() - start, compiled.resources.registers, compiled.resources.spill_stores)
-    _write_atomic(path.with_suffix(".cubin"), compiled.cubin)
-    _write_atomic(path.with_suffix(".json"), json.dumps(
-        {"lowered_name": compiled.lowered_name, "resources": dataclasses.asdict(compiled.resources)}).encode())
+    # A process that needs the entry while another compiles it waits here, then loads it.
+    with _entry_lock(path):
+        try:
+            compiled = load_entry(path)
+        except BadEntry as e:
+            warnings.warn(f"cuflash: {e}; removed it, compiling the kernel again", RuntimeWarning, stacklevel=2)
+            _remove_entry(path)
+            compiled = None
+        if compiled is None:
+            start = time.perf_counter()
+            compiled = _run_nvrtc(source, instance, options)
+            log.info("cuflash: compiled %s for %s in %.1f s (%d registers, %d bytes spilled)", instance, arch,
+                     time.perf_counter() - start, compiled.resources.registers, compiled.resources.spill_stores)
+            _write_entry(path, compiled, arch, instance)
     return compiled
+
+
+class BadEntry(Exception):
+    """A cache entry that must not be loaded; the message names the file and its fault."""
+
+
+def load_entry(path: Path) -> Compiled | None:
+    """The cache entry ``path`` (its files' path without the suffix), or None if there
+    is none. Raises BadEntry if it is corrupt, truncated or another key's."""
+    meta_path, cubin_path = path.with_suffix(".json"), path.with_suffix(".cubin")
+    try:
+        text = meta_path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        if cubin_path.exists():
+            raise BadEntry(f"{cubin_path} has no metadata ({meta_path.name})") from None
+        return None
+    except OSError as e:
+        raise BadEntry(f"cannot read {meta_path}: {e.strerror}") from None
+    try:
+        meta = json.loads(text)
+        key, digest, lowered_name = meta["key"], meta["cubin_sha256"], meta["lowered_name"]
+        resources = Resources(**meta["resources"])
+    except KeyError as e:
+        raise BadEntry(f"{meta_path} lacks the key {e}") from None
+    except (ValueError, TypeError) as e:
+        raise BadEntry(f"{meta_path} is not cuflash cache metadata ({e})") from None
+    if key != path.name:
+        raise BadEntry(f"{meta_path} is the metadata of another entry, {key}")
+    try:
+        cubin = cubin_path.read_bytes()
+    except OSError as e:
+        raise BadEntry(f"cannot read {cubin_path}: {e.strerror}") from None
+    if hashlib.sha256(cubin).hexdigest() != digest:
+        raise BadEntry(f"{cubin_path} does not match the sha256 in its metadata (truncated or corrupt)")
+    return Compiled(cubin, lowered_name, resources)
+
+
+def verify_entry(path: Path) -> str | None:
+    """Check the cache entry ``path`` as a load would: None if it is sound, else what
+    is wrong with it, after removing it."""
+    with _entry_lock(path):
+        try:
+            load_entry(path)
+        except BadEntry as e:
+            _remove_entry(path)
+            return str(e)
+    return None
+
+
+def cache_files() -> list[Path]:
+    """Every file in the cache folder that the cache wrote (and nothing else there)."""
+    try:
+        return sorted(p for p in cache_dir().iterdir() if _CACHE_FILE.fullmatch(p.name))
+    except OSError:  # no cache folder yet
+        return []
+
+
+def cache_entries() -> list[Path]:
+    """Each entry of the cache, as its files' path without the suffix."""
+    return sorted({p.with_suffix("") for p in cache_files() if p.suffix in (".cubin", ".json")})
+
+
+def _write_entry(path: Path, compiled: Compiled, arch: str, instance: str) -> None:
+    meta = {"key": path.name, "arch": arch, "instance": instance, "lowered_name": compiled.lowered_name,
+            "resources": dataclasses.asdict(compiled.resources),
+            "cubin_sha256": hashlib.sha256(compiled.cubin).hexdigest()}
+    # The cubin first: whoever finds the metadata finds the whole cubin.
+    if _write_atomic(path.with_suffix(".cubin"), compiled.cubin):
+        _write_atomic(path.with_suffix(".json"), json.dumps(meta).encode())
+
+
+def _remove_entry(path: Path) -> None:
+    for suffix in (".json", ".cubin"):
+        with contextlib.suppress(OSError):
+            path.with_suffix(suffix).unlink()
+
+
+@contextlib.contextmanager
+def _entry_lock(path: Path):
+    """Hold the entry's lock file for the block. Where there is no lock to take (no
+    fcntl, a read-only folder, a file system without flock) go on unlocked: at worst
+    two processes compile the same entry, and each write is atomic."""
+    with contextlib.ExitStack() as release:
+        if fcntl is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+                release.callback(os.close, fd)  # closing the file releases the lock
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                log.debug("cuflash: cannot lock the kernel cache entry %s: %s", path, e)
+        yield
 
 
 def _run_nvrtc(source: str, instance: str, options: tuple[str, ...]) -> Compiled:
@@ -135,21 +244,45 @@ def _whole_elf(cubin: bytes) -> bytes:
     return cubin + bytes(max(0, end - len(cubin)))
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes) -> bool:
+    """Write ``path`` whole or not at all (a new file beside it, renamed over it); False
+    if it cannot be written. No fsync: an entry torn by a power cut fails its hash
+    check and is rebuilt."""
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            # Mode 0o666 less the umask, as any new file gets (mkstemp's 0o600 would shut
+            # the other users of a shared cache out); O_BINARY keeps Windows from
+            # translating newlines.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:  # Ctrl-C included: leave no partial file behind
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
     except OSError as e:  # a read-only home must not stop the computation
         log.debug("cuflash: cannot write the kernel cache %s: %s", path, e)
+        return False
+    return True
+
+
+def check_supported(name: str, major: int, minor: int) -> None:
+    """Refuse a GPU the kernels cannot run on (mma.sync on bf16, cp.async: sm_80) in one
+    line, before NVRTC and ptxas would refuse it in pages."""
+    if (major, minor) < (8, 0):
+        raise RuntimeError(f"cuflash's kernels need compute capability 8.0 or newer (A100, RTX 30xx, L4/L40, "
+                           f"H100/H200, ...); this GPU, {name}, has {major}.{minor}")
 
 
 def device_arch(device_id: int) -> str:
     import cupy
-    major, minor = cupy.cuda.Device(device_id).compute_capability
-    return f"sm_{major}{minor}"
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    check_supported(name, props["major"], props["minor"])
+    return f"sm_{props['major']}{props['minor']}"
 
 
 @functools.cache

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import statistics
+import sys
 
 HIDDEN = 2048
 TOKENS = 16 * 1024
@@ -96,8 +97,8 @@ def main(args) -> int:
     gpu = _gpu_name()
     if gpu is None:
         print("python -m cuflash bench: no CUDA GPU found, nothing to benchmark "
-              "(the NumPy CPU path is for correctness, not speed).")
-        return 0
+              "(the NumPy CPU path is for correctness, not speed)", file=sys.stderr)
+        return 1
     try:
         import torch
     except ImportError:
@@ -237,7 +238,6 @@ def _load_baseline(path: str):
     its folder's name so both run in one process."""
     import importlib.util
     import pathlib
-    import sys
     folder = pathlib.Path(path)
     spec = importlib.util.spec_from_file_location(folder.name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])

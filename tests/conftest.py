@@ -19,7 +19,7 @@ def gpu_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     if gpu_available():
         return
-    skip = pytest.mark.skip(reason="no CUDA GPU here")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; CuPy sees none here")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

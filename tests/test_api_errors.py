@@ -83,7 +83,7 @@ def test_not_an_array():
 
 
 def test_cpu_torch_tensor_is_refused():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
     q, k, v = (torch.from_numpy(x) for x in qkv())
     with pytest.raises(TypeError, match="q is a torch tensor on cpu"):
         cuflash.attention(q, k, v)

@@ -30,7 +30,7 @@ def test_csv_reads_back_typed(tmp_path):
 
 
 def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (only the bench plots need it)")
     bench.plot(ROWS, str(tmp_path / "p.png"), "test")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

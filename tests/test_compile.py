@@ -1,5 +1,5 @@
-"""The compile layer without a GPU: every variant builds for sm_80 and sm_90 with
-no spills, the cache key follows every source byte, ptxas reports are parsed."""
+"""The compile layer without a GPU: a covering sample of the variants builds for
+sm_80 and sm_90 with no spills, the cache key follows every source byte, ptxas reports are parsed."""
 import ctypes
 import re
 import shutil
@@ -13,13 +13,15 @@ from cuflash import _compile, _plan
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (the cuda12/cuda13 extra) is not installed")
 
 
-def test_compile_all_for_sm80_and_sm90_without_spills(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "cuflash", "compile", "--arch", "sm_80,sm_90"],
-                            capture_output=True, text=True, env={"CUFLASH_CACHE_DIR": str(tmp_path), "PATH": ""},
-                            timeout=1800)
+def test_covering_sample_compiles_for_sm80_and_sm90_without_spills():
+    """Every kernel family and template branch, through the CLI, into the user's kernel
+    cache (an edit to any source is a new key, so a compile error cannot hide behind it).
+    The full sweep of every variant is CI's own step: `python -m cuflash compile`."""
+    result = subprocess.run([sys.executable, "-m", "cuflash", "compile", "--arch", "sm_80,sm_90", "--sample"],
+                            capture_output=True, text=True, timeout=1800)
     print(result.stdout[-3000:], result.stderr[-3000:])
     assert result.returncode == 0
-    expected = 2 * len(_plan.all_kernels("sm_90"))
+    expected = len(_plan.covering_sample(("sm_80", "sm_90")))
     assert f"{expected} variants compiled, 0 spill" in result.stdout
     rows = [line for line in result.stdout.splitlines() if line.startswith(("sm_80", "sm_90"))]
     assert len(rows) == expected
@@ -27,6 +29,23 @@ def test_compile_all_for_sm80_and_sm90_without_spills(tmp_path):
         arch, regs, smem, spill = row.split()[:4]
         assert 0 < int(regs) <= 255 and int(spill) == 0
         assert float(smem) * 1024 <= _plan.shared_memory_limit(arch)
+
+
+def test_covering_sample_reaches_every_branch():
+    archs = ("sm_80", "sm_90")
+    every = [(arch, k) for arch in archs for k in _plan.all_kernels(arch)]
+    sample = _plan.covering_sample(archs)
+    assert len(sample) < len(every) / 10
+
+    def seen(pairs, *fields):
+        return {tuple(getattr(k, f) for f in fields) for _, k in pairs if isinstance(k, _plan.Kernel)}
+
+    for fields in (("kind", "head_dim", "tile"), ("kind", "local", "vectorized", "extras"), ("kind", "dtype")):
+        assert seen(sample, *fields) == seen(every, *fields), fields
+    assert {(a, k.kind, k.local, k.extras) for a, k in sample if isinstance(k, _plan.Kernel)} == \
+           {(a, k.kind, k.local, k.extras) for a, k in every if isinstance(k, _plan.Kernel)}
+    assert {(a, k) for a, k in sample if isinstance(k, _plan.Elementwise)} == \
+           {(a, k) for a, k in every if isinstance(k, _plan.Elementwise)}
 
 
 @pytest.fixture

@@ -134,7 +134,7 @@ def test_warm_call_from_a_fresh_thread():
     backwards on such a thread); a warm call there, whose plan and memory are cached,
     must still launch."""
     import threading
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
     q = torch.randn(1, 100, 2, 64, device="cuda", dtype=torch.float16)
     want = cuflash.attention(q, q, q, causal=True)
     got, errors = [], []
@@ -229,7 +229,7 @@ def test_nan_propagates_like_the_reference():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_torch_tensors_zero_copy_on_current_stream(dtype):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
     import cupy
     tdtype = getattr(torch, dtype)
     q, k, v = (torch.randn(2, s, h, 128, device="cuda", dtype=tdtype) for s, h in ((333, 8), (257, 2), (257, 2)))
@@ -255,7 +255,7 @@ def test_torch_tensors_zero_copy_on_current_stream(dtype):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_jax_arrays_zero_copy(dtype):
-    jax = pytest.importorskip("jax")
+    jax = pytest.importorskip("jax", reason="JAX is not installed: pip install -e '.[jax]'")
     import cupy
     import jax.numpy as jnp
     key = jax.random.split(jax.random.PRNGKey(0), 3)

@@ -171,7 +171,7 @@ def test_round_to_bfloat16_ties_to_even():
 @settings(deadline=None, max_examples=20)
 @given(seed=seeds)
 def test_round_to_bfloat16_matches_ml_dtypes(seed):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (NumPy bfloat16 for this check)")
     rng = np.random.default_rng(seed)
     # Every float32 bit pattern is fair game: subnormals, huge values that overflow, NaNs,
     # plus exact ties (low 16 bits 0x8000) that a uniform draw would rarely hit.
