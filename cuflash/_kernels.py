@@ -112,7 +112,7 @@ def _offsets(*names: str) -> tuple[int, ...]:
 
 
 _FORWARD_POINTERS = _offsets("q", "k", "v", "o", "lse")
-_BACKWARD_POINTERS = _offsets("dout", "q", "k", "v", "o", "lse", "dq", "dk", "dv", "delta", "dq_accum")
+_BACKWARD_POINTERS = _offsets("dout", "q", "k", "v", "o", "lse", "dlse", "dq", "dk", "dv", "delta", "dq_accum")
 
 
 def _forward_plan(q, k, v, out, lse, options: Options, varlen: Varlen | None) -> LaunchPlan:
@@ -169,21 +169,25 @@ def backward_workspace(q_shape, deterministic: bool = False,
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
              dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, delta: ArrayInfo, options: Options, *, stream: int,
-             varlen: Varlen | None = None, dq_accum: ArrayInfo | None = None, key=None) -> None:
+             varlen: Varlen | None = None, dq_accum: ArrayInfo | None = None, dlse: ArrayInfo | None = None,
+             key=None) -> None:
     """dq, dk, dv of attention; delta and dq_accum come from ``backward_workspace``.
+    ``dlse``: the loss's gradient with respect to lse (laid out like it), or None where
+    the loss does not use lse.
     With dq_accum, where the one-pass kernel has an instance (head dim, no softcap,
     ALiBi or dropout, shared memory of the device), it computes all three, dQ through
     fp32 atomics; otherwise dQ has its own pass and every gradient is bitwise
     reproducible. ``key`` as for ``forward`` (dq, dk, dv, delta and dq_accum are then
     the caller's own allocations)."""
-    arrays = (dout, q, k, v, out, lse, dq, dk, dv, delta, dq_accum)
+    arrays = (dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, dq_accum)
     plan = _cached(_backward_plans, key or _plan_key(arrays, options, varlen), options, varlen,
                    lambda: _backward_plan(*arrays, options, varlen))
     plan.launch(stream, *(0 if a is None else a.ptr for a in arrays))
 
 
-def _backward_plan(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_accum, options: Options,
+def _backward_plan(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, dq_accum, options: Options,
                    varlen: Varlen | None) -> LaunchPlan:
+    # (dlse, like every pointer, is filled in at launch: the plan is the same with or without it)
     p, batch = _params(q, k, v, lse, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
     vec = _vectorizable(dout, q, k, v, dq, dk, dv)
     nheads_kv = k.shape[-2]

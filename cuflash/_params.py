@@ -16,7 +16,8 @@ class Params(ctypes.Structure):
     _fields_ = [
         ("q", ArrayView), ("k", ArrayView), ("v", ArrayView), ("o", ArrayView),
         ("dout", ArrayView), ("dq", ArrayView), ("dk", ArrayView), ("dv", ArrayView),
-        ("lse", _ptr), ("delta", _ptr), ("dq_accum", _ptr), ("lse_batch_stride", _i64), ("lse_head_stride", _i64),
+        ("lse", _ptr), ("dlse", _ptr), ("delta", _ptr), ("dq_accum", _ptr),
+        ("lse_batch_stride", _i64), ("lse_head_stride", _i64),
         ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr),
         ("alibi_slopes", _ptr), ("alibi_batch_stride", _i64),
         ("seed", ctypes.c_uint64), ("rng_offset", ctypes.c_uint64),

@@ -40,6 +40,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     kind of array; NumPy arrays run the CPU path. Returns ``out`` (like q) or, with
     ``return_lse``, ``(out, lse)`` where lse is float32 (batch, nheads, seqlen_q),
     the natural log-sum-exp of the modified scores (+inf for a row that sees no key).
+    Both are differentiable: ``attention_backward`` takes the gradients of out and lse.
     """
     arrays = _inspect(q=q, k=k, v=v)
     key = _signature(arrays, alibi_slopes, dropout_p, causal, softmax_scale, window_size, softcap, seed, rng_offset)
@@ -86,18 +87,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0,
-                       deterministic=False):
+                       deterministic=False, dlse=None):
     """Gradients (dq, dk, dv) of ``attention`` given the upstream gradient ``dout``.
 
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the
     same arguments (with dropout: the same ``seed`` and ``rng_offset``); P is
-    recomputed from ``lse``, never stored. With GQA, dk and dv are summed over the
+    recomputed from ``lse``, never stored. lse is differentiable too: ``dlse``, the
+    loss's gradient with respect to lse (float32, lse's shape, contiguous, beside q),
+    adds its share (d lse_i / d s_ij = P_ij, the probabilities before dropout); None
+    when the loss does not use lse. Rows that see no key (lse +inf) ignore their
+    dlse and get zero gradients. With GQA, dk and dv are summed over the
     query heads that share a KV head. dq is accumulated with fp32 atomics, so its
     last bits can differ between runs; ``deterministic=True`` computes it in a pass
     of its own instead (slower), and every gradient is bitwise reproducible. dk and
     dv always are.
     """
-    arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
     key = _signature(arrays, alibi_slopes, dropout_p, causal, softmax_scale, window_size, softcap, seed, rng_offset,
                      deterministic)
@@ -105,24 +110,28 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     if options is None:
         _check_qkv(qi, ki, vi, packed=False)
         _check_outputs(arrays, (qi.shape[0], qi.shape[2], qi.shape[1]))
+        _check_dlse(arrays)
         options = _options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
                            rng_offset, backward=True)
         _check_bool("deterministic", deterministic)
         _remember(key, options)
     if qi.device is None:
         from . import cpu
-        return cpu.attention_backward(dout, q, k, v, out, lse, **_cpu_options(options, alibi_slopes))
+        return cpu.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **_cpu_options(options, alibi_slopes))
     return _backward_gpu(arrays, options, None, deterministic, key)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, deterministic=False):
-    """Gradients (dq, dk, dv) of ``attention_varlen``; see ``attention_backward``."""
-    arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+                              alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, deterministic=False,
+                              dlse=None):
+    """Gradients (dq, dk, dv) of ``attention_varlen``; see ``attention_backward``
+    (``dlse`` is laid out like lse, (nheads, total_q))."""
+    arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
     _check_qkv(qi, ki, vi, packed=True)
     _check_outputs(arrays, (qi.shape[1], qi.shape[0]))
+    _check_dlse(arrays)
     varlen = _varlen(qi, ki, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options = _options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
                        rng_offset, backward=True, batch=varlen.batch, seqlen_k=varlen.max_seqlen_k)
@@ -130,7 +139,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if qi.device is None:
         from . import cpu
         return cpu.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                             max_seqlen_k, **_cpu_options(options, alibi_slopes))
+                                             max_seqlen_k, dlse=dlse, **_cpu_options(options, alibi_slopes))
     return _backward_gpu(arrays, options, varlen, deterministic)
 
 
@@ -159,7 +168,7 @@ def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, determi
             for name, (shape, dtype) in _kernels.backward_workspace(q.shape, deterministic, options.extras).items()}
     _kernels.backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], *grads,
                       work["delta"], options, stream=framework.stream, varlen=varlen, dq_accum=work.get("dq_accum"),
-                      key=key)
+                      dlse=arrays.get("dlse"), key=key)
     return tuple(framework.finish(g.obj) for g in grads)
 
 
@@ -254,6 +263,22 @@ def _check_outputs(arrays: dict, lse_shape) -> None:
     lse = arrays["lse"]  # contiguous on every backend: one layout contract, whoever runs it
     if not _is_contiguous(lse):
         raise ValueError(f"lse must be contiguous, got strides {lse.strides} for shape {lse.shape}")
+
+
+def _check_dlse(arrays: dict) -> None:
+    """dlse, where given, held to lse's contract (lse itself passed _check_outputs)."""
+    dlse, lse, q = arrays.get("dlse"), arrays["lse"], arrays["q"]
+    if dlse is None:
+        return
+    if dlse.framework != q.framework or dlse.where != q.where:
+        raise TypeError(f"dlse must be the same kind of array on the same device as q "
+                        f"({q.framework} on {q.where}), got {dlse.framework} on {dlse.where}")
+    if dlse.shape != lse.shape:
+        raise ValueError(f"dlse must have lse's shape {lse.shape}, got {dlse.shape}")
+    if dlse.dtype != "float32":
+        raise TypeError(f"dlse must have dtype float32, got {dlse.dtype}")
+    if not _is_contiguous(dlse):
+        raise ValueError(f"dlse must be contiguous, got strides {dlse.strides} for shape {dlse.shape}")
 
 
 def _is_contiguous(a: _arrays.ArrayInfo) -> bool:

@@ -8,7 +8,8 @@ scores exists at any time, never the full seqlen_q x seqlen_k matrix.
 
 The backward (FlashAttention-2's) recomputes each tile of P from the saved LSE instead of
 keeping P: key blocks in the outer loop own their dK, dV accumulators, query blocks stream
-past them and add their share to a dQ accumulator of the size of q.
+past them and add their share to a dQ accumulator of the size of q. A gradient of the LSE
+(dLSE) enters through the row term alone: D = rowsum(dO ∘ O) - dLSE.
 
 Every block operation is vectorised over batch and heads; query heads are viewed as
 (nheads_kv, group) so that a kv head broadcasts over the query heads that share it (GQA).
@@ -249,11 +250,15 @@ def _forward(q, k, v, variant, block_q, block_k):
 def attention_backward(
     dout, q, k, v, out, lse, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128,
+    dlse=None,
 ):
-    """Gradients of attention_forward's out for validated NumPy arrays: returns (dq, dk, dv).
+    """Gradients of attention_forward's out and lse for validated NumPy arrays: returns
+    (dq, dk, dv).
 
     dout and out are laid out like q; lse is attention_forward's float32 (batch, nheads,
     seqlen_q), cast to the compute dtype, so float64 inputs are only as exact as their lse.
+    dlse, laid out like lse, is the gradient of lse (None: lse is not used); rows with
+    lse = +inf ignore theirs.
     The options must be the forward's (the same seed and rng_offset regenerate its dropout
     mask). Computes in float32 (float64 for float64 inputs) and returns dq, dk, dv in the
     input dtype, shaped like q, k, v. Rows that see no key (lse = +inf) get dq = 0 and
@@ -263,10 +268,10 @@ def attention_backward(
     variant = _dense_variant(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
                              rng_offset=rng_offset)
-    return _backward(dout, q, k, v, out, lse, variant, block_q, block_k)
+    return _backward(dout, q, k, v, out, lse, dlse, variant, block_q, block_k)
 
 
-def _backward(dout, q, k, v, out, lse, variant, block_q, block_k):
+def _backward(dout, q, k, v, out, lse, dlse, variant, block_q, block_k):
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     group = nheads // nheads_kv
@@ -287,6 +292,11 @@ def _backward(dout, q, k, v, out, lse, variant, block_q, block_k):
     # D = rowsum(dO ∘ O): the softmax backward's rowsum(P ∘ dP), known before any P exists
     # (O is the dropped output, so this holds under dropout too).
     delta = (dout * by_head(out)).sum(axis=-1)
+    if dlse is not None:
+        # LSE = logsumexp(S) adds dLSE ∘ P to dS = P ∘ (dP - D). A row with LSE = +inf has
+        # P = 0 and takes none of it (its dLSE may be NaN: 0 * NaN would poison dS).
+        dlse = dlse.astype(acc_dtype).reshape(lse.shape)
+        delta = delta - np.where(lse == np.inf, 0, dlse)
 
     dq = np.zeros(q.shape, dtype=acc_dtype)
     dk = np.zeros((batch, nheads_kv, seqlen_k, d), dtype=acc_dtype)
@@ -390,11 +400,11 @@ def attention_varlen_forward(
 def attention_varlen_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
     causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128,
+    dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128, dlse=None,
 ):
     """attention_backward of a packed variable-length batch: returns (dq, dk, dv) shaped and
     typed like q, k, v. out and lse ((nheads, total_q) float32) are
-    attention_varlen_forward's for the same arguments."""
+    attention_varlen_forward's for the same arguments; dlse, if given, is laid out like lse."""
     _check_options(dropout_p, seed, softcap)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
@@ -404,6 +414,7 @@ def attention_varlen_backward(
     for b, rows_q, rows_k in sequences:
         variant = _varlen_variant(q, k, b, rows_q, rows_k, **options)
         grads = _backward(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
-                          out[None, rows_q], lse[None, :, rows_q], variant, block_q, block_k)
+                          out[None, rows_q], lse[None, :, rows_q], None if dlse is None else dlse[None, :, rows_q],
+                          variant, block_q, block_k)
         dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
     return dq, dk, dv

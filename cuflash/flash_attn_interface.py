@@ -9,10 +9,13 @@ Torch tensors in, torch tensors out, differentiable, like flash-attn: ``flash_at
 arguments, defaults and return conventions, and every option (dropout, sliding windows,
 softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. What differs:
 
-- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` where S_dmask is the
-  dropout keep mask, bool (batch, nheads, seqlen_q, seqlen_k) on q's device (True = kept),
-  regenerated from the call's seed by ``cuflash._philox`` (exactly the mask the kernel
-  applied), or None without dropout. flash-attn returns scaled probabilities whose sign
+- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``. softmax_lse is
+  differentiable, where flash-attn ignores its gradient: gradients reach q, k and v through
+  it as well as through out (a row that sees no key has softmax_lse +inf and ignores its
+  gradient), so partial attentions can be merged by their LSE and trained through.
+  S_dmask is the dropout keep mask, bool (batch, nheads, seqlen_q, seqlen_k) on q's device
+  (True = kept), regenerated from the call's seed by ``cuflash._philox`` (exactly the mask
+  the kernel applied), or None without dropout. flash-attn returns scaled probabilities whose sign
   encodes the mask, padded to multiples of 128; like flash-attn's, this is for tests only.
   Varlen: (batch, nheads, max_seqlen_q, max_seqlen_k), of which sequence b uses
   [:seqlen_q_b, :seqlen_k_b].
@@ -61,7 +64,8 @@ def flash_attn_func(
     softmax_scale defaults to 1 / sqrt(headdim); deterministic makes the backward bitwise
     reproducible. Returns out (batch, seqlen_q, nheads, headdim) or, with
     return_attn_probs, (out, softmax_lse, S_dmask) where softmax_lse is float32 (batch,
-    nheads, seqlen_q) and S_dmask the dropout keep mask (None without dropout).
+    nheads, seqlen_q), differentiable, and S_dmask the dropout keep mask (None without
+    dropout).
     """
     q, k, v = _unit_stride(q, k, v)
     out, softmax_lse, rng_state = cuflash_torch._forward(
@@ -131,7 +135,7 @@ def flash_attn_varlen_func(
     and v (int32 (batch + 1,) on q's device); max_seqlen_q/k bound the lengths. Every
     option applies per sequence, with that sequence's own lengths. Returns out (total_q,
     nheads, headdim) or, with return_attn_probs, (out, softmax_lse, S_dmask), softmax_lse
-    float32 (nheads, total_q).
+    float32 (nheads, total_q), differentiable.
     """
     if block_table is not None:
         raise NotImplementedError("block_table (a paged KV cache) is not implemented in cuflash; "

@@ -3,6 +3,7 @@
     import cuflash.jax
     out = cuflash.jax.attention(q, k, v, causal=True)
     grads = jax.jit(jax.grad(lambda q, k, v: cuflash.jax.attention(q, k, v).sum(), (0, 1, 2)))(q, k, v)
+    out, lse = cuflash.jax.attention(q, k, v, return_lse=True)   # both differentiable
 
 The forward and the backward are each one ``jax.experimental.buffer_callback``: XLA
 allocates the outputs (and the backward's scratch buffers), hands the callback its device
@@ -10,6 +11,11 @@ buffers and its stream, and the kernels read and write those buffers in place on
 stream. Nothing is copied and nothing synchronises (but see traced dropout seeds below).
 ``jax.custom_vjp`` ties the two together, so jax.grad, jax.jit and jax.vmap (one call per
 mapped element) all apply. ``attention_varlen`` does the same for packed sequences.
+
+The custom_vjp's output is always (out, lse), so gradients flow through lse as well as out
+(lse float32 (batch, nheads, seqlen_q), or (nheads, total_q) packed; +inf for a row that
+sees no key, whose gradient is ignored). ``return_lse=False`` drops lse after it; its
+cotangent then arrives as zeros, which the backward adds at the cost of one float a row.
 
 The options are flash-attn's (see ``cuflash.attention``). ``alibi_slopes`` is an array
 input (float32 (nheads,) or (batch, nheads)) that gets a zero cotangent. Dropout needs a
@@ -63,8 +69,10 @@ _DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False,
-              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, seed=None):
-    """Differentiable ``cuflash.attention`` for JAX arrays: returns out.
+              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, seed=None,
+              return_lse: bool = False):
+    """Differentiable ``cuflash.attention`` for JAX arrays: returns out, or (out, lse) with
+    ``return_lse`` (lse float32 (batch, nheads, seqlen_q), differentiable too).
 
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim);
     see ``cuflash.attention`` for the semantics of the options and the module for seeds.
@@ -73,14 +81,16 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     """
     config, extras = _prepare(q, k, v, None, causal, softmax_scale, deterministic, window_size, softcap,
                               alibi_slopes, dropout_p, seed)
-    return _attention(q, k, v, extras, config)
+    out, lse = _attention(q, k, v, extras, config)
+    return (out, lse) if return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False,
                      window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                     seed=None):
-    """Differentiable ``cuflash.attention_varlen`` for JAX arrays: returns out.
+                     seed=None, return_lse: bool = False):
+    """Differentiable ``cuflash.attention_varlen`` for JAX arrays: returns out, or (out, lse)
+    with ``return_lse`` (lse float32 (nheads, total_q), differentiable too).
 
     q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim) packed; sequence
     b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
@@ -90,7 +100,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     config, extras = _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size, softcap,
                               alibi_slopes, dropout_p, seed)
-    return _attention(q, k, v, extras, config)
+    out, lse = _attention(q, k, v, extras, config)
+    return (out, lse) if return_lse else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,18 +238,19 @@ def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, extras, config):
-    return _forward(q, k, v, extras, config)[0]
+    return _forward(q, k, v, extras, config)
 
 
 def _attention_fwd(q, k, v, extras, config):
     out, lse = _forward(q, k, v, extras, config)
-    return out, (q, k, v, out, lse, extras)
+    return (out, lse), (q, k, v, out, lse, extras)
 
 
-def _attention_bwd(config, residuals, dout):
+def _attention_bwd(config, residuals, cotangents):
     q, k, v, out, lse, extras = residuals
+    dout, dlse = cotangents
     # alibi slopes, seeds and offsets get no gradient: a zero cotangent for each.
-    return (*_backward(dout, q, k, v, out, lse, extras, config), jax.tree.map(_zero_cotangent, extras))
+    return (*_backward(dout, dlse, q, k, v, out, lse, extras, config), jax.tree.map(_zero_cotangent, extras))
 
 
 def _zero_cotangent(x):
@@ -260,12 +272,12 @@ def _forward(q, k, v, extras: dict, config: _Config):
     return call(q, k, v, *(extras[name] for name in config.inputs))
 
 
-def _backward(dout, q, k, v, out, lse, extras: dict, config: _Config):
+def _backward(dout, dlse, q, k, v, out, lse, extras: dict, config: _Config):
     grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     work = _kernels.backward_workspace(tuple(q.shape), config.deterministic, config.extras)
     workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in work.items()}
     call = buffer_callback(_BackwardCallback(config), (grads, workspace), vmap_method="sequential")
-    grads, _ = call(dout, q, k, v, out, lse, *(extras[name] for name in config.inputs))
+    grads, _ = call(dout, dlse, q, k, v, out, lse, *(extras[name] for name in config.inputs))
     return grads
 
 
@@ -294,21 +306,22 @@ class _ForwardCallback:
 class _BackwardCallback:
     config: _Config
 
-    def __call__(self, ctx, outputs, dout, q, k, v, out, lse, *extras):
+    def __call__(self, ctx, outputs, dout, dlse, q, k, v, out, lse, *extras):
         extras = dict(zip(self.config.inputs, extras))
         grads, workspace = outputs
         if _on_cpu(q):
             # The workspace is GPU scratch; unused here.
             return _write(grads, _call_cpu(api.attention_backward, api.attention_varlen_backward, self.config,
                                            [dout, q, k, v, out, lse], extras,
-                                           deterministic=self.config.deterministic))
+                                           deterministic=self.config.deterministic, dlse=np.asarray(dlse)))
         dtype = self.config.dtype
         options, varlen = _gpu_options(self.config, extras, q, ctx.stream)
         inputs = [_info(x, dtype) for x in (dout, q, k, v, out)] + [_info(lse, "float32")]
         grads = [_info(x, dtype) for x in grads]
         accum = workspace.get("dq_accum")
         _kernels.backward(*inputs, *grads, _info(workspace["delta"], "float32"), options, stream=ctx.stream,
-                          varlen=varlen, dq_accum=None if accum is None else _info(accum, "float32"))
+                          varlen=varlen, dq_accum=None if accum is None else _info(accum, "float32"),
+                          dlse=_info(dlse, "float32"))
 
 
 def _call_cpu(dense, packed, config: _Config, arrays: list, extras: dict, **kwargs):

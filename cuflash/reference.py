@@ -184,6 +184,18 @@ def _softmax(s):
     return p / l_safe, xp.where(empty, xp.inf, m + xp.log(l_safe))
 
 
+def _lse_gradient(dlse, b, nheads_kv, variant):
+    """dlse of batch element b, grouped like the scores' rows (nheads_kv, group, seqlen_q, 1),
+    or 0 without one. Rows that see no key take 0: their P is 0 and lse +inf, and a NaN
+    gradient there (a loss over +inf) must not turn 0 * NaN into NaN."""
+    if dlse is None:
+        return 0.0
+    xp = _array_module(dlse)
+    nheads, seqlen_q = dlse.shape[1:]
+    grouped = dlse[b].reshape(nheads_kv, nheads // nheads_kv, seqlen_q, 1)
+    return xp.where(variant.visible.any(axis=-1)[:, None], grouped, 0.0)
+
+
 def _sum_over_group(x_g):
     """(nheads_kv, group, seqlen_k, d) -> (seqlen_k, nheads_kv, d): a kv head's gradient is
     the sum over the query heads that read it."""
@@ -225,20 +237,22 @@ def attention_reference(
 
 def attention_reference_backward(
     dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, dropout_p=0.0, dropout_keep=None, out=None,
+    alibi_slopes=None, dropout_p=0.0, dropout_keep=None, out=None, dlse=None,
 ):
-    """Exact gradients of attention_reference's out in float64: returns (dq, dk, dv).
+    """Exact gradients of attention_reference's out (and lse) in float64: returns (dq, dk, dv).
 
-    `dout` is the upstream gradient, laid out like out. With P the materialised softmax,
+    `dout` is the upstream gradient, laid out like out; `dlse`, if given, lse's, laid out
+    like lse (rows that see no key ignore theirs). With P the materialised softmax,
     Z = keep / (1 - p) (1 without dropout), O = (P ∘ Z) V and D = rowsum(dO ∘ O):
 
-        dV = (P ∘ Z)ᵀ dO,  dP = (dO Vᵀ) ∘ Z,  dS = P ∘ (dP - D) ∘ (1 - tanh²(s_pre / softcap)),
+        dV = (P ∘ Z)ᵀ dO,  dP = (dO Vᵀ) ∘ Z,
+        dS = (P ∘ (dP - D) + P ∘ dLSE) ∘ (1 - tanh²(s_pre / softcap)),
         dQ = scale dS K,   dK = scale dSᵀ Q
 
-    (the tanh factor only with softcap > 0; s_pre = scale q.k). ALiBi adds a constant, which
-    has no gradient. Under GQA, dk and dv of a kv head sum over the query heads that share
-    it. A fully masked row (or seqlen_k == 0) has P = 0, so it contributes nothing and its dq
-    row is 0.
+    (d lse_i / d s_ij = P_ij; the tanh factor only with softcap > 0; s_pre = scale q.k).
+    ALiBi adds a constant, which has no gradient. Under GQA, dk and dv of a kv head sum
+    over the query heads that share it. A fully masked row (or seqlen_k == 0) has P = 0,
+    so it contributes nothing and its dq row is 0.
 
     `out`, if given, replaces O in D = rowsum(dO ∘ O): FlashAttention takes D from the out it
     stored in low precision, and passing that out gives the exact gradients of that
@@ -271,7 +285,7 @@ def attention_reference_backward(
             dp = dp * keep
         o_g = xp.matmul(p_dropped, v_g) if out is None else _grouped(out[b], nheads_kv)
         delta = (do_g * o_g).sum(axis=-1, keepdims=True)
-        ds = p * (dp - delta)
+        ds = p * (dp - delta) + p * _lse_gradient(dlse, b, nheads_kv, variant)
         if tanh is not None:
             ds = ds * (1 - tanh * tanh)
         dq[b] = _ungrouped(scale * xp.matmul(ds, k_g))
@@ -331,15 +345,18 @@ def attention_reference_varlen(
 
 def attention_reference_varlen_backward(
     dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None,
-    out=None, **options
+    out=None, dlse=None, **options
 ):
     """attention_reference_backward of a packed variable-length batch (laid out as
-    attention_reference_varlen): returns float64 (dq, dk, dv) shaped like q, k, v."""
+    attention_reference_varlen, dlse (nheads, total_q)): returns float64 (dq, dk, dv)
+    shaped like q, k, v."""
     xp = _array_module(q)
     dq, dk, dv = (xp.zeros(x.shape, dtype=xp.float64) for x in (q, k, v))
     for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
         if out is not None:
             own["out"] = out[None, rows_q]
+        if dlse is not None:
+            own["dlse"] = dlse[None, :, rows_q]
         grads = attention_reference_backward(
             dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], **own, **options
         )
@@ -436,7 +453,7 @@ def _lowp_probabilities(q_b, k_b, b, variant, dtype):
 
 def attention_lowp_backward(
     dout, q, k, v, *, causal=False, softmax_scale=None, dtype=None, window_size=(-1, -1),
-    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None,
+    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None, dlse=None,
 ):
     """Plain attention's backward in low precision, the yardstick of the gradient rule.
 
@@ -449,6 +466,7 @@ def attention_lowp_backward(
         dP   = round(dO Vᵀ)
         dP   = round(dP ∘ Z)                      dropout
         dS   = round(P ∘ (dP - rowsum(P ∘ dP)))   the softmax backward, from rounded P and dP
+        dS   = round(dS + round(P ∘ dLSE))        with dlse: logsumexp's backward (float32 dlse)
         dS   = round(round(round(dS * softcap) * (1 - T²)) / softcap)   softcap > 0
         dQ   = round(scale * dS K)                the backward of the scaled product
         dK_h = round(scale * dSᵀ Q)               per query head
@@ -487,6 +505,8 @@ def attention_lowp_backward(
         if keep is not None:
             dp = rounded(dp * keep)
         ds = rounded(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+        if dlse is not None:
+            ds = rounded(ds + rounded(p * _lse_gradient(dlse, b, nheads_kv, variant)))
         if tanh is not None:
             ds = rounded(rounded(rounded(ds * softcap) * (1 - tanh * tanh)) / softcap)
         dq[b] = _ungrouped(rounded(scale * xp.matmul(ds, k_g)))
@@ -509,12 +529,15 @@ def attention_lowp_varlen(
 
 
 def attention_lowp_varlen_backward(
-    dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None, **options
+    dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None, dlse=None,
+    **options
 ):
     """attention_lowp_backward of a packed variable-length batch: float32 (dq, dk, dv)."""
     xp = _array_module(q)
     dq, dk, dv = (xp.zeros(x.shape, dtype=xp.float32) for x in (q, k, v))
     for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
+        if dlse is not None:
+            own["dlse"] = dlse[None, :, rows_q]
         grads = attention_lowp_backward(
             dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], **own, **options
         )

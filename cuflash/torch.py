@@ -3,12 +3,16 @@
     import cuflash.torch
     out = cuflash.torch.attention(q, k, v, causal=True)   # differentiable
     out.sum().backward()
+    out, lse = cuflash.torch.attention(q, k, v, return_lse=True)   # both differentiable
 
 Four custom ops carry the work: ``cuflash::attention_forward`` -> (out, lse, rng_state),
 ``cuflash::attention_backward`` -> (dq, dk, dv), and their packed variable-length twins
 ``cuflash::attention_varlen_forward`` / ``cuflash::attention_varlen_backward``. Each has a
 fake (meta) implementation, so torch.compile traces them as opaque nodes with no graph
-break, and the forwards have an autograd formula that calls the backward op. A custom op
+break, and the forwards have an autograd formula that calls the backward op. Gradients
+flow through out and lse (float32 (batch, nheads, seqlen_q), or (nheads, total_q)
+packed; +inf for a row that sees no key, whose gradient is ignored): the backward ops
+take lse's gradient as an optional ``dlse`` and skip it when None (lse unused). A custom op
 (unlike an autograd.Function calling CuPy) is what keeps ``torch.compile(fullgraph=True)``
 whole. Eager calls of ``attention`` / ``attention_varlen`` (and ``flash_attn_interface``)
 run the same functions and formulas through an autograd.Function instead: the ops' eager
@@ -60,8 +64,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               softmax_scale: Optional[float] = None, deterministic: bool = False, *,
               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
               alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-              seed: Optional[int] = None) -> torch.Tensor:
-    """Differentiable ``cuflash.attention`` for torch tensors: returns out.
+              seed: Optional[int] = None, return_lse: bool = False):
+    """Differentiable ``cuflash.attention`` for torch tensors: returns out, or (out, lse)
+    with ``return_lse`` (lse float32 (batch, nheads, seqlen_q), differentiable too).
 
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim);
     see ``cuflash.attention`` for the semantics of the options. ``deterministic`` makes
@@ -69,9 +74,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     speed. ``seed=None`` with dropout draws one from torch's generator (see the module).
     """
     left, right = window_size
-    out, _, _ = _forward(q, k, v, causal, softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
-                         float(dropout_p), _int64(seed))
-    return out
+    out, lse, _ = _forward(q, k, v, causal, softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
+                           float(dropout_p), _int64(seed))
+    return (out, lse) if return_lse else out
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -79,18 +84,19 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      softmax_scale: Optional[float] = None, deterministic: bool = False, *,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                     seed: Optional[int] = None) -> torch.Tensor:
-    """Differentiable ``cuflash.attention_varlen`` for torch tensors: returns out.
+                     seed: Optional[int] = None, return_lse: bool = False):
+    """Differentiable ``cuflash.attention_varlen`` for torch tensors: returns out, or
+    (out, lse) with ``return_lse`` (lse float32 (nheads, total_q), differentiable too).
 
     q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim) packed; sequence
     b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
     of k and v (int32 tensors (batch + 1,) on q's device). Gradients reach q, k and v.
     """
     left, right = window_size
-    out, _, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
-                                float(dropout_p), _int64(seed))
-    return out
+    out, lse, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
+                                  float(dropout_p), _int64(seed))
+    return (out, lse) if return_lse else out
 
 
 # --- dense -----------------------------------------------------------------------------------
@@ -131,16 +137,19 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: Optional[float],
                         deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                         alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                        rng_state: Optional[torch.Tensor] = None
+                        rng_state: Optional[torch.Tensor] = None, dlse: Optional[torch.Tensor] = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv): gradients of attention_forward's out, given its out, lse and rng_state."""
+    """(dq, dk, dv): gradients of attention_forward's out (dout) and lse (dlse, or None
+    where lse is unused), given its out, lse and rng_state."""
     seed, rng_offset = _from_rng_state(rng_state)
     options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         return tuple(api.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
-                                            deterministic=deterministic, **options))
-    *arrays, alibi_slopes = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
-    grads = api.attention_backward(*arrays, alibi_slopes=alibi_slopes, deterministic=deterministic, **options)
+                                            deterministic=deterministic, dlse=dlse, **options))
+    *arrays, alibi_slopes, dlse = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
+                                         dlse=dlse)
+    grads = api.attention_backward(*arrays, alibi_slopes=alibi_slopes, deterministic=deterministic, dlse=dlse,
+                                   **options)
     return tuple(_tensor(g) for g in grads)
 
 
@@ -149,7 +158,8 @@ attention_backward = torch.library.custom_op("cuflash::attention_backward", muta
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left=-1,
-                             window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                             window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+                             dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -158,14 +168,15 @@ def _setup_context(ctx, inputs, output):
      alibi_slopes, ctx.dropout_p, _) = inputs
     out, lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
-    # The backward ignores lse's gradient, so say so rather than return a wrong one.
-    ctx.mark_non_differentiable(lse, rng_state)
+    ctx.mark_non_differentiable(rng_state)
 
 
-def _backward(backward, ctx, dout, _dlse, _drng_state):
+def _backward(backward, ctx, dout, dlse, _drng_state):
     q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
-    dq, dk, dv = backward(_unit_stride(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
-                          ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state)
+    dout, dlse = _output_gradients(dout, dlse, out)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+                          ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state,
+                          dlse)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -174,20 +185,20 @@ def _differentiable(op, forward, backward_op, backward, setup_context, formula):
     ``backward_op``), and return op(*inputs) with autograd: the op while torch.compile
     traces; eagerly, ``forward`` and the formula over ``backward`` through an
     autograd.Function, without the ops' per-call dispatch and output-aliasing checks
-    (~500 us a small training step, docs/performance.md item 34)."""
+    (the ops' eager dispatch cost about 500 us a small training step)."""
     op.register_autograd(lambda ctx, *grads: formula(backward_op, ctx, *grads), setup_context=setup_context)
 
     class Eager(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
-            ctx.set_materialize_grads(False)  # no zero gradients made for lse and rng_state: ~100 us a step
+            ctx.set_materialize_grads(False)  # no zero gradients made for unused lse and rng_state: ~100 us a step
             output = forward(*inputs)
             setup_context(ctx, inputs, output)
             return output
 
         @staticmethod
         def backward(ctx, *grads):
-            if grads[0] is None:  # out's gradient is undefined (not materialized): so are the inputs'
+            if grads[0] is None and grads[1] is None:  # out's and lse's gradients are undefined: so are the inputs'
                 return (None,) * len(ctx.needs_input_grad)
             return formula(backward, ctx, *grads)
 
@@ -243,19 +254,19 @@ def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                softmax_scale: Optional[float], deterministic: bool, window_left: int = -1,
                                window_right: int = -1, softcap: float = 0.0,
                                alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                               rng_state: Optional[torch.Tensor] = None
+                               rng_state: Optional[torch.Tensor] = None, dlse: Optional[torch.Tensor] = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of attention_varlen_forward's out."""
+    """(dq, dk, dv) of attention_varlen_forward's out and lse (dlse, or None)."""
     seed, rng_offset = _from_rng_state(rng_state)
     options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         return tuple(api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
-                                                   deterministic=deterministic, **options))
-    *arrays, alibi_slopes = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+                                                   deterministic=deterministic, dlse=dlse, **options))
+    *arrays, alibi_slopes, dlse = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                                         cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, dlse=dlse)
     grads = api.attention_varlen_backward(*arrays, max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
-                                          deterministic=deterministic, **options)
+                                          deterministic=deterministic, dlse=dlse, **options)
     return tuple(_tensor(g) for g in grads)
 
 
@@ -267,7 +278,7 @@ attention_varlen_backward = torch.library.custom_op(
 def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal, softmax_scale, deterministic, window_left=-1,
                                     window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                                    rng_state=None):
+                                    rng_state=None, dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -276,14 +287,15 @@ def _setup_varlen_context(ctx, inputs, output):
      ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, _) = inputs
     out, lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
-    ctx.mark_non_differentiable(lse, rng_state)
+    ctx.mark_non_differentiable(rng_state)
 
 
-def _varlen_backward(backward, ctx, dout, _dlse, _drng_state):
+def _varlen_backward(backward, ctx, dout, dlse, _drng_state):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
-    dq, dk, dv = backward(_unit_stride(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
+    dout, dlse = _output_gradients(dout, dlse, out)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
                           ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.window_left,
-                          ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state)
+                          ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state, dlse)
     return (dq, dk, dv) + (None,) * 13
 
 
@@ -344,9 +356,16 @@ def _fake_rng_state() -> torch.Tensor:
     return torch.empty(2, dtype=torch.int64, device="cpu")
 
 
-def _unit_stride(dout: torch.Tensor) -> torch.Tensor:
-    # e.g. the expanded gradient of out.sum(): the kernel needs a unit-stride last dimension
-    return dout if dout.stride(-1) == 1 else dout.contiguous()
+def _output_gradients(dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
+                      out: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The backward ops' dout and dlse from the gradients autograd hands the formula: a
+    zero dout where only lse is used; dlse stays None where lse is unused."""
+    if dout is None:
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:  # e.g. the expanded gradient of out.sum(): the kernel needs a unit-stride last dim
+        dout = dout.contiguous()
+    # lse's layout contract (e.g. lse.sum() sends an expanded gradient)
+    return dout, None if dlse is None else dlse.contiguous()
 
 
 def _numpy(**tensors) -> list:

@@ -8,16 +8,19 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+import cuflash
+from cuflash import _philox
 from cuflash.cpu import attention_backward, attention_forward
 from cuflash.reference import (
     attention_lowp_backward,
     attention_reference,
     attention_reference_backward,
+    attention_reference_varlen_backward,
     attention_textbook_backward,
     round_to,
 )
-from .strategies import (Shape, assert_close, attention_shapes, blocks, random_dout, random_qkv, rounding_floor, scales,
-                         seeds)
+from .strategies import (Shape, VarlenShape, assert_close, attention_shapes, blocks, random_dout, random_qkv,
+                         rounding_floor, scales, seeds)
 
 # NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -314,7 +317,7 @@ def test_lowp_backward_rounds_each_stage_like_float16_tensors(causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowp_backward_matches_torch_float16_autograd(causal):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
     shape = Shape(2, 40, 33, 4, 2, 16, causal)
     dout, q, k, v = _data(shape, np.float16, seed=None)
     # A power of two: torch's scaled product is two ops, whose second rounding is then exact.
@@ -377,3 +380,174 @@ def test_float16_within_flash_attn_gradient_rule(shape, block_q, block_k, seed):
         allowed = (3 * np.abs(yardstick - want).max(initial=0.0) + rounding_floor(want)
                    + np.abs(inherited - want).max(initial=0.0))
         assert error <= allowed, f"{name}: error {error:.3e} > allowed {allowed:.3e}"
+
+
+# --- the gradient of the LSE -------------------------------------------------------------
+#
+# lse_i = logsumexp_j(s_ij), so d lse_i / d s_ij = P_ij: a loss that uses lse adds
+# P ∘ dLSE to dS, which the backward folds into its row term, D - dLSE. Rows that see no
+# key have lse = +inf and P = 0; whatever their dlse (a loss over +inf sends NaN), it must
+# not reach any gradient.
+
+
+def _dlse(lse, seed, poison=np.nan):
+    """A standard normal float32 gradient laid out like lse, `poison` on the rows whose lse
+    is +inf."""
+    dlse = np.random.default_rng(seed).standard_normal(lse.shape).astype(np.float32)
+    return np.where(np.isinf(lse), np.float32(poison), dlse)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        Shape(1, 3, 4, 2, 1, 3, False),
+        Shape(2, 4, 3, 4, 2, 2, True),  # GQA, seqlen_q > seqlen_k: row 0 sees no key
+        Shape(1, 3, 1, 2, 2, 2, True),  # two fully masked rows, one key
+    ],
+)
+@pytest.mark.parametrize("options", [{}, dict(softcap=0.7, softmax_scale=1.3), dict(window_size=(1, 0))])
+def test_reference_lse_gradients_match_finite_differences(shape, options):
+    dout, q, k, v = _data(shape, np.float64, seed=None)
+    options = dict(options, causal=shape.causal)
+    _, lse = attention_reference(q, k, v, **options)
+    seen = np.isfinite(lse)
+    dlse = _dlse(lse, seed=1).astype(np.float64)
+    grads = attention_reference_backward(dout, q, k, v, dlse=dlse, **options)
+
+    def loss():  # <dout, out> + <dlse, lse> over the rows that see a key
+        out, lse = attention_reference(q, k, v, **options)
+        return float((dout * out).sum() + (np.where(seen, dlse, 0) * np.where(seen, lse, 0)).sum())
+
+    for name, grad, x in (("dq", grads[0], q), ("dk", grads[1], k), ("dv", grads[2], v)):
+        assert_close(grad, _finite_difference(loss, x), atol=1e-7, rtol=1e-6, name=name)
+
+
+@settings(deadline=None, max_examples=100)
+@given(
+    shape=shapes,
+    dtype=st.sampled_from([np.float32, np.float64]),
+    scale=scales,
+    block_q=blocks,
+    block_k=blocks,
+    seed=seeds,
+)
+def test_lse_gradient_matches_reference(shape, dtype, scale, block_q, block_k, seed):
+    dout, q, k, v = _data(shape, dtype, seed)
+    out, lse = attention_forward(q, k, v, causal=shape.causal, softmax_scale=scale)
+    dlse = _dlse(lse, seed)
+    grads = attention_backward(dout, q, k, v, out, lse, causal=shape.causal, softmax_scale=scale,
+                               block_q=block_q, block_k=block_k, dlse=dlse)
+    expected = attention_reference_backward(dout, q, k, v, causal=shape.causal, softmax_scale=scale, dlse=dlse)
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        atol = GRAD_TOL[dtype] * _scale_of(want) * (1 + _max_finite(lse))
+        assert_close(grad, want, atol=atol, name=name)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("block_q, block_k", [(3, 2), (128, 128)])
+def test_lse_gradient_of_rows_that_see_no_key_is_ignored(poison, block_q, block_k):
+    shape = Shape(2, 70, 3, 4, 2, 8, True)  # rows 0..66 see no key
+    dout, q, k, v = _data(shape, np.float32, seed=None)
+    out, lse = attention_forward(q, k, v, causal=True, softmax_scale=None)
+    options = dict(causal=True, softmax_scale=None, block_q=block_q, block_k=block_k)
+    poisoned = attention_backward(dout, q, k, v, out, lse, dlse=_dlse(lse, 0, poison), **options)
+    clean = attention_backward(dout, q, k, v, out, lse, dlse=_dlse(lse, 0, 0.0), **options)
+    for name, grad, want in zip(("dq", "dk", "dv"), poisoned, clean):
+        assert np.isfinite(grad).all(), name
+        np.testing.assert_array_equal(grad, want, err_msg=name)
+    assert np.all(poisoned[0][:, :67] == 0)
+
+
+def test_lowp_backward_with_dlse_at_float32_is_the_reference():
+    shape = Shape(2, 40, 33, 4, 2, 16, True)
+    dout, q, k, v = _data(shape, np.float32, seed=None)
+    _, lse = attention_reference(q, k, v, causal=True)
+    dlse = _dlse(lse, seed=2)
+    expected = attention_reference_backward(dout, q, k, v, causal=True, dlse=dlse)
+    for name, grad, want in zip(("dq", "dk", "dv"),
+                                attention_lowp_backward(dout, q, k, v, causal=True, dtype=np.float32, dlse=dlse),
+                                expected):
+        assert_close(grad, want, atol=1e-5 * _scale_of(want), name=name)
+
+
+# --- cuflash.attention_backward(..., dlse=) on NumPy arrays --------------------------------
+
+_SLOPES = np.array([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.1, 0.05, 0.7], [0.01, 0.2, 0.4, 0.0]], dtype=np.float32)
+_API_OPTIONS = {
+    "plain": {},
+    "everything": dict(window_size=(9, 0), softcap=3.0, dropout_p=0.2, seed=11),  # with (batch, nheads) slopes
+}
+
+
+def _reference_options(options: dict, keep) -> dict:
+    ref = {name: value for name, value in options.items() if name != "seed"}
+    ref["dropout_keep"] = keep if options.get("dropout_p", 0) > 0 else None
+    return ref
+
+
+@pytest.mark.parametrize("name", list(_API_OPTIONS))
+def test_api_backward_with_dlse_matches_reference(name):
+    shape = Shape(3, 29, 21, 4, 2, 16, True)  # rows 0..7 see no key
+    dout, q, k, v = _data(shape, np.float64, seed=3)
+    options = dict(_API_OPTIONS[name], causal=True)
+    if name == "everything":
+        options["alibi_slopes"] = _SLOPES
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    dlse = _dlse(lse, seed=4)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **options)
+    keep = None
+    if options.get("dropout_p", 0) > 0:
+        keep = _philox.keep_mask(options["seed"], 0, 3, 4, 29, 21, options["dropout_p"])
+    expected = attention_reference_backward(dout, q, k, v, dlse=dlse, **_reference_options(options, keep))
+    for grad_name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert_close(grad, want, atol=2e-6 * _scale_of(want), name=grad_name)
+
+    # dlse=None is lse unused, as are zeros; and a warm call (validated once) reads its own
+    # dlse. (dv = Pᵀ dO never sees it.)
+    without = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    zeros = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=np.zeros_like(lse), **options)
+    again = cuflash.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **options)
+    for a, b, c, d in zip(without, zeros, again, grads):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(c, d)
+    assert not np.array_equal(without[0], grads[0]) and not np.array_equal(without[1], grads[1])
+    np.testing.assert_array_equal(without[2], grads[2])
+
+
+def test_api_varlen_backward_with_dlse_matches_reference():
+    shape = VarlenShape((9, 0, 17, 4), (12, 5, 0, 4), 4, 2, 16, True)  # sequence 2 sees no key
+    dout, q, k, v = _data(shape, np.float64, seed=5)
+    cu_q, cu_k = shape.cu_seqlens_q, shape.cu_seqlens_k
+    options = dict(causal=True, window_size=(6, -1), softcap=2.0, alibi_slopes=np.vstack([_SLOPES, _SLOPES[:1]]),
+                   dropout_p=0.2, seed=3)
+    packing = (cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k)
+    out, lse = cuflash.attention_varlen(q, k, v, *packing, return_lse=True, **options)
+    assert np.isinf(lse[:, 9:9 + 17]).any()
+    dlse = _dlse(lse, seed=6)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, dlse=dlse, **options)
+    keep = _philox.varlen_keep_masks(3, 0, 4, shape.seqlens_q, shape.seqlens_k, 0.2)
+    expected = attention_reference_varlen_backward(dout, q, k, v, cu_q, cu_k, dlse=dlse,
+                                                   **_reference_options(options, keep))
+    for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
+        assert np.isfinite(grad).all(), name
+        assert_close(grad, want, atol=2e-6 * _scale_of(want), name=name)
+
+
+@pytest.mark.parametrize("make,error,message", [
+    (lambda lse: lse[..., :-1], ValueError, r"dlse must have lse's shape \(2, 4, 8\), got \(2, 4, 7\)"),
+    (lambda lse: lse.astype(np.float64), TypeError, "dlse must have dtype float32, got float64"),
+    (lambda lse: np.ascontiguousarray(lse.transpose(0, 2, 1)).transpose(0, 2, 1), ValueError,
+     "dlse must be contiguous, got strides"),
+    (lambda lse: lse.tolist(), TypeError, "dlse must be a NumPy, CuPy, PyTorch or JAX array"),
+])
+def test_api_dlse_errors(make, error, message):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16)))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(error, match=message):
+        cuflash.attention_backward(out, q, k, v, out, lse, dlse=make(lse))
+    packed = [x[0] for x in (q, k, v, out)]
+    cu = np.array([0, 3, 8], np.int32)
+    packed_lse = np.ascontiguousarray(lse[0])
+    with pytest.raises(ValueError, match=r"dlse must have lse's shape \(4, 8\)"):
+        cuflash.attention_varlen_backward(packed[3], *packed, packed_lse, cu, cu, 5, 5, dlse=lse)

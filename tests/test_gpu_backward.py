@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _kernels, _plan
-from cuflash.reference import attention_lowp_backward, attention_reference_backward
+from cuflash.reference import (attention_lowp_backward, attention_lowp_varlen_backward, attention_reference_backward,
+                               attention_reference_varlen_backward)
 
 from .strategies import Shape, assert_close, attention_shapes, random_dout, random_qkv
 from .test_gpu_forward import FLOOR, Launches, check_against_reference, cupy_dtype, poisoned_allocations
@@ -34,9 +35,16 @@ def run_backward(shape: Shape, dtype: str, seed: int, deterministic: bool):
     return (dout, q, k, v), grads, launches
 
 
-def check_gradients(dout, q, k, v, grads, causal, scale=None):
-    refs = attention_reference_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
-    lowps = attention_lowp_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
+def check_gradients(dout, q, k, v, grads, causal, scale=None, dlse=None, varlen=None):
+    """The rule, for dense arrays or packed ones (varlen = (cu_seqlens_q, cu_seqlens_k)),
+    of the gradients of out (dout) and, given dlse, of lse too; NumPy or CuPy arrays."""
+    options = dict(causal=causal, softmax_scale=scale, dlse=dlse)
+    if varlen is None:
+        refs = attention_reference_backward(dout, q, k, v, **options)
+        lowps = attention_lowp_backward(dout, q, k, v, **options)
+    else:
+        refs = attention_reference_varlen_backward(dout, q, k, v, *varlen, **options)
+        lowps = attention_lowp_varlen_backward(dout, q, k, v, *varlen, **options)
     floor = FLOOR[str(q.dtype)]
     for name, grad, ref, lowp, like in zip(("dq", "dk", "dv"), grads, refs, lowps, (q, k, v)):
         assert grad.shape == like.shape and grad.dtype == like.dtype, name
@@ -215,3 +223,98 @@ def test_backward_input_errors():
         cuflash.attention_backward(q[:, :4], q, q, q, out, lse)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         cuflash.attention_backward(q, q, q, q, out, lse, deterministic="yes")
+
+
+# --- the gradient of the LSE ----------------------------------------------------------------
+
+
+def lse_gradient(lse, seed, poison=float("nan")):
+    """A standard normal float32 gradient laid out like lse, `poison` on the rows whose lse is
+    +inf (rows that see no key: the backward must ignore theirs)."""
+    import cupy
+    dlse = cupy.random.default_rng(seed).standard_normal(lse.shape, dtype=cupy.float32)
+    return cupy.where(cupy.isinf(lse), cupy.float32(poison), dlse)
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    (Shape(2, 300, 170, 4, 2, 64, True), "bfloat16"),  # rows 0..129 see no key
+    (Shape(1, 257, 513, 6, 2, 128, False), "float16"),
+    (Shape(1, 190, 190, 2, 1, 59, True), "float16"),  # odd head dim: the preprocess's unvectorized path
+    (Shape(1, 200, 150, 2, 2, 256, True), "bfloat16"),
+])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dlse_matches_reference(shape, dtype, deterministic):
+    """D = rowsum(dO O) - dLSE: the gradients of out and lse together against the oracle's,
+    NaN on the lse gradient of rows that see no key."""
+    import cupy
+    rng = np.random.default_rng(shape.seqlen_q)
+    q, k, v = random_qkv(shape, cupy_dtype(dtype), rng, xp=cupy)
+    dout = random_dout(shape, cupy_dtype(dtype), rng, xp=cupy)
+    out, lse = cuflash.attention(q, k, v, causal=shape.causal, return_lse=True)
+    dlse = lse_gradient(lse, seed=shape.headdim)
+    with poisoned_allocations(), Launches() as launches:
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=shape.causal, deterministic=deterministic,
+                                           dlse=dlse)
+    assert dlse.data.ptr in {p for call, _ in launches.calls for p in call}  # read in place
+    for grad in grads:
+        assert cupy.isfinite(grad).all()
+    check_gradients(dout, q, k, v, grads, shape.causal, dlse=dlse)
+
+
+def test_dlse_varlen_matches_reference():
+    """Packed sequences (one with no rows, one with no keys): dlse laid out (nheads, total_q)."""
+    import cupy
+
+    from .strategies import VarlenShape
+    shape = VarlenShape((100, 0, 257, 64), (130, 40, 0, 300), 4, 2, 128, True)
+    rng = np.random.default_rng(11)
+    q, k, v = (cupy.asarray(rng.standard_normal(s), dtype=cupy.float16) for s in (shape.q_shape, shape.kv_shape,
+                                                                                  shape.kv_shape))
+    dout = cupy.asarray(rng.standard_normal(shape.q_shape), dtype=cupy.float16)
+    cu_q, cu_k = cupy.asarray(shape.cu_seqlens_q), cupy.asarray(shape.cu_seqlens_k)
+    packing = (cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k)
+    out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=True, return_lse=True)
+    dlse = lse_gradient(lse, seed=12)
+    with poisoned_allocations():
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=True, dlse=dlse)
+    for grad in grads:
+        assert cupy.isfinite(grad).all()
+    check_gradients(dout, q, k, v, grads, True, dlse=dlse, varlen=(cu_q, cu_k))
+
+
+def test_dlse_warm_calls_read_their_own():
+    """A warm call's cached launch plan fills the dlse pointer each time (null without one):
+    with, without, then with another dlse, each as computed afresh."""
+    import cupy
+    shape = Shape(2, 150, 100, 4, 2, 64, True)
+    rng = np.random.default_rng(13)
+    q, k, v = random_qkv(shape, cupy_dtype("bfloat16"), rng, xp=cupy)
+    dout = random_dout(shape, cupy_dtype("bfloat16"), rng, xp=cupy)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+
+    def backward(dlse):
+        return cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, dlse=dlse)
+
+    first, second = lse_gradient(lse, 1), lse_gradient(lse, 2)
+    runs = [backward(first), backward(None), backward(second), backward(first), backward(None)]
+    for a, b in zip(runs[0], runs[3]):
+        assert (a.view(cupy.uint16) == b.view(cupy.uint16)).all()
+    for a, b in zip(runs[1], runs[4]):
+        assert (a.view(cupy.uint16) == b.view(cupy.uint16)).all()
+    for run, dlse in zip(runs[:3], (first, None, second)):
+        check_gradients(dout, q, k, v, run, True, dlse=dlse)
+    assert not (runs[0][0] == runs[2][0]).all() and not (runs[0][0] == runs[1][0]).all()
+
+
+def test_dlse_errors():
+    import cupy
+    q = cupy.ones((1, 8, 2, 64), dtype=cupy.float16)
+    out, lse = cuflash.attention(q, q, q, return_lse=True)
+    with pytest.raises(TypeError, match="dlse must be the same kind of array on the same device as q"):
+        cuflash.attention_backward(q, q, q, q, out, lse, dlse=lse.get())
+    with pytest.raises(ValueError, match=r"dlse must have lse's shape \(1, 2, 8\)"):
+        cuflash.attention_backward(q, q, q, q, out, lse, dlse=lse[:, :1])
+    with pytest.raises(TypeError, match="dlse must have dtype float32"):
+        cuflash.attention_backward(q, q, q, q, out, lse, dlse=lse.astype(cupy.float16))
+    with pytest.raises(ValueError, match="dlse must be contiguous"):
+        cuflash.attention_backward(q, q, q, q, out, lse, dlse=cupy.ones((1, 8, 2), cupy.float32).transpose(0, 2, 1))

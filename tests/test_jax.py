@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-pytest.importorskip("jax.experimental.buffer_callback")
+jax = pytest.importorskip("jax", reason="JAX is not installed: pip install -e '.[jax]'")
+pytest.importorskip("jax.experimental.buffer_callback", reason="cuflash.jax needs JAX 0.7 or newer")
 
 import jax.numpy as jnp  # noqa: E402
 
@@ -320,6 +320,123 @@ def test_missing_buffer_callback_names_the_jax_version(monkeypatch):
         cuflash.jax.attention(q, q, q)
 
 
+# --- CPU: the gradient of the LSE --------------------------------------------------------
+#
+# The oracle: cuflash.reference's float64 gradients of <dout, out> + <dlse, lse>
+# (d lse_i / d s_ij = P_ij), themselves checked against finite differences in
+# test_cpu_backward.py.
+
+
+def _lse_gradient(lse, seed):
+    """A standard normal gradient for lse, NaN on the rows whose lse is +inf (rows that see
+    no key, whose lse gradient must be ignored)."""
+    lse = np.asarray(lse)
+    dlse = np.random.default_rng(seed).standard_normal(lse.shape).astype(np.float32)
+    return np.where(np.isinf(lse), np.float32(np.nan), dlse)
+
+
+def _vjp(attention, *args):
+    """(q, k, v, dout, dlse, *args) -> q, k, v's gradients of attention's (out, lse)."""
+    def grads(q, k, v, dout, dlse, *rest):
+        _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, *args, *rest), q, k, v)
+        return vjp((dout, dlse))
+    return grads
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_cpu_lse_gradients_match_reference(cpu, jit):
+    """The vjp of (out, lse) (NaN on the lse of rows that see no key) is the oracle's; a loss
+    over out and the finite lse gives the same under jax.grad."""
+    shape = Shape(2, 37, 29, 4, 2, 16, True)  # GQA, rows 0..7 see no key
+    kwargs = dict(window_size=(9, 0), softcap=3.0, alibi_slopes=jnp.asarray(_SLOPES[1]))
+    q, k, v, dout = make_inputs(shape, jnp.float32, seed=4)
+
+    def attention(q, k, v):
+        return cuflash.jax.attention(q, k, v, True, return_lse=True, **kwargs)
+
+    out, lse = attention(q, k, v)
+    dlse = _lse_gradient(lse, seed=5)
+    vjp = jax.jit(_vjp(attention)) if jit else _vjp(attention)
+    grads = vjp(q, k, v, dout, jnp.asarray(dlse))
+    arrays = [np.asarray(x) for x in (dout, q, k, v)]
+    options = _reference_options(kwargs, True, None)
+    want_out, want_lse = cuflash.attention(*arrays[1:], return_lse=True, **_numpy_options(kwargs, True))
+    np.testing.assert_array_equal(np.asarray(out), want_out)
+    np.testing.assert_array_equal(np.asarray(lse), want_lse)
+    refs = attention_reference_backward(*arrays, dlse=dlse, **options)
+    for got, ref, name in zip(grads, refs, ("dq", "dk", "dv")):
+        assert np.isfinite(np.asarray(got)).all(), name
+        _close(got, ref, name)
+
+    def loss(q, k, v, dout, dlse):
+        out, lse = attention(q, k, v)
+        seen = jnp.isfinite(lse)
+        return jnp.sum(out * dout) + jnp.sum(jnp.where(seen, lse, 0.0) * jnp.where(seen, dlse, 0.0))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    for got, expected in zip((jax.jit(grad) if jit else grad)(q, k, v, dout, jnp.asarray(dlse)), grads):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_cpu_varlen_lse_gradients_match_reference(cpu):
+    """Packed sequences (one with no rows, one with no keys), jitted: the vjp of (out, lse)."""
+    shape = VarlenShape((9, 0, 17, 4), (12, 5, 0, 4), 4, 2, 16, True)
+    q, k, v, dout = make_inputs(shape, jnp.float32, seed=6)
+    cu_q, cu_k = shape.cu_seqlens_q, shape.cu_seqlens_k
+    kwargs = dict(window_size=(6, -1), softcap=2.0)
+
+    def attention(q, k, v, cu_q, cu_k):
+        return cuflash.jax.attention_varlen(q, k, v, cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k, True,
+                                            return_lse=True, **kwargs)
+
+    out, lse = attention(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k))
+    assert lse.shape == (4, q.shape[0]) and np.isinf(np.asarray(lse)).any()
+    dlse = _lse_gradient(lse, seed=7)
+    grads = jax.jit(_vjp(attention))(q, k, v, dout, jnp.asarray(dlse), jnp.asarray(cu_q), jnp.asarray(cu_k))
+    arrays = [np.asarray(x) for x in (dout, q, k, v)]
+    refs = attention_reference_varlen_backward(*arrays, cu_q, cu_k, dlse=dlse, **_reference_options(kwargs, True, None))
+    for got, ref, name in zip(grads, refs, ("dq", "dk", "dv")):
+        assert np.isfinite(np.asarray(got)).all(), name
+        _close(got, ref, name)
+
+
+def merged_by_lse(q, k, v, split, **kwargs):
+    """Attention over keys [:split] and over keys [split:], merged by their LSEs (in float32):
+    lse = logaddexp(lse1, lse2), out = out1 exp(lse1 - lse) + out2 exp(lse2 - lse)."""
+    out1, lse1 = cuflash.jax.attention(q, k[:, :split], v[:, :split], return_lse=True, **kwargs)
+    out2, lse2 = cuflash.jax.attention(q, k[:, split:], v[:, split:], return_lse=True, **kwargs)
+    lse = jnp.logaddexp(lse1, lse2)
+
+    def weighted(out, part_lse):  # lse (batch, nheads, seqlen_q) -> (batch, seqlen_q, nheads, 1)
+        return out.astype(jnp.float32) * jnp.exp(part_lse - lse).transpose(0, 2, 1)[..., None]
+
+    return (weighted(out1, lse1) + weighted(out2, lse2)).astype(q.dtype), lse
+
+
+def test_cpu_merging_halves_by_lse_is_full_attention(cpu):
+    """Two halves of the keys merged by their LSEs, jitted: full attention's out, lse and
+    gradients (which reach q, k and v through both LSEs)."""
+    q, k, v, dout = make_inputs(Shape(2, 33, 50, 4, 2, 16, False), jnp.float32, seed=8)
+
+    def loss(attention):
+        return lambda q, k, v, dout: jnp.sum(attention(q, k, v)[0] * dout)
+
+    def full(q, k, v):
+        return cuflash.jax.attention(q, k, v, return_lse=True)
+
+    def merged(q, k, v):
+        return merged_by_lse(q, k, v, 23)
+
+    for got, want, name in zip(jax.jit(merged)(q, k, v), full(q, k, v), ("out", "lse")):
+        assert_close(np.asarray(got), np.asarray(want), atol=1e-5 * max(1.0, float(jnp.abs(want).max())), name=name)
+    got = jax.jit(jax.grad(loss(merged), argnums=(0, 1, 2)))(q, k, v, dout)
+    want = jax.grad(loss(full), argnums=(0, 1, 2))(q, k, v, dout)
+    refs = attention_reference_backward(*(np.asarray(x) for x in (dout, q, k, v)))
+    for g, w, ref, name in zip(got, want, refs, ("dq", "dk", "dv")):
+        _close(g, np.asarray(w), name)
+        _close(g, ref, name)
+
+
 # --- GPU: the CUDA kernels on XLA's buffers ------------------------------------------------
 
 
@@ -334,13 +451,15 @@ def check_output(out, q, k, v, causal):
     assert_close(cupy.from_dlpack(out), ref, atol=2 * lowp_err + FLOOR[str(q.dtype)], name="out")
 
 
-def check_gradients(grads, dout, q, k, v, causal, softmax_scale=None):
-    """The GPU backward tests' rule (flash-attn's, with NaN/inf parity), on JAX arrays."""
+def check_gradients(grads, dout, q, k, v, causal, softmax_scale=None, dlse=None):
+    """The GPU backward tests' rule (flash-attn's, with NaN/inf parity), on JAX arrays; with
+    dlse (a NumPy array), for the gradients of out and lse together."""
     import cupy
 
     from .test_gpu_backward import check_gradients as check_cupy_gradients
     dout, q, k, v = (cupy.from_dlpack(x) for x in (dout, q, k, v))
-    check_cupy_gradients(dout, q, k, v, [cupy.from_dlpack(g) for g in grads], causal, softmax_scale)
+    check_cupy_gradients(dout, q, k, v, [cupy.from_dlpack(g) for g in grads], causal, softmax_scale,
+                         dlse=None if dlse is None else cupy.asarray(dlse))
 
 
 @pytest.mark.gpu
@@ -470,3 +589,42 @@ def test_varlen_on_gpu():
     check_forward(*as_cupy[1:5], lse, options, varlen=as_cupy[5:])
     check_variant_gradients(*as_cupy[:4], [cupy.from_dlpack(g) for g in grads], options, varlen=as_cupy[5:],
                             out=as_cupy[4])
+
+
+# --- GPU: the gradient of the LSE ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", [
+    (Shape(2, 129, 65, 4, 2, 64, True), "bfloat16"),  # causal, seqlen_q > seqlen_k: rows that see no key
+    (Shape(1, 150, 150, 2, 2, 59, True), "float16"),  # odd head dim
+])
+@pytest.mark.parametrize("jit", [False, True])
+def test_lse_gradients_match_reference(shape, dtype, jit):
+    """The vjp of (out, lse) on the GPU, NaN on the lse of rows that see no key, against the
+    oracle's gradients with flash-attn's rule."""
+    q, k, v, dout = make_inputs(shape, getattr(jnp, dtype), seed=shape.seqlen_q)
+
+    def attention(q, k, v):
+        return cuflash.jax.attention(q, k, v, shape.causal, return_lse=True)
+
+    _, lse = attention(q, k, v)
+    dlse = _lse_gradient(lse, seed=1)
+    vjp = jax.jit(_vjp(attention)) if jit else _vjp(attention)
+    grads = vjp(q, k, v, dout, jnp.asarray(dlse))
+    for grad, like in zip(grads, (q, k, v)):
+        assert grad.dtype == like.dtype and bool(jnp.isfinite(grad).all())
+    check_gradients(grads, dout, q, k, v, shape.causal, dlse=dlse)
+
+
+@pytest.mark.gpu
+def test_merging_halves_by_lse_on_gpu():
+    """Two halves of the keys merged by their LSEs, jitted on the GPU: full attention's
+    gradients by flash-attn's rule."""
+    q, k, v, dout = make_inputs(Shape(2, 200, 333, 4, 2, 64, False), jnp.bfloat16, seed=9)
+
+    def loss(q, k, v, dout):
+        return jnp.sum(merged_by_lse(q, k, v, 130)[0].astype(jnp.float32) * dout.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, dout)
+    check_gradients(grads, dout, q, k, v, causal=False)

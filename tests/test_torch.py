@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
 
 import cuflash  # noqa: E402
 import cuflash.torch  # noqa: E402
@@ -27,10 +27,12 @@ from cuflash.flash_attn_interface import (  # noqa: E402
     flash_attn_varlen_qkvpacked_func,
 )
 from cuflash.reference import (  # noqa: E402
+    attention_lowp,
     attention_reference,
     attention_reference_backward,
     attention_reference_varlen,
     attention_reference_varlen_backward,
+    normalized_window,
 )
 
 from .strategies import Launches, Shape, VarlenShape, assert_close  # noqa: E402
@@ -108,14 +110,14 @@ def test_cpu_undefined_output_gradient_gives_undefined_input_gradients():
     assert q.grad is None and k.grad is None and v.grad is None and bias.grad == 1
 
 
-def test_cpu_lse_is_not_differentiable_and_softmax_scale_passes_through():
+def test_cpu_lse_is_differentiable_and_softmax_scale_passes_through():
     q, k, v, _ = make_inputs(Shape(1, 9, 11, 2, 1, 8, False), torch.float64, "cpu")
     out, lse, rng_state = cuflash.torch.attention_forward(q, k, v, False, 0.3, False)
-    assert out.requires_grad and not lse.requires_grad and not rng_state.requires_grad
+    assert out.requires_grad and lse.requires_grad and not rng_state.requires_grad
     assert rng_state.dtype == torch.int64 and rng_state.device.type == "cpu" and rng_state.tolist() == [0, 0]
     ref_out, ref_lse = attention_reference(*(x.detach().numpy() for x in (q, k, v)), softmax_scale=0.3)
     assert_close(out.detach().numpy(), ref_out, atol=1e-10)
-    assert_close(lse.numpy(), ref_lse, atol=1e-5)
+    assert_close(lse.detach().numpy(), ref_lse, atol=1e-5)
 
 
 def test_cpu_errors():
@@ -390,7 +392,7 @@ def test_flash_attn_func_return_conventions():
     assert s_dmask is None  # no dropout, no mask
     assert softmax_lse.dtype == torch.float32 and softmax_lse.shape == (2, 4, 23)
     _, ref_lse = attention_reference(*(x.detach().numpy() for x in (q, k, v)), causal=True)
-    assert_close(softmax_lse.numpy(), ref_lse, atol=1e-5)
+    assert_close(softmax_lse.detach().numpy(), ref_lse, atol=1e-5)
     (out * dout).sum().backward()  # differentiable like flash-attn's
     _, expected = gradients(q.detach().requires_grad_(), k.detach().requires_grad_(),
                             v.detach().requires_grad_(), dout, causal=True)
@@ -479,6 +481,196 @@ def test_flash_attn_varlen_functions():
         flash_attn_varlen_func(q, k, v, cu_q, cu_q, 19, 19, block_table=torch.zeros(4, 1, dtype=torch.int32))
 
 
+# --- CPU: the gradient of the LSE --------------------------------------------------------
+
+
+def plain_attention(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None):
+    """Attention written out in torch ops, for autograd to differentiate: (out, lse) laid out
+    as cuflash's, lse +inf on a row that sees no key. Such a row scores 0 before the softmax
+    and is dropped after it, so that autograd never meets -inf - -inf."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, group = k.shape[1], nheads // k.shape[2]
+    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    scale = headdim ** -0.5 if softmax_scale is None else softmax_scale
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    rows, cols = (torch.arange(n, device=q.device) for n in (seqlen_q, seqlen_k))
+    offset = cols[None, :] - (rows[:, None] + seqlen_k - seqlen_q)  # the key's distance right of the diagonal
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.reshape(-1, nheads, 1, 1).to(s.dtype) * offset.abs()
+    left, right = normalized_window(window_size, causal, seqlen_k)
+    visible = ((left < 0) | (offset >= -left)) & ((right < 0) | (offset <= right))
+    sees = visible.any(dim=-1)
+    s = torch.where(sees[:, None], torch.where(visible, s, -torch.inf), 0.0)
+    out = torch.einsum("bhij,bjhd->bihd", torch.softmax(s, dim=-1), v)
+    return torch.where(sees[:, None, None], out, 0.0), torch.where(sees, torch.logsumexp(s, dim=-1), torch.inf)
+
+
+def lse_gradient(lse, seed, poison=float("nan")):
+    """A standard normal gradient for lse, `poison` on the rows whose lse is +inf (rows that
+    see no key, whose lse gradient must be ignored)."""
+    generator = torch.Generator(device=lse.device).manual_seed(seed)
+    dlse = torch.randn(lse.shape, generator=generator, device=lse.device)
+    return torch.where(torch.isinf(lse), poison, dlse)
+
+
+def _seen(x, lse):
+    return torch.where(torch.isfinite(lse), x, 0.0)
+
+
+def _plain_gradients(q, k, v, dout, dlse, **kwargs):
+    """plain_attention's (out, lse) in float64 and autograd's q, k, v gradients of
+    <dout, out> + <dlse, lse> over the rows that see a key."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out, lse = plain_attention(q, k, v, **kwargs)
+    loss = (out * dout.double()).sum() + (_seen(lse, lse) * _seen(dlse.double(), lse)).sum()
+    return out.detach(), lse.detach(), torch.autograd.grad(loss, (q, k, v))
+
+
+LSE_CASES = {
+    "causal_gqa_unseeing_rows": (Shape(2, 37, 29, 4, 2, 16, True), {}),  # rows 0..7 see no key
+    "mqa_scale": (Shape(1, 20, 45, 3, 1, 8, False), dict(softmax_scale=0.3)),
+    "options": (Shape(2, 23, 31, 4, 2, 16, True), dict(window_size=(9, 0), softcap=3.0, alibi_slopes=_SLOPES[1])),
+}
+
+
+@pytest.mark.parametrize("name", list(LSE_CASES))
+def test_cpu_lse_gradients_match_torch_autograd(name):
+    """Gradients through out and lse together are autograd's through plain attention in
+    float64; a NaN gradient on the lse of a row that sees no key changes nothing; out and lse
+    alone add up to both; flash_attn_func's softmax_lse is the same lse."""
+    shape, kwargs = LSE_CASES[name]
+    q, k, v, dout = make_inputs(shape, torch.float64, "cpu")
+    out, lse = cuflash.torch.attention(q, k, v, causal=shape.causal, return_lse=True, **kwargs)
+    dlse = lse_gradient(lse, seed=1)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse), retain_graph=True)
+    ref_out, ref_lse, want = _plain_gradients(q, k, v, dout, dlse, causal=shape.causal, **kwargs)
+    _close(out, ref_out.numpy(), "out")
+    assert_close(lse.detach().numpy(), ref_lse.numpy(), atol=1e-5, rtol=1e-6, name="lse")
+    for grad, ref, grad_name in zip(grads, want, ("dq", "dk", "dv")):
+        assert torch.isfinite(grad).all(), grad_name
+        _close(grad, ref.numpy(), grad_name)
+
+    out_only = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    lse_only = torch.autograd.grad(lse, (q, k, v), dlse)  # out's gradient undefined: a zero dout
+    assert not lse_only[2].any()  # v does not reach lse
+    for grad, a, b, grad_name in zip(grads, out_only, lse_only, ("dq", "dk", "dv")):
+        _close(a + b, grad.numpy(), grad_name)
+
+    fa_out, softmax_lse, _ = flash_attn_func(q, k, v, causal=shape.causal, return_attn_probs=True, **kwargs)
+    fa_grads = torch.autograd.grad((fa_out, softmax_lse), (q, k, v), (dout, dlse))
+    for fa_grad, grad in zip(fa_grads, grads):
+        torch.testing.assert_close(fa_grad, grad, rtol=0, atol=0)
+
+
+def test_cpu_varlen_lse_gradients_match_torch_autograd():
+    """Packed sequences (one with no rows, one with no keys, causal rows that see none):
+    gradients through out and lse are autograd's through plain attention per sequence."""
+    shape = VarlenShape((9, 0, 17, 4, 11), (12, 5, 0, 4, 6), 4, 2, 16, True)
+    q, k, v, dout = make_inputs(shape, torch.float64, "cpu")
+    cu_q, cu_k = shape.cu_seqlens_q, shape.cu_seqlens_k
+    packing = (torch.from_numpy(cu_q), torch.from_numpy(cu_k), shape.max_seqlen_q, shape.max_seqlen_k)
+    kwargs = dict(window_size=(6, -1), softcap=2.0)
+    out, lse = cuflash.torch.attention_varlen(q, k, v, *packing, True, return_lse=True, **kwargs)
+    dlse = lse_gradient(lse, seed=2)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+
+    qd, kd, vd = (x.detach().requires_grad_() for x in (q, k, v))
+    loss = 0.0
+    for b in range(shape.batch):
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o, l = plain_attention(qd[None, rows_q], kd[None, rows_k], vd[None, rows_k], causal=True, **kwargs)
+        loss = loss + (o[0] * dout[rows_q]).sum() + (_seen(l[0], l[0]) * _seen(dlse[:, rows_q].double(), l[0])).sum()
+        _close(out[rows_q], o[0].detach().numpy(), "out")
+        assert_close(lse[:, rows_q].detach().numpy(), l[0].detach().numpy(), atol=1e-5, rtol=1e-6, name="lse")
+    want = torch.autograd.grad(loss, (qd, kd, vd))
+    for grad, ref, name in zip(grads, want, ("dq", "dk", "dv")):
+        assert torch.isfinite(grad).all(), name
+        _close(grad, ref.numpy(), name)
+
+    fa_out, softmax_lse, _ = flash_attn_varlen_func(q, k, v, *packing, causal=True, return_attn_probs=True,
+                                                    **kwargs)
+    fa_grads = torch.autograd.grad((fa_out, softmax_lse), (q, k, v), (dout, dlse))
+    for fa_grad, grad in zip(fa_grads, grads):
+        torch.testing.assert_close(fa_grad, grad, rtol=0, atol=0)
+
+
+def merged_by_lse(q, k, v, split, **kwargs):
+    """Attention over keys [:split] and over keys [split:], merged by their LSEs:
+    lse = logaddexp(lse1, lse2), out = out1 exp(lse1 - lse) + out2 exp(lse2 - lse) (in
+    float32, float64 for float64 inputs). Returns (out, lse)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out1, lse1 = cuflash.torch.attention(q, k[:, :split], v[:, :split], return_lse=True, **kwargs)
+    out2, lse2 = cuflash.torch.attention(q, k[:, split:], v[:, split:], return_lse=True, **kwargs)
+    lse = torch.logaddexp(lse1, lse2)
+
+    def weighted(out, part_lse):  # lse (batch, nheads, seqlen_q) -> (batch, seqlen_q, nheads, 1)
+        return out.to(acc) * torch.exp(part_lse - lse).transpose(1, 2).unsqueeze(-1).to(acc)
+
+    return (weighted(out1, lse1) + weighted(out2, lse2)).to(q.dtype), lse
+
+
+def check_merged(out, lse, grads, dout, q, k, v):
+    """flash-attn's rules for out and the gradients, an absolute bound for lse, against the
+    float64 oracle of full attention; CPU or CUDA tensors."""
+    from .test_gpu_backward import check_gradients as check_array_gradients
+    from .test_gpu_forward import FLOOR, LSE_ATOL
+    tensors = (out, lse, dout, q, k, v, *grads)
+    out, lse, dout, q, k, v, *grads = _cupy(*tensors) if q.is_cuda else [t.detach().numpy() for t in tensors]
+    ref, ref_lse = attention_reference(q, k, v)
+    lowp_err = float(abs(attention_lowp(q, k, v) - ref).max())
+    assert_close(out, ref, atol=2 * lowp_err + FLOOR[str(q.dtype)], name="out")
+    assert_close(lse, ref_lse, atol=LSE_ATOL, rtol=1e-5, name="lse")
+    check_array_gradients(dout, q, k, v, grads, causal=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_cpu_merging_halves_by_lse_is_full_attention(dtype):
+    """Attention over two halves of the keys merged by their LSEs is full attention, and so
+    are its gradients, which reach q, k and v through both LSEs."""
+    shape = Shape(2, 33, 50, 4, 2, 16, False)
+    q, k, v, dout = make_inputs(shape, dtype, "cpu", seed=5)
+    out, lse = merged_by_lse(q, k, v, 23)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    if dtype != torch.float64:
+        check_merged(out, lse, grads, dout, q, k, v)
+        return
+    full, full_lse = cuflash.torch.attention(q, k, v, return_lse=True)
+    _close(out, full.detach().numpy(), "out")
+    assert_close(lse.detach().numpy(), full_lse.detach().numpy(), atol=1e-5, rtol=1e-6, name="lse")
+    full_grads = torch.autograd.grad(full, (q, k, v), dout)
+    refs = attention_reference_backward(*(x.detach().numpy() for x in (dout, q, k, v)))
+    for grad, full_grad, ref, name in zip(grads, full_grads, refs, ("dq", "dk", "dv")):
+        _close(grad, full_grad.numpy(), name)
+        _close(grad, ref, name)
+
+
+def test_cpu_torch_compile_lse_gradients():
+    """A loss over out and lse (and one over lse alone) compiles whole and matches eager."""
+    q, k, v, dout = make_inputs(Shape(2, 33, 21, 4, 2, 16, True), torch.float32, "cpu")
+    dlse = torch.randn(2, 4, 33)
+
+    def loss(q, k, v, dout, dlse):
+        out, lse = cuflash.torch.attention(q, k, v, causal=True, return_lse=True, softcap=2.0)
+        return (out * dout).sum() + (_seen(lse, lse) * dlse).sum()
+
+    def lse_loss(q, k, v, dout, dlse):
+        _, lse = cuflash.torch.attention(q, k, v, causal=True, return_lse=True)
+        return (_seen(lse, lse) * dlse).sum()
+
+    for f in (loss, lse_loss):
+        assert torch._dynamo.explain(f)(q, k, v, dout, dlse).graph_break_count == 0
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        got = torch.autograd.grad(compiled(q, k, v, dout, dlse), (q, k, v))
+        want = torch.autograd.grad(f(q, k, v, dout, dlse), (q, k, v))
+        for g, w in zip(got, want):
+            assert torch.isfinite(g).all()
+            torch.testing.assert_close(g, w)
+
+
 # --- helpers shared by the CPU and GPU tests ----------------------------------------------
 
 _OPCHECK_OPTIONS = (5, 3, 2.0)  # window_left, window_right, softcap
@@ -486,7 +678,8 @@ _OPCHECK_OPTIONS = (5, 3, 2.0)  # window_left, window_right, softcap
 
 def _opcheck(op, q, k, v, dout):
     """torch.library.opcheck: schema, fake tensors, autograd registration, AOT dispatch;
-    without options and with all of them (dropout by an explicit seed, so that runs agree)."""
+    without options and with all of them (dropout by an explicit seed, so that runs agree);
+    the backward with and without lse's gradient."""
     args = [x.detach() for x in (q, k, v)]
     nheads = q.shape[-2]
     slopes = torch.linspace(0.1, 0.8, nheads, device=q.device)
@@ -509,9 +702,14 @@ def _opcheck(op, q, k, v, dout):
         torch.library.opcheck(forward, (q, k, v, *packing, True, None, False, *options, 7))
     else:
         out, lse, _ = forward(*args, *packing, True, None, False)
+        dlse = torch.randn(lse.shape, device=lse.device)
         torch.library.opcheck(backward, (dout, *args, out, lse, *packing, True, None, False))
+        torch.library.opcheck(backward, (dout, *args, out, lse, *packing, True, None, False, -1, -1, 0.0, None, 0.0,
+                                         None, dlse))
         out, lse, rng_state = forward(*args, *packing, True, None, False, *options, 7)
         torch.library.opcheck(backward, (dout, *args, out, lse, *packing, True, None, False, *options, rng_state))
+        torch.library.opcheck(backward, (dout, *args, out, lse, *packing, True, None, False, *options, rng_state,
+                                         dlse))
 
 
 def _check_compiled(q, k, v, dout, options=None, **compile_kwargs):
@@ -531,13 +729,15 @@ def _check_compiled(q, k, v, dout, options=None, **compile_kwargs):
 # --- GPU: the CUDA kernels through the glue -----------------------------------------------
 
 
-def check_gradients(grads, dout, q, k, v, causal, softmax_scale=None):
-    """The GPU backward tests' rule (flash-attn's, with NaN/inf parity), on torch tensors."""
+def check_gradients(grads, dout, q, k, v, causal, softmax_scale=None, dlse=None):
+    """The GPU backward tests' rule (flash-attn's, with NaN/inf parity), on torch tensors;
+    with dlse, for the gradients of out and lse together."""
     import cupy
 
     from .test_gpu_backward import check_gradients as check_cupy_gradients
     dout, q, k, v = (cupy.from_dlpack(t.detach()) for t in (dout, q, k, v))
-    check_cupy_gradients(dout, q, k, v, [cupy.from_dlpack(g) for g in grads], causal, softmax_scale)
+    check_cupy_gradients(dout, q, k, v, [cupy.from_dlpack(g) for g in grads], causal, softmax_scale,
+                         dlse=None if dlse is None else cupy.from_dlpack(dlse))
 
 
 @pytest.mark.gpu
@@ -747,3 +947,94 @@ def test_flash_attn_varlen_func_on_gpu():
     varlen = _cupy(cu_q, cu_k)
     check_forward(*_cupy(q, k, v, out, lse), options, varlen=varlen)
     check_variant_gradients(*_cupy(dout, q, k, v), _cupy(*grads), options, varlen=varlen, out=_cupy(out)[0])
+
+
+# --- GPU: the gradient of the LSE ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", [
+    (Shape(2, 129, 65, 4, 2, 64, True), torch.bfloat16),  # causal, seqlen_q > seqlen_k: rows that see no key
+    (Shape(1, 200, 333, 6, 2, 128, False), torch.float16),
+    (Shape(1, 150, 150, 2, 2, 59, True), torch.float16),  # odd head dim: the preprocess's unvectorized path
+])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_lse_gradients_match_reference(shape, dtype, deterministic):
+    """Gradients through out and lse together (NaN on the lse of rows that see no key),
+    against the oracle's with flash-attn's rule; flash_attn_func's softmax_lse is the same."""
+    q, k, v, dout = make_inputs(shape, dtype, "cuda", seed=shape.seqlen_q)
+    out, lse = cuflash.torch.attention(q, k, v, causal=shape.causal, deterministic=deterministic, return_lse=True)
+    dlse = lse_gradient(lse, seed=1)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    for grad in grads:
+        assert torch.isfinite(grad).all()
+    check_gradients(grads, dout, q, k, v, shape.causal, dlse=dlse)
+    fa_out, softmax_lse, _ = flash_attn_func(q, k, v, causal=shape.causal, deterministic=deterministic,
+                                             return_attn_probs=True)
+    fa_grads = torch.autograd.grad((fa_out, softmax_lse), (q, k, v), (dout, dlse))
+    check_gradients(fa_grads, dout, q, k, v, shape.causal, dlse=dlse)
+
+
+@pytest.mark.gpu
+def test_varlen_lse_gradients_match_reference():
+    """Packed sequences (one with no rows, one with no keys) through flash_attn_varlen_func's
+    softmax_lse: the gradients of out and lse together against the oracle's."""
+    import cupy
+
+    from .test_gpu_backward import check_gradients as check_cupy_gradients
+    shape = VarlenShape((100, 0, 257, 64), (130, 40, 0, 300), 4, 2, 128, True)
+    q, k, v, dout = make_inputs(shape, torch.bfloat16, "cuda", seed=8)
+    cu_q, cu_k = (torch.from_numpy(c).cuda() for c in (shape.cu_seqlens_q, shape.cu_seqlens_k))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k, causal=True,
+                                         return_attn_probs=True)
+    dlse = lse_gradient(lse, seed=3)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    for grad in grads:
+        assert torch.isfinite(grad).all()
+    check_cupy_gradients(*_cupy(dout, q, k, v), _cupy(*grads), True, dlse=cupy.from_dlpack(dlse),
+                         varlen=_cupy(cu_q, cu_k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_merging_halves_by_lse_on_gpu(dtype):
+    """Two halves of the keys merged by their LSEs: out, lse and the gradients of q, k, v
+    through the merge are full attention's, by flash-attn's rules."""
+    q, k, v, dout = make_inputs(Shape(2, 200, 333, 4, 2, 64, False), dtype, "cuda", seed=9)
+    out, lse = merged_by_lse(q, k, v, 130)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_merged(out, lse, grads, dout, q, k, v)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_with_lse_gradients():
+    """A step whose loss uses lse, captured and replayed on new inputs: the bits of eager."""
+    shape = Shape(2, 150, 100, 4, 2, 64, True)  # rows 0..49 see no key
+    q, k, v, dout = make_inputs(shape, torch.bfloat16, "cuda", seed=1)
+    dlse = torch.randn(2, 4, 150, device="cuda")
+
+    def step():
+        out, lse = cuflash.torch.attention(q, k, v, causal=True, deterministic=True, return_lse=True)
+        return lse, torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles every kernel variant outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_lse, static_grads = step()
+
+    fresh = make_inputs(shape, torch.bfloat16, "cuda", seed=2)
+    with torch.no_grad():
+        for static, new in zip((q, k, v, dout), fresh):
+            static.copy_(new)
+        dlse.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    lse, grads = step()
+    assert torch.equal(static_lse, lse)
+    for static, eager in zip(static_grads, grads):
+        assert torch.equal(static, eager)
+    check_gradients(grads, dout, q, k, v, causal=True, dlse=dlse)

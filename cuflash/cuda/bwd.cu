@@ -1,6 +1,6 @@
 // FlashAttention backward. P is recomputed from the saved LSE, never stored:
 //
-//   D = rowsum(dO * O)                                      attention_backward_preprocess
+//   D = rowsum(dO * O) - dLSE                               attention_backward_preprocess
 //   for each key tile j (one CTA), for each query head of the group and query tile i:
 //     S = Q_i K_j^T,  P = exp(mod(S) - LSE)
 //     dV_j += dropout(P)^T dO_i;  dP = dropout(dO_i V_j^T);  dS = P (dP - D_i) mod'(S)
@@ -84,8 +84,11 @@ __device__ __forceinline__ void zero_dq_accum(const Params& p, int64 rows, int a
   for (int64 i = thread; i < count; i += threads) reinterpret_cast<float4*>(p.dq_accum)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// D = rowsum(dO * O) in fp32, and the dQ accumulator (accum_cols floats a row, a
-// multiple of 8; 0 without one) set to zero. Each group of `lanes` threads takes
+// D = rowsum(dO * O) - dLSE in fp32, and the dQ accumulator (accum_cols floats a row, a
+// multiple of 8; 0 without one) set to zero. dLSE, the loss's gradient with respect to
+// the LSE (0 where p.dlse is null): LSE = logsumexp(S) adds dLSE * P to dS = P (dP - D),
+// so it joins D. A row whose LSE is +inf sees no key (P = 0) and takes none of it: a NaN
+// or inf gradient there would make 0 * NaN in dS. Each group of `lanes` threads takes
 // kPreprocessRows tasks, task_groups apart (a warp's loads stay contiguous), and issues
 // all their loads before it adds: with one task a thread, one 16-byte load of each
 // tensor was in flight and the kernel ran at half FlashAttention-2's bandwidth (122-125
@@ -140,7 +143,10 @@ attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int
   for (int k = 0; k < kPreprocessRows; ++k) {
     for (int offset = lanes / 2; offset > 0; offset /= 2) sums[k] += __shfl_xor_sync(0xffffffffu, sums[k], offset);
     const ElementwiseTask& task = tasks[k];
-    if (task.exists && lane == 0) p.delta[task.b * p.lse_batch_stride + task.head * p.lse_head_stride + task.i] = sums[k];
+    if (task.exists && lane == 0) {
+      const int64 at = task.b * p.lse_batch_stride + task.head * p.lse_head_stride + task.i;
+      p.delta[at] = sums[k] - (p.dlse != nullptr && p.lse[at] != kInf ? p.dlse[at] : 0.f);
+    }
   }
 }
 

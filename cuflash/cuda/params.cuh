@@ -18,6 +18,9 @@ struct Params {
   // LSE (and the backward's D = rowsum(dO O), same layout): row i of (batch, head) is
   // at batch * lse_batch_stride + head * lse_head_stride + first row of the sequence + i.
   float* lse;  // the forward writes none where this is null (a caller that asked for none)
+  // Backward: the loss's gradient with respect to the LSE, same layout; null where the
+  // loss does not use the LSE. The preprocess folds it into D (bwd.cu).
+  const float* dlse;
   float* delta;
   // Backward, dQ by atomics: fp32 in 8 x 8 blocks of (rows, nheads, kHeadDim) (bwd.cu,
   // DqAccum), rows numbered as Sequence::q_rows_before counts them; null when dQ has its
