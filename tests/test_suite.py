@@ -1,4 +1,5 @@
-"""The suite itself: it says why it skips, and an interrupted run leaves nothing behind."""
+"""The suite and the tree: skips say why, an interrupted run leaves nothing behind, and
+the repository speaks of the library only."""
 import os
 import re
 import signal
@@ -51,3 +52,20 @@ def test_an_interrupted_run_leaves_no_temporary_folder(tmp_path):
     assert "KeyboardInterrupt" in output
     left = [p for p in temproot.rglob("*") if p.is_file() or p.is_symlink()]
     assert not left, left
+
+
+def test_the_repository_speaks_of_the_library_only():
+    """Docs, code, scripts, tests and CI say what the code does and what was measured,
+    never how the work on it was organised (its work periods, numbered work items, a
+    borrowed machine)."""
+    words = re.compile(r"\bsessions?\b|\bitem [0-9]+|\bl" r"ent\b", re.I)  # (split: this file is scanned too)
+    places = [ROOT / "README.md", ROOT / "pyproject.toml", *(ROOT / ".ci").rglob("*")]
+    for folder in ("docs", "cuflash", "scripts", "tests"):
+        places += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".md", ".py", ".cu", ".cuh", ".sh", ".csv", ".toml")]
+    found = []
+    for path in places:
+        if path.is_file():
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if words.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)
