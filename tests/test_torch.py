@@ -797,6 +797,20 @@ def test_torch_compile_fullgraph():
     _check_compiled(q, k, v, dout)
 
 
+def _capture(step):
+    """A CUDA graph of ``step()`` and the outputs of the captured call. One call on a side
+    stream first compiles every kernel variant, which must not happen during capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_cuda_graph_capture_and_replay(deterministic):
@@ -810,15 +824,7 @@ def test_cuda_graph_capture_and_replay(deterministic):
     def step():
         return gradients(q, k, v, dout, causal=False, deterministic=deterministic)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles every kernel variant outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_grads = step()
+    graph, (static_out, static_grads) = _capture(step)
 
     fresh = make_inputs(shape, torch.float16, "cuda", seed=2)
     with torch.no_grad():
@@ -1017,14 +1023,7 @@ def test_cuda_graph_with_lse_gradients():
         out, lse = cuflash.torch.attention(q, k, v, causal=True, deterministic=True, return_lse=True)
         return lse, torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles every kernel variant outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_lse, static_grads = step()
+    graph, (static_lse, static_grads) = _capture(step)
 
     fresh = make_inputs(shape, torch.bfloat16, "cuda", seed=2)
     with torch.no_grad():
