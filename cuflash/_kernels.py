@@ -10,7 +10,6 @@ a ``Varlen`` describing the sequences.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import math
 import struct
@@ -20,6 +19,7 @@ import numpy as np
 
 from . import _compile, _plan
 from ._arrays import ArrayInfo
+from ._options import Options, Varlen
 from ._params import ArrayView, Params
 
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
@@ -27,41 +27,6 @@ _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 # Tests set this to a callable(pointers, stream) to see every launch's array
 # pointers and stream (zero-copy and stream-order checks).
 _launch_observer = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """What a call asks for, validated. window: (left, right) with -1 = unbounded,
-    causal already folded in (right = 0)."""
-    causal: bool = False
-    scale: float = 1.0
-    window: tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
-    alibi: ArrayInfo | None = None  # float32 (nheads,) or (batch, nheads)
-    dropout_p: float = 0.0
-    seed: int = 0
-    rng_offset: int = 0
-
-    @property
-    def local(self) -> bool:
-        return self.window != (-1, -1)
-
-    @property
-    def extras(self) -> bool:
-        return self.softcap > 0 or self.alibi is not None or self.dropout_p > 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Varlen:
-    """Packed sequences: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]."""
-    cu_seqlens_q: ArrayInfo  # int32 (batch + 1,)
-    cu_seqlens_k: ArrayInfo
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-    @property
-    def batch(self) -> int:
-        return self.cu_seqlens_q.shape[0] - 1
 
 
 def dropout_threshold(p: float) -> int:

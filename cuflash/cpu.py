@@ -22,11 +22,9 @@ the undropped P); the keep bits come from cuflash._philox, tile by tile, keyed b
 rng_offset, batch, head, row, col). Tiles wholly outside the window are never computed.
 """
 
-import math
-
 import numpy as np
 
-from . import _philox
+from . import _options, _philox
 
 __all__ = [
     "attention_forward",
@@ -124,13 +122,11 @@ class _Variant:
         return keep * self.acc_dtype(1 / (1 - self.dropout_p))
 
 
-def _check_options(dropout_p, seed, softcap):
-    if not 0 <= float(dropout_p) < 1:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if float(dropout_p) > 0 and seed is None:
+def _check_options(dropout_p, seed):
+    # The arguments come checked by cuflash.api (cuflash._options); what is left is this
+    # module's own contract: dropout needs its seed here, forward or backward.
+    if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs a seed")
-    if float(softcap) < 0:
-        raise ValueError(f"softcap must be >= 0, got {softcap}")
 
 
 def _alibi_rows(alibi_slopes, batch_index, nheads):
@@ -168,7 +164,7 @@ def attention_forward(
 def _dense_variant(q, k, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
                    rng_offset):
     """The options of a dense (batch, seqlen, nheads, d) call, checked, as one _Variant."""
-    _check_options(dropout_p, seed, softcap)
+    _check_options(dropout_p, seed)
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     batch_index = np.arange(batch)
@@ -185,7 +181,7 @@ def _acc_dtype(x):
 
 
 def _scale(softmax_scale, q):
-    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return _options.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
 
 def _forward(q, k, v, variant, block_q, block_k):
@@ -382,7 +378,7 @@ def attention_varlen_forward(
     row b of (batch, nheads) slopes and batch index b in the dropout counter (rows and
     columns counted within the sequence). out like q; lse float32 (nheads, total_q).
     """
-    _check_options(dropout_p, seed, softcap)
+    _check_options(dropout_p, seed)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
                    rng_offset=rng_offset)
@@ -405,7 +401,7 @@ def attention_varlen_backward(
     """attention_backward of a packed variable-length batch: returns (dq, dk, dv) shaped and
     typed like q, k, v. out and lse ((nheads, total_q) float32) are
     attention_varlen_forward's for the same arguments; dlse, if given, is laid out like lse."""
-    _check_options(dropout_p, seed, softcap)
+    _check_options(dropout_p, seed)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
                    rng_offset=rng_offset)

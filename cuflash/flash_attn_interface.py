@@ -68,9 +68,10 @@ def flash_attn_func(
     dropout).
     """
     q, k, v = _unit_stride(q, k, v)
-    out, softmax_lse, rng_state = cuflash_torch._forward(
-        q, k, v, causal, _scale(softmax_scale), deterministic, *_window(window_size), float(softcap),
-        alibi_slopes, float(dropout_p), None)
+    out, softmax_lse, rng_state = cuflash_torch._forward(q, k, v, *cuflash_torch._op_options(
+        dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), causal=causal, softmax_scale=softmax_scale,
+        deterministic=deterministic, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p, seed=None))
     if not return_attn_probs:
         return out
     batch, seqlen_q, nheads, _ = q.shape
@@ -141,13 +142,16 @@ def flash_attn_varlen_func(
         raise NotImplementedError("block_table (a paged KV cache) is not implemented in cuflash; "
                                   "pass contiguous packed k and v")
     q, k, v = _unit_stride(q, k, v)
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
     out, softmax_lse, rng_state = cuflash_torch._varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, _scale(softmax_scale),
-        deterministic, *_window(window_size), float(softcap), alibi_slopes, float(dropout_p), None)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *cuflash_torch._op_options(
+            tensors, max_seqlens=(max_seqlen_q, max_seqlen_k), causal=causal,
+            softmax_scale=softmax_scale, deterministic=deterministic, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=None))
     if not return_attn_probs:
         return out
     batch = cu_seqlens_q.shape[0] - 1
-    mask = _keep_mask(rng_state, dropout_p, batch, q.shape[1], int(max_seqlen_q), int(max_seqlen_k), q)
+    mask = _keep_mask(rng_state, dropout_p, batch, q.shape[1], max_seqlen_q, max_seqlen_k, q)
     return out, softmax_lse, mask
 
 
@@ -193,19 +197,11 @@ def flash_attn_varlen_kvpacked_func(
                                   deterministic, return_attn_probs)
 
 
-def _scale(softmax_scale):
-    # The ops take a float; flash-attn takes any real number (a NumPy float, an int).
-    return None if softmax_scale is None else float(softmax_scale)
-
-
-def _window(window_size) -> tuple[int, int]:
-    left, right = window_size
-    return int(left), int(right)
-
-
 def _unit_stride(*tensors):
     # flash-attn copies inputs whose last dimension is strided; cuflash needs it unit-stride too.
-    return [x if x.stride(-1) == 1 else x.contiguous() for x in tensors]
+    # (anything else goes on to the checks, which say what a tensor must be)
+    return [x.contiguous() if isinstance(x, cuflash_torch.torch.Tensor) and x.stride(-1) != 1 else x
+            for x in tensors]
 
 
 def _keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k, like):

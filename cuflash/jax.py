@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arrays, _kernels, api
+from . import _arrays, _kernels, _options, api
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -124,7 +124,7 @@ class _Config:
         return self.max_seqlens is not None
 
     @property
-    def extras(self) -> bool:  # as _kernels.Options.extras
+    def extras(self) -> bool:  # as _options.Options.extras
         return self.softcap > 0 or self.dropout_p > 0 or "alibi_slopes" in self.inputs
 
 
@@ -137,8 +137,8 @@ def _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size,
         raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or newer); "
                           f"this is JAX {jax.__version__}: pip install -U jax")
     infos = [_describe(x, q) for x in (q, k, v)]
-    api._check_qkv(*infos, packed=varlen is not None)
-    api._check_bool("deterministic", deterministic)
+    _options.check_qkv(*infos, packed=varlen is not None)
+    _options.check_bool("deterministic", deterministic)
     extras = {}
     if varlen is None:
         batch, seqlen_k, max_seqlens = q.shape[0], k.shape[1], None
@@ -148,19 +148,21 @@ def _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size,
         batch, seqlen_k = extras["cu_seqlens_q"].shape[0] - 1, max_seqlens[1]
     if alibi_slopes is not None:
         extras["alibi_slopes"] = _check_alibi(alibi_slopes, q.shape[-2], batch)
-    dropout_on = isinstance(dropout_p, numbers.Real) and dropout_p > 0
-    static_seed = None
-    if dropout_on and seed is None:
+    # A Python int seed is static; an array seed is an input of the callback.
+    static_seed = seed if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) else None
+    options = _options.scalar_options(q.shape[-1], seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                      window_size=window_size, softcap=softcap, dropout_p=dropout_p,
+                                      seed=static_seed)
+    if options.dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs a seed: JAX has no global random state. Pass an int, or an "
                          "integer array such as jax.random.bits(key, (2,), jnp.uint32)")
-    if dropout_on and isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
-        static_seed = int(seed)
-    elif dropout_on:
-        extras["seed"] = _seed_words(seed)
-    options = api._options(infos[0], infos[1], causal, softmax_scale, window_size, softcap, None, dropout_p,
-                           static_seed or 0, 0, backward=False, batch=batch, seqlen_k=seqlen_k)
+    if seed is not None and static_seed is None:
+        words = _seed_words(seed)  # checked even without dropout, where it is not used
+        if options.dropout_p > 0:
+            extras["seed"] = words
     config = _Config(np.dtype(q.dtype).name, options.causal, options.scale, options.window, options.softcap,
-                     options.dropout_p, static_seed, bool(deterministic), max_seqlens, tuple(extras))
+                     options.dropout_p, options.seed if options.dropout_p > 0 and static_seed is not None else None,
+                     bool(deterministic), max_seqlens, tuple(extras))
     return config, extras
 
 
@@ -186,10 +188,9 @@ def _platform(x) -> str:
 
 def _check_alibi(alibi_slopes, nheads: int, batch: int):
     slopes = jnp.asarray(alibi_slopes)
-    if slopes.dtype != jnp.float32:
-        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
-    if slopes.shape not in ((nheads,), (batch, nheads)):
-        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {slopes.shape}")
+    _options.check_alibi_layout(slopes.shape, np.dtype(slopes.dtype).name, nheads, batch)
+    if not isinstance(slopes, jax.core.Tracer):
+        _options.check_finite("alibi_slopes", np.asarray(slopes))
     return slopes
 
 
@@ -210,29 +211,13 @@ def _seed_words(seed):
 def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """int32 (batch + 1,) offsets; their values too when they are concrete."""
     checked = []
-    sides = (("q", cu_seqlens_q, q.shape[0], max_seqlen_q), ("k", cu_seqlens_k, k.shape[0], max_seqlen_k))
-    for side, cu, total, max_len in sides:
-        name, max_name = f"cu_seqlens_{side}", f"max_seqlen_{side}"
+    for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+                                     ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
         cu = jnp.asarray(cu)
-        if cu.dtype != jnp.int32:
-            raise TypeError(f"{name} must be int32, got {cu.dtype}")
-        if cu.ndim != 1 or cu.shape[0] < 1:
-            raise ValueError(f"{name} must have shape (batch + 1,), got {cu.shape}")
-        if not isinstance(max_len, numbers.Integral) or isinstance(max_len, bool):
-            raise TypeError(f"{max_name} must be an integer (static under jit), got {max_len!r}")
-        if not isinstance(cu, jax.core.Tracer):
-            values = np.asarray(cu)
-            if values[0] != 0 or (np.diff(values) < 0).any():
-                raise ValueError(f"{name} must start at 0 and never decrease, got {values.tolist()}")
-            if values[-1] != total:
-                raise ValueError(f"{name} must end at the number of packed rows {total}, got {int(values[-1])}")
-            longest = int(np.diff(values).max(initial=0))
-            if max_len < longest:
-                raise ValueError(f"{max_name} must be at least the longest sequence, {longest}, got {max_len}")
+        values = None if isinstance(cu, jax.core.Tracer) else np.asarray(cu)
+        _options.check_cu_seqlens(name, cu.shape, np.dtype(cu.dtype).name, values, total, max_len)
         checked.append(cu)
-    if checked[0].shape != checked[1].shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got "
-                         f"{checked[0].shape[0]} and {checked[1].shape[0]}")
+    _options.check_batches(checked[0].shape, checked[1].shape)
     return checked
 
 
@@ -342,12 +327,12 @@ def _gpu_options(config: _Config, extras: dict, q, stream: int):
     seed_words = extras.get("seed")
     if seed_words is not None:
         seed_words = _device_to_host(seed_words, np.uint32, stream)
-    options = _kernels.Options(config.causal, config.scale, config.window, config.softcap,
+    options = _options.Options(config.causal, config.scale, config.window, config.softcap,
                                None if alibi is None else _info(alibi, "float32"), config.dropout_p,
                                _host_seed(config, seed_words) or 0, 0)
     varlen = None
     if config.varlen:
-        varlen = _kernels.Varlen(_info(extras["cu_seqlens_q"], "int32"), _info(extras["cu_seqlens_k"], "int32"),
+        varlen = _options.Varlen(_info(extras["cu_seqlens_q"], "int32"), _info(extras["cu_seqlens_k"], "int32"),
                                  *config.max_seqlens)
     return options, varlen
 

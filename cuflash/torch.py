@@ -52,7 +52,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import api
+from . import _options, api
 
 __all__ = ["attention", "attention_varlen", "attention_forward", "attention_backward",
            "attention_varlen_forward", "attention_varlen_backward"]
@@ -73,9 +73,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     the backward bitwise reproducible (dq accumulated in a fixed order) at some cost in
     speed. ``seed=None`` with dropout draws one from torch's generator (see the module).
     """
-    left, right = window_size
-    out, lse, _ = _forward(q, k, v, causal, softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
-                           float(dropout_p), _int64(seed))
+    _options.check_bool("return_lse", return_lse)
+    out, lse, _ = _forward(q, k, v, *_op_options(
+        dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), causal=causal, softmax_scale=softmax_scale,
+        deterministic=deterministic, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p, seed=seed))
     return (out, lse) if return_lse else out
 
 
@@ -92,11 +94,40 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
     of k and v (int32 tensors (batch + 1,) on q's device). Gradients reach q, k and v.
     """
-    left, right = window_size
-    out, lse, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, deterministic, left, right, float(softcap), alibi_slopes,
-                                  float(dropout_p), _int64(seed))
+    _options.check_bool("return_lse", return_lse)
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    out, lse, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_op_options(
+        tensors, max_seqlens=(max_seqlen_q, max_seqlen_k), causal=causal, softmax_scale=softmax_scale,
+        deterministic=deterministic, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p, seed=seed))
     return (out, lse) if return_lse else out
+
+
+def _op_options(tensors: dict, *, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes, dropout_p,
+                seed, max_seqlens=()) -> tuple:
+    """The forward ops' arguments after ``q, k, v`` (and the packing: ``max_seqlens``),
+    from a caller's values, checked as ``cuflash.attention`` checks them: a custom op's
+    schema takes typed values, and converting first (float(True), int(1.5)) would hide a
+    wrong one. The arrays themselves are checked by ``cuflash.attention`` when the op runs."""
+    for name, value in zip(("max_seqlen_q", "max_seqlen_k"), max_seqlens):
+        _options.check_integer(name, value, bits=31)
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__qualname__}")
+    devices = {name: str(t.device) for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must be on one device, got {devices}")
+    q, k = tensors["q"], tensors["k"]
+    seqlen_k = max_seqlens[1] if max_seqlens else (k.shape[1] if k.dim() == 4 else 0)
+    options = _options.scalar_options(q.shape[-1] if q.dim() else 1, seqlen_k, causal=causal,
+                                      softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                      dropout_p=dropout_p, seed=seed)
+    _options.check_bool("deterministic", deterministic)
+    left, right = window_size
+    return (options.causal, None if softmax_scale is None else options.scale, deterministic, int(left), int(right),
+            options.softcap, alibi_slopes, options.dropout_p, None if seed is None else _int64(options.seed))
+
+
 
 
 # --- dense -----------------------------------------------------------------------------------
@@ -111,7 +142,7 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     it to the backward, and it has to be an input of this op for setup_context to see it.
     rng_state is int64 [seed, rng_offset] on the CPU (zeros without dropout)."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
-    options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
+    options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         out, lse = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options)
         return out, lse, _rng_state(seed, rng_offset)
@@ -142,7 +173,7 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     """(dq, dk, dv): gradients of attention_forward's out (dout) and lse (dlse, or None
     where lse is unused), given its out, lse and rng_state."""
     seed, rng_offset = _from_rng_state(rng_state)
-    options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
+    options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         return tuple(api.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
                                             deterministic=deterministic, dlse=dlse, **options))
@@ -223,7 +254,7 @@ def _attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               seed: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, rng_state) of packed sequences; lse is float32 (nheads, total_q)."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
-    options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
+    options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         out, lse = api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         alibi_slopes=alibi_slopes, return_lse=True, **options)
@@ -258,7 +289,7 @@ def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention_varlen_forward's out and lse (dlse, or None)."""
     seed, rng_offset = _from_rng_state(rng_state)
-    options = _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
+    options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         return tuple(api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
@@ -306,7 +337,7 @@ _varlen_forward = _differentiable(attention_varlen_forward, _attention_varlen_fo
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def _options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset) -> dict:
+def _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset) -> dict:
     return dict(causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
                 softcap=softcap, dropout_p=dropout_p, seed=seed, rng_offset=rng_offset)
 

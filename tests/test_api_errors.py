@@ -101,7 +101,8 @@ def test_valid_edge_cases_do_not_raise():
 
 @pytest.mark.parametrize("options,error,message", [
     (dict(window_size=(-2, 0)), ValueError, r"window_size left must be an integer >= -1 \(-1: unbounded\), got -2"),
-    (dict(window_size=(0, 1.5)), ValueError, "window_size right must be an integer"),
+    (dict(window_size=(0, 1.5)), TypeError, "window_size right must be an integer"),
+    (dict(window_size=(True, 0)), TypeError, "window_size left must be an integer"),
     (dict(window_size=3), TypeError, r"window_size must be a pair \(left, right\), got 3"),
     (dict(softcap=-1.0), ValueError, r"softcap must be finite, >= 0 and <= 3.40282e\+38, got -1.0"),
     (dict(softcap=1e39), ValueError, r"softcap must be finite, >= 0 and <= 3.40282e\+38, got 1e\+39"),
@@ -180,7 +181,7 @@ def test_warm_calls_are_checked_like_the_first():
     with pytest.raises(TypeError, match="causal must be a bool"):
         cuflash.attention(q, q, q, causal=1)
     cuflash.attention(q, q, q, window_size=(-1, -1))
-    with pytest.raises(ValueError, match="window_size right must be an integer"):
+    with pytest.raises(TypeError, match="window_size right must be an integer"):
         cuflash.attention(q, q, q, window_size=(-1, -1.0))
 
 
