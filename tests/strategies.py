@@ -148,6 +148,22 @@ def assert_close(actual, expected, *, atol, rtol=0.0, name="output"):
         )
 
 
+def numpy_options(options: dict, **extra) -> dict:
+    """cuflash.attention's keywords, ALiBi slopes as a NumPy array (from a torch or JAX
+    call's options on the CPU)."""
+    options = {**options, **extra}
+    if options.get("alibi_slopes") is not None:
+        options["alibi_slopes"] = np.asarray(options["alibi_slopes"])
+    return options
+
+
+def reference_options(options: dict, keep=None, **extra) -> dict:
+    """cuflash.reference's keywords for a call's options: dropout by its keep mask, no seed."""
+    ref = {name: value for name, value in numpy_options(options, **extra).items() if name != "seed"}
+    ref["dropout_keep"] = keep if ref.get("dropout_p", 0) > 0 else None
+    return ref
+
+
 def rounding_floor(x, dtype=np.float16) -> float:
     """flash-attn's floor for low-precision comparisons: twice the largest error of storing
     a value of x's magnitude in dtype, i.e. one ulp at max|x| + 0.3 (the 0.3 keeps it above

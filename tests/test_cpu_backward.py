@@ -20,7 +20,7 @@ from cuflash.reference import (
     round_to,
 )
 from .strategies import (Shape, VarlenShape, assert_close, attention_shapes, blocks, random_dout, random_qkv,
-                         rounding_floor, scales, seeds)
+                         reference_options, rounding_floor, scales, seeds)
 
 # NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -479,12 +479,6 @@ _API_OPTIONS = {
 }
 
 
-def _reference_options(options: dict, keep) -> dict:
-    ref = {name: value for name, value in options.items() if name != "seed"}
-    ref["dropout_keep"] = keep if options.get("dropout_p", 0) > 0 else None
-    return ref
-
-
 @pytest.mark.parametrize("name", list(_API_OPTIONS))
 def test_api_backward_with_dlse_matches_reference(name):
     shape = Shape(3, 29, 21, 4, 2, 16, True)  # rows 0..7 see no key
@@ -498,7 +492,7 @@ def test_api_backward_with_dlse_matches_reference(name):
     keep = None
     if options.get("dropout_p", 0) > 0:
         keep = _philox.keep_mask(options["seed"], 0, 3, 4, 29, 21, options["dropout_p"])
-    expected = attention_reference_backward(dout, q, k, v, dlse=dlse, **_reference_options(options, keep))
+    expected = attention_reference_backward(dout, q, k, v, dlse=dlse, **reference_options(options, keep))
     for grad_name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
         assert_close(grad, want, atol=2e-6 * _scale_of(want), name=grad_name)
 
@@ -527,7 +521,7 @@ def test_api_varlen_backward_with_dlse_matches_reference():
     grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, dlse=dlse, **options)
     keep = _philox.varlen_keep_masks(3, 0, 4, shape.seqlens_q, shape.seqlens_k, 0.2)
     expected = attention_reference_varlen_backward(dout, q, k, v, cu_q, cu_k, dlse=dlse,
-                                                   **_reference_options(options, keep))
+                                                   **reference_options(options, keep))
     for name, grad, want in zip(("dq", "dk", "dv"), grads, expected):
         assert np.isfinite(grad).all(), name
         assert_close(grad, want, atol=2e-6 * _scale_of(want), name=name)

@@ -27,7 +27,8 @@ from cuflash.reference import (  # noqa: E402
     attention_reference_varlen_backward,
 )
 
-from .strategies import Launches, Shape, VarlenShape, assert_close  # noqa: E402
+from .strategies import (Launches, Shape, VarlenShape, assert_close, numpy_options,  # noqa: E402
+                         reference_options)
 
 
 def make_inputs(shape: Shape, dtype, seed=0):
@@ -140,20 +141,6 @@ def _for_batch(kwargs: dict, batch: int) -> dict:
     return kwargs
 
 
-def _numpy_options(kwargs: dict, causal: bool) -> dict:
-    options = dict(kwargs, causal=causal)
-    if options.get("alibi_slopes") is not None:
-        options["alibi_slopes"] = np.asarray(options["alibi_slopes"])
-    return options
-
-
-def _reference_options(kwargs: dict, causal: bool, keep) -> dict:
-    options = _numpy_options(kwargs, causal)
-    options.pop("seed", None)
-    options["dropout_keep"] = keep if options.get("dropout_p", 0) > 0 else None
-    return options
-
-
 def _close(got, want, name):
     """Agreement with the float64 oracle of a float32 computation."""
     assert_close(np.asarray(got), want, atol=2e-5 * max(1.0, float(abs(want).max(initial=0))), name=name)
@@ -185,7 +172,7 @@ def test_cpu_options_are_the_numpy_path(cpu, name, jit):
     out, grads = forward(q, k, v), grad(q, k, v, dout)
 
     arrays = [np.asarray(x) for x in (q, k, v, dout)]
-    options = _numpy_options(kwargs, causal)
+    options = numpy_options(kwargs, causal=causal)
     want_out, lse = cuflash.attention(*arrays[:3], return_lse=True, **options)
     want = cuflash.attention_backward(arrays[3], *arrays[:3], want_out, lse, **options)
     np.testing.assert_array_equal(np.asarray(out), want_out)
@@ -196,7 +183,7 @@ def test_cpu_options_are_the_numpy_path(cpu, name, jit):
     if kwargs.get("dropout_p", 0) > 0:
         keep = _philox.keep_mask(kwargs["seed"], 0, shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k,
                                  kwargs["dropout_p"])
-    ref_options = _reference_options(kwargs, causal, keep)
+    ref_options = reference_options(kwargs, keep, causal=causal)
     _close(out, attention_reference(*arrays[:3], **ref_options)[0], "out")
     refs = attention_reference_backward(arrays[3], *arrays[:3], **ref_options)
     for got, ref, grad_name in zip(grads, refs, ("dq", "dk", "dv")):
@@ -257,7 +244,7 @@ def test_cpu_varlen_is_the_numpy_path(cpu, jit):
     out, grads = forward(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k)), grad(q, k, v, dout, cu_q, cu_k)
 
     arrays = [np.asarray(x) for x in (q, k, v, dout)]
-    options = _numpy_options(kwargs, True)
+    options = numpy_options(kwargs, causal=True)
     want_out, lse = cuflash.attention_varlen(*arrays[:3], cu_q, cu_k, *packing[:2], return_lse=True, **options)
     want = cuflash.attention_varlen_backward(arrays[3], *arrays[:3], want_out, lse, cu_q, cu_k, *packing[:2],
                                              **options)
@@ -265,7 +252,7 @@ def test_cpu_varlen_is_the_numpy_path(cpu, jit):
     for got, expected in zip(grads, want):
         np.testing.assert_array_equal(np.asarray(got), expected)
     keep = _philox.varlen_keep_masks(3, 0, 4, shape.seqlens_q, shape.seqlens_k, 0.2)
-    ref_options = _reference_options(kwargs, True, keep)
+    ref_options = reference_options(kwargs, keep, causal=True)
     _close(out, attention_reference_varlen(*arrays[:3], cu_q, cu_k, **ref_options)[0], "out")
     refs = attention_reference_varlen_backward(arrays[3], *arrays[:3], cu_q, cu_k, **ref_options)
     for got, ref, name in zip(grads, refs, ("dq", "dk", "dv")):
@@ -359,8 +346,8 @@ def test_cpu_lse_gradients_match_reference(cpu, jit):
     vjp = jax.jit(_vjp(attention)) if jit else _vjp(attention)
     grads = vjp(q, k, v, dout, jnp.asarray(dlse))
     arrays = [np.asarray(x) for x in (dout, q, k, v)]
-    options = _reference_options(kwargs, True, None)
-    want_out, want_lse = cuflash.attention(*arrays[1:], return_lse=True, **_numpy_options(kwargs, True))
+    options = reference_options(kwargs, None, causal=True)
+    want_out, want_lse = cuflash.attention(*arrays[1:], return_lse=True, **numpy_options(kwargs, causal=True))
     np.testing.assert_array_equal(np.asarray(out), want_out)
     np.testing.assert_array_equal(np.asarray(lse), want_lse)
     refs = attention_reference_backward(*arrays, dlse=dlse, **options)
@@ -394,7 +381,8 @@ def test_cpu_varlen_lse_gradients_match_reference(cpu):
     dlse = _lse_gradient(lse, seed=7)
     grads = jax.jit(_vjp(attention))(q, k, v, dout, jnp.asarray(dlse), jnp.asarray(cu_q), jnp.asarray(cu_k))
     arrays = [np.asarray(x) for x in (dout, q, k, v)]
-    refs = attention_reference_varlen_backward(*arrays, cu_q, cu_k, dlse=dlse, **_reference_options(kwargs, True, None))
+    refs = attention_reference_varlen_backward(*arrays, cu_q, cu_k, dlse=dlse,
+                                               **reference_options(kwargs, None, causal=True))
     for got, ref, name in zip(grads, refs, ("dq", "dk", "dv")):
         assert np.isfinite(np.asarray(got)).all(), name
         _close(got, ref, name)

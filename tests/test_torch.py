@@ -35,7 +35,8 @@ from cuflash.reference import (  # noqa: E402
     normalized_window,
 )
 
-from .strategies import Launches, Shape, VarlenShape, assert_close  # noqa: E402
+from .strategies import (Launches, Shape, VarlenShape, assert_close, numpy_options,  # noqa: E402
+                         reference_options)
 
 
 def make_inputs(shape: Shape, dtype, device, seed=0):
@@ -213,22 +214,6 @@ def _for_batch(kwargs: dict, batch: int, device="cpu") -> dict:
     return kwargs
 
 
-def _numpy_options(kwargs: dict, causal: bool) -> dict:
-    """cuflash.attention's keywords for the NumPy arrays of a torch call with kwargs."""
-    options = dict(kwargs, causal=causal)
-    if options.get("alibi_slopes") is not None:
-        options["alibi_slopes"] = options["alibi_slopes"].numpy()
-    return options
-
-
-def _reference_options(kwargs: dict, causal: bool, keep) -> dict:
-    """cuflash.reference's keywords: dropout by its keep mask."""
-    options = _numpy_options(kwargs, causal)
-    options.pop("seed", None)
-    options["dropout_keep"] = keep if options.get("dropout_p", 0) > 0 else None
-    return options
-
-
 def _close(got, want, name):
     """Agreement with the float64 oracle of a float64 computation (whose lse, and so the
     backward's recomputed P, is float32)."""
@@ -246,7 +231,7 @@ def test_cpu_options_autograd_is_the_numpy_path(name):
     out, grads = gradients(q, k, v, dout, causal=causal, **kwargs)
 
     arrays = [x.detach().numpy() for x in (q, k, v)]
-    options = _numpy_options(kwargs, causal)
+    options = numpy_options(kwargs, causal=causal)
     want_out, lse = cuflash.attention(*arrays, return_lse=True, **options)
     want = cuflash.attention_backward(dout.numpy(), *arrays, want_out, lse, **options)
     np.testing.assert_array_equal(out.detach().numpy(), want_out)
@@ -257,7 +242,7 @@ def test_cpu_options_autograd_is_the_numpy_path(name):
     if kwargs.get("dropout_p", 0) > 0:
         keep = _philox.keep_mask(kwargs["seed"], 0, shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k,
                                  kwargs["dropout_p"])
-    ref_options = _reference_options(kwargs, causal, keep)
+    ref_options = reference_options(kwargs, keep, causal=causal)
     _close(out, attention_reference(*arrays, **ref_options)[0], "out")
     for grad, ref, grad_name in zip(grads, attention_reference_backward(dout.numpy(), *arrays, **ref_options),
                                     ("dq", "dk", "dv")):
@@ -278,7 +263,7 @@ def test_cpu_varlen_autograd_is_the_numpy_path(name):
     grads = torch.autograd.grad(out, (q, k, v), dout)
 
     arrays = [x.detach().numpy() for x in (q, k, v)]
-    options = _numpy_options(kwargs, causal)
+    options = numpy_options(kwargs, causal=causal)
     want_out, lse = cuflash.attention_varlen(*arrays, cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k,
                                              return_lse=True, **options)
     want = cuflash.attention_varlen_backward(dout.numpy(), *arrays, want_out, lse, cu_q, cu_k, shape.max_seqlen_q,
@@ -291,7 +276,7 @@ def test_cpu_varlen_autograd_is_the_numpy_path(name):
     if kwargs.get("dropout_p", 0) > 0:
         keep = _philox.varlen_keep_masks(kwargs["seed"], 0, shape.nheads, shape.seqlens_q, shape.seqlens_k,
                                          kwargs["dropout_p"])
-    ref_options = _reference_options(kwargs, causal, keep)
+    ref_options = reference_options(kwargs, keep, causal=causal)
     _close(out, attention_reference_varlen(*arrays, cu_q, cu_k, **ref_options)[0], "out")
     refs = attention_reference_varlen_backward(dout.numpy(), *arrays, cu_q, cu_k, **ref_options)
     for grad, ref, grad_name in zip(grads, refs, ("dq", "dk", "dv")):
@@ -453,7 +438,7 @@ def test_flash_attn_varlen_functions():
     assert lse.shape == (4, 29) and s_dmask.shape == (4, 4, 19, 11) and s_dmask.dtype == torch.bool
     keep = [s_dmask[b:b + 1, :, :sq, :sk].numpy() for b, (sq, sk) in enumerate(zip(shape.seqlens_q, shape.seqlens_k))]
     arrays = [x.detach().numpy() for x in (q, k, v)]
-    ref_options = _reference_options(options, False, keep)
+    ref_options = reference_options(options, keep, causal=False)
     ref_options["causal"] = True
     _close(out, attention_reference_varlen(*arrays, cu_q.numpy(), cu_k.numpy(), **ref_options)[0], "out")
     grads = torch.autograd.grad(out, (q, k, v), dout)
