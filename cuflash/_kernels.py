@@ -122,7 +122,7 @@ def backward_workspace(q_shape, deterministic: bool = False,
                        extras: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Scratch buffers of ``backward`` (contents on entry do not matter): D = rowsum(dO * O),
     laid out like the LSE, and, unless ``deterministic``, dQ's fp32 accumulator in 8 x 8
-    blocks, (rows / 8, nheads, head-dim bucket / 8, 8, 8) (bwd.cu, DqAccum), where the
+    blocks, (rows / 8, nheads, head-dim bucket / 8, 8, 8) (dq_accum.cuh, DqAccum), where the
     one-pass kernel has a tile for this head dim and ``extras`` (softcap, ALiBi or dropout on)."""
     *rows, nheads, head_dim = q_shape
     work = {"delta": (((rows[0], nheads, rows[1]) if len(rows) == 2 else (nheads, rows[0])), "float32")}

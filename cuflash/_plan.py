@@ -37,7 +37,7 @@ class Tile:
 
 
 def _row_bytes(d: int) -> int:
-    """Bytes of one shared-memory row of a head-dim-wide tile (copy.cuh, SmemTile):
+    """Bytes of one shared-memory row of a head-dim-wide tile (layout.cuh, HeadDimLayout):
     swizzled whole 128-byte lines at d 64, 128 and 256, else padded by 8 elements."""
     return d * 2 if d in (64, 128, 256) else (d + 8) * 2
 
@@ -78,7 +78,7 @@ KINDS = {
         **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False),
     # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
-    # + P and dS tiles. Warps own 32 rows of each product (bwd.cu) and multiples of 8
+    # + P and dS tiles. Warps own 32 rows of each product (bwd_one_pass.cu) and multiples of 8
     # columns of dK, dV and dQ (24 at d 96, 40 at d 160: an odd n8 tile, mma.cuh).
     # Softcap, ALiBi and dropout take the two-kernel path up to d 128: their per-element
     # arithmetic spills these tiles, and the tiles that fit them (64 x 128 at d 64,
@@ -86,7 +86,7 @@ KINDS = {
     # docs/tuning.md "Backward structure").
     # Three Q/dO buffers (loads two steps ahead) at d 64 where shared memory allows: +1-2%
     # over two in two A/B rounds (up to +6% at 1k); at d 128 they lost 0.5-3%.
-    "backward": Kind("bwd.cu", "attention_backward", {
+    "backward": Kind("bwd_one_pass.cu", "attention_backward", {
         32: (_T(128, 128, 8, 2), _T(128, 128, 8, 1)),
         # (128 x 128 with one Q/dO buffer, for sm_80's shared memory, spills under CUDA 12.9.)
         64: (_T(128, 128, 8, 3), _T(128, 128, 8, 2), _T(64, 128, 8, 1)),
@@ -99,7 +99,7 @@ KINDS = {
         extras_tiles={d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (160, 192, 224, 256)}),
     # The deterministic path: dK/dV here, dQ in its own pass (below).
     # K and V tiles + stages x (Q tile + dO tile + LSE + D)
-    "backward_dkdv": Kind("bwd.cu", "attention_backward_dkdv", {
+    "backward_dkdv": Kind("bwd_two_kernel.cu", "attention_backward_dkdv", {
         32: (_T(64, 64, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(32, 32, 2, 2),),
         128: (_T(32, 64, 4, 2), _T(32, 64, 4, 1)),
         # Above d 128, dK and dV of 16 keys per warp fit in registers only in two
@@ -110,7 +110,7 @@ KINDS = {
     }, lambda t, d: 2 * t.block_n * _row_bytes(d) + t.stages * (2 * t.block_m * _row_bytes(d) + 8 * t.block_m),
         "block_n", True),
     # Q tile + dO tile + stages x (K tile + V tile)
-    "backward_dq": Kind("bwd.cu", "attention_backward_dq", {
+    "backward_dq": Kind("bwd_two_kernel.cu", "attention_backward_dq", {
         32: (_T(64, 128, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(64, 64, 4, 2),),
         128: (_T(64, 32, 4, 2), _T(64, 32, 4, 1)),
         **{d: (_T(64, 32, 4, 2), _T(64, 32, 4, 1), _T(32, 32, 2, 1)) for d in (160, 192, 224, 256)},

@@ -1,21 +1,23 @@
 // FlashAttention forward: one CTA per (query tile, head, batch or sequence).
 //
-//   for each key tile j the query tile can see (the last ones first):
-//     S = Q K_j^T                          tensor cores, fp32 accumulators
+//   for each key tile n the query tile can see (the last ones first):
+//     S = Q K_n^T                          tensor cores, fp32 accumulators
 //     S = mod(S)                           variants: softcap, ALiBi (kExtras)
 //     S = mask(S)                          only tiles that straddle a boundary
 //     m' = max(m, rowmax S);  P = exp(scale (S - m'))
-//     l = l exp(scale (m - m')) + rowsum P;  O = O exp(scale (m - m')) + dropout(P) V_j
+//     l = l exp(scale (m - m')) + rowsum P;  O = O exp(scale (m - m')) + dropout(P) V_n
 //   O /= l;  LSE = scale m + log l
 //
-// K/V tiles stream through shared memory with cp.async: with kStages == 2 the
-// next tile is in flight while the current one is computed; with one buffer each,
+// K/V tiles stream through shared memory with cp.async (pipeline.cuh): with kStages == 2
+// the next tile is in flight while the current one is computed; with one buffer each,
 // V loads during Q K^T and the next K during softmax and P V (as FlashAttention-2).
 #include "common.cuh"
 #include "copy.cuh"
+#include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "params.cuh"
+#include "pipeline.cuh"
 #include "score.cuh"
 #include "softmax.cuh"
 
@@ -37,7 +39,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   constexpr int kThreads = kWarps * 32;
   constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row mma tiles per warp
   constexpr int kDTiles = kHeadDim / 8;
-  using S = SmemTile<kHeadDim>;
+  using S = HeadDimLayout<kHeadDim>;
   constexpr int kStride = S::kRowElems;  // elements from one row of a tile to the next
   static_assert(kMTiles * 16 * kWarps == kBlockM && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
   static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
@@ -48,9 +50,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   constexpr int kSubN = kMTiles == 2 && kHeadDim > 64 && kExtras ? 32 : kBlockN;
   static_assert(kBlockN % kSubN == 0 && (kSubN == kBlockN || kStages == 2), "key sub-tiles");
   extern __shared__ __align__(128) unsigned char smem[];  // swizzled rows start on 128-byte lines
-  elem_t* q_tile = reinterpret_cast<elem_t*>(smem);
-  elem_t* k_tiles = q_tile + kBlockM * kStride;
-  elem_t* v_tiles = k_tiles + kStages * kBlockN * kStride;
+  const SharedTile<S> q_tile{reinterpret_cast<elem_t*>(smem)};
+  const StagedTiles<S, kBlockN, kStages> k_tiles{q_tile.data + kBlockM * kStride};
+  const StagedTiles<S, kBlockN, kStages> v_tiles{k_tiles.end()};
 
   // Under a causal band the last query tiles see the most keys: number them first.
   const auto grid_tile = GridTile<kLocal>::of_block(p.tile_group);
@@ -79,22 +81,23 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   // Modified scores are already scaled: exp2 only converts to base 2.
   const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
 
-  auto load_k = [&](int n, int stage) {
-    load_tile<kBlockN, S, kThreads, kVec>(k_tiles + stage * kBlockN * kStride, k, p.k.row_stride,
-                                          n * kBlockN, seq.seqlen_k, p.headdim);
+  // The copies of key tile n's K or V into a stage.
+  auto issue_k = [&](int n, int stage) {
+    load_tile<kBlockN, kThreads, kVec>(k_tiles[stage], k, p.k.row_stride, n * kBlockN, seq.seqlen_k, p.headdim);
   };
-  auto load_v = [&](int n, int stage) {
-    load_tile<kBlockN, S, kThreads, kVec>(v_tiles + stage * kBlockN * kStride, v, p.v.row_stride,
-                                          n * kBlockN, seq.seqlen_k, p.headdim);
+  auto issue_v = [&](int n, int stage) {
+    load_tile<kBlockN, kThreads, kVec>(v_tiles[stage], v, p.v.row_stride, n * kBlockN, seq.seqlen_k, p.headdim);
   };
 
-  load_tile<kBlockM, S, kThreads, kVec>(q_tile, q, p.q.row_stride, m0, seq.seqlen_q, p.headdim);
+  // Q, and the first key tile's K (and V with two stages): one group
+  load_tile<kBlockM, kThreads, kVec>(q_tile, q, p.q.row_stride, m0, seq.seqlen_q, p.headdim);
   if (n_end > n_begin) {
-    load_k(n_end - 1, 0);
-    if constexpr (kStages == 2) load_v(n_end - 1, 0);
+    issue_k(n_end - 1, 0);
+    if constexpr (kStages == 2) issue_v(n_end - 1, 0);
   }
-  cp_async_commit();
+  LoadPipeline::commit();
 
+  // O = 0, m = -inf, l = 0
   float acc_o[kMTiles][kDTiles][4] = {};
   // The conditional rescale (softmax.cuh) measured 2-7% faster at d 128 and 1-8% at d 64
   // not causal (within 2-3% either way causal); at d 256 (one 16-row m-tile per warp, one
@@ -107,56 +110,62 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   // two stages would not): V of tile n loads during S = Q K^T, K of tile n - 1 during
   // softmax and P V.
   for (int i = 0, n = n_end - 1; n >= n_begin; ++i, --n) {
-    const int stage = kStages == 2 ? i % 2 : 0;
+    const int stage = i % kStages;
+    // K_n and V_n have landed. (Two stages: K_{n-1} and V_{n-1} go out first, into the
+    // other stage, and stay in flight.)
     if (kStages == 2 && n > n_begin) {
-      load_k(n - 1, (i + 1) % 2);
-      load_v(n - 1, (i + 1) % 2);
-      cp_async_commit();
-      cp_async_wait<1>();
+      issue_k(n - 1, (i + 1) % kStages);
+      issue_v(n - 1, (i + 1) % kStages);
+      LoadPipeline::commit();
+      LoadPipeline::landed<1>();
     } else {
-      cp_async_wait<0>();
+      LoadPipeline::landed<0>();
     }
-    __syncthreads();
-    if constexpr (kStages == 1) {
-      load_v(n, 0);
-      cp_async_commit();
+    LoadPipeline::sync();
+    if constexpr (kStages == 1) {  // V_n lands during S = Q K_n^T
+      issue_v(n, 0);
+      LoadPipeline::commit();
     }
 
-    // S, the softmax and P V of the keys n0 .. n0 + kSubN, held at k_sub and v_sub.
-    auto scores_and_pv = [&](int n0, const elem_t* k_sub, const elem_t* v_sub) {
+    // The keys n0 .. n0 + kSubN of tile n, at k_sub and v_sub:
+    auto scores_and_pv = [&](int n0, SharedTile<S> k_sub, SharedTile<S> v_sub) {
+      // S = Q K_n^T
       float acc_s[kMTiles][kSubN / 8][4] = {};
-      gemm_qk<T, kMTiles, kSubN, S>(acc_s, q_tile, warp_row0, k_sub, lane);
+      mma_ABt<T>(acc_s, q_tile.from_row(warp_row0), k_sub, lane);
+      // S = mod(S): softcap, ALiBi (then in natural units, already scaled)
       if constexpr (kExtras) mod.apply(acc_s, m0 + warp_row0, n0, lane);
+      // S = -inf where hidden, only in tiles the band or seqlen_k cuts through
       if (!mask.covers(m0, row_end, n0, n0 + kSubN)) mask.apply(acc_s, m0 + warp_row0, n0, lane);
+      // m' = max(m, rowmax S);  P = exp2(c (S - m')) with c = scale log2(e);
+      // l = alpha l + rowsum P;  O = alpha O, alpha = exp2(c (m - m'))  (softmax.cuh)
       softmax.update(acc_s, acc_o, scale_log2);
+      // P = dropout(P)
       if (kExtras && dropping) dropout.apply(acc_s, m0 + warp_row0, n0, lane);
-      if constexpr (kStages == 1) {
-        cp_async_wait<0>();
-        __syncthreads();  // V has landed for every thread; every warp is done with K
+      if constexpr (kStages == 1) {  // V_n has landed; every warp is done with K_n: K_{n-1} goes out
+        LoadPipeline::wait<0>();
         if (n > n_begin) {
-          load_k(n - 1, 0);
-          cp_async_commit();
+          issue_k(n - 1, 0);
+          LoadPipeline::commit();
         }
       }
-      gemm_pv<T, kMTiles, kSubN, kHeadDim, S>(acc_o, acc_s, v_sub, 0, lane);
+      // O += P V_n
+      mma_AB<T>(acc_o, acc_s, v_sub, 0, lane);
     };
     if constexpr (kSubN == kBlockN) {
-      scores_and_pv(n * kBlockN, k_tiles + stage * kBlockN * kStride, v_tiles + stage * kBlockN * kStride);
+      scores_and_pv(n * kBlockN, k_tiles[stage], v_tiles[stage]);
     } else {
 #pragma unroll 1  // (unrolled, the sub-tiles' registers overlap and spill)
       for (int sub = kBlockN / kSubN - 1; sub >= 0; --sub)  // the later keys first, as the tiles
-        scores_and_pv(n * kBlockN + sub * kSubN, k_tiles + (stage * kBlockN + sub * kSubN) * kStride,
-                      v_tiles + (stage * kBlockN + sub * kSubN) * kStride);
+        scores_and_pv(n * kBlockN + sub * kSubN, k_tiles.at(stage, sub * kSubN), v_tiles.at(stage, sub * kSubN));
     }
     // Two stages: the next iteration's loads overwrite the buffers read here. (One
     // stage: its V load waits for the barrier at its top, which every warp reaches
     // after this P V.)
-    if constexpr (kStages == 2) __syncthreads();
+    if constexpr (kStages == 2) LoadPipeline::release();
   }
   // With no key tile to visit, other threads' Q copies may still be landing in
   // the rows the epilogue reuses: wait for them all before anyone writes there.
-  cp_async_wait<0>();
-  __syncthreads();
+  LoadPipeline::wait<0>();
 
   // The epilogue derives its sequence and pointers afresh (after the barrier the
   // compiler may not reuse the loads from before it), so nothing of them has to
@@ -164,11 +173,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   const Sequence out_seq = Sequence::of(p, batch);
   elem_t* o = out_seq.rows(p.o, batch, head, true);
   float* lse = p.lse + out_seq.lse_offset(p, batch, head);
+  // O /= l (times 1 / (1 - p) under dropout);  LSE = scale m + log l
   float row_lse[kMTiles][2];
   softmax.finalize(acc_o, row_lse, scale_log2, dropping ? p.dropout_scale : 1.f);
 
-  // Epilogue: LSE from the lane that owns each row; O through this warp's own
-  // rows of the Q tile so the global store is 16-byte wide and coalesced.
+  // LSE from the lane that owns each row; O through this warp's own rows of the Q tile
+  // so the global store is 16-byte wide and coalesced.
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -177,9 +187,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
       const int row = m0 + warp_row0 + mt * 16 + g + 8 * h;
       if (t == 0 && p.lse != nullptr && row < out_seq.seqlen_q) lse[row] = row_lse[mt][h];
     }
-  store_fragments<T, kMTiles, kDTiles, S>(q_tile + warp_row0 * kStride, 0, acc_o, lane);
+  store_fragments<T>(q_tile.from_row(warp_row0), 0, acc_o, lane);
   __syncthreads();
-  store_tile<kBlockM, S, kThreads, kVec>(o, q_tile, p.o.row_stride, m0, out_seq.seqlen_q, p.headdim);
+  store_tile<kBlockM, kThreads, kVec>(o, q_tile, p.o.row_stride, m0, out_seq.seqlen_q, p.headdim);
 }
 
 }  // namespace cuflash

@@ -22,9 +22,9 @@ struct Params {
   // loss does not use the LSE. The preprocess folds it into D (bwd.cu).
   const float* dlse;
   float* delta;
-  // Backward, dQ by atomics: fp32 in 8 x 8 blocks of (rows, nheads, kHeadDim) (bwd.cu,
-  // DqAccum), rows numbered as Sequence::q_rows_before counts them; null when dQ has its
-  // own pass.
+  // Backward, dQ by atomics: fp32 in 8 x 8 blocks of (rows, nheads, kHeadDim)
+  // (dq_accum.cuh, DqAccum), rows numbered as Sequence::q_rows_before counts them; null
+  // when dQ has its own pass.
   float* dq_accum;
   int64 lse_batch_stride, lse_head_stride;
   const int* cu_seqlens_q;  // variable length: sequence b is rows [cu[b], cu[b+1]); null when dense
