@@ -109,25 +109,51 @@ def _op_options(tensors: dict, *, causal, softmax_scale, deterministic, window_s
     from a caller's values, checked as ``cuflash.attention`` checks them: a custom op's
     schema takes typed values, and converting first (float(True), int(1.5)) would hide a
     wrong one. The arrays themselves are checked by ``cuflash.attention`` when the op runs."""
+    q = tensors["q"]
+    device = q.device if isinstance(q, torch.Tensor) else None
+    for t in tensors.values():
+        if t is not None and not (isinstance(t, torch.Tensor) and t.device == device):
+            _refuse(tensors)
+    # The scalars' checks depend on nothing else: a warm call looks them up, keyed by the
+    # values and their types (True, 1 and 1.0 are one key to a dict, not to the checks).
+    values = (causal, softmax_scale, deterministic, window_size, softcap, dropout_p, seed, max_seqlens)
+    try:
+        key = (values, tuple(map(type, values)), tuple(map(type, window_size)))
+        checked = _checked_scalars.get(key)
+    except TypeError:  # unhashable, or window_size not a pair: the checks say what is wrong
+        key = checked = None
+    if checked is None:
+        checked = _check_scalars(key, q, tensors["k"], *values)
+    head, tail = checked
+    return (*head, alibi_slopes, *tail)
+
+
+_checked_scalars: dict = {}
+
+
+def _check_scalars(key, q, k, causal, softmax_scale, deterministic, window_size, softcap, dropout_p, seed, max_seqlens):
     for name, value in zip(("max_seqlen_q", "max_seqlen_k"), max_seqlens):
         _options.check_integer(name, value, bits=31)
-    for name, t in tensors.items():
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__qualname__}")
-    devices = {name: str(t.device) for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"tensors must be on one device, got {devices}")
-    q, k = tensors["q"], tensors["k"]
     seqlen_k = max_seqlens[1] if max_seqlens else (k.shape[1] if k.dim() == 4 else 0)
     options = _options.scalar_options(q.shape[-1] if q.dim() else 1, seqlen_k, causal=causal,
                                       softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                                       dropout_p=dropout_p, seed=seed)
     _options.check_bool("deterministic", deterministic)
     left, right = window_size
-    return (options.causal, None if softmax_scale is None else options.scale, deterministic, int(left), int(right),
-            options.softcap, alibi_slopes, options.dropout_p, None if seed is None else _int64(options.seed))
+    checked = ((options.causal, None if softmax_scale is None else options.scale, deterministic, int(left),
+                int(right), options.softcap),
+               (options.dropout_p, None if seed is None else _int64(options.seed)))
+    if key is not None and len(_checked_scalars) < 4096:
+        _checked_scalars[key] = checked
+    return checked
 
 
+def _refuse(tensors: dict):
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__qualname__}")
+    devices = {name: str(t.device) for name, t in tensors.items() if t is not None}
+    raise ValueError(f"tensors must be on one device, got {devices}")
 
 
 # --- dense -----------------------------------------------------------------------------------
