@@ -278,27 +278,18 @@ def check_supported(name: str, major: int, minor: int) -> None:
 
 
 def device_arch(device_id: int) -> str:
-    import cupy
-    props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    check_supported(name, props["major"], props["minor"])
-    return f"sm_{props['major']}{props['minor']}"
+    from . import _driver
+    major = _driver.attribute(device_id, _driver.COMPUTE_CAPABILITY_MAJOR)
+    minor = _driver.attribute(device_id, _driver.COMPUTE_CAPABILITY_MINOR)
+    check_supported(_driver.name(device_id), major, minor)
+    return f"sm_{major}{minor}"
 
 
 @functools.cache
 def load_kernel(source: str, instance: str, device_id: int, shared_bytes: int) -> int:
     """The CUfunction handle of ``instance`` on ``device_id``, compiled on first
     use and allowed ``shared_bytes`` of dynamic shared memory."""
-    import cupy
-    from cupy_backends.cuda.api import driver
-    with _lock, cupy.cuda.Device(device_id):
+    from . import _driver
+    with _lock:
         compiled = compile_kernel(source, instance, device_arch(device_id))
-        module = cupy.cuda.function.Module()
-        module.load(compiled.cubin)
-        function = module.get_function(compiled.lowered_name)
-        driver.funcSetAttribute(function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
-        _modules.append((module, function))  # CuPy unloads a module when it is collected
-        return function.ptr
-
-
-_modules: list = []
+        return _driver.load_function(compiled.cubin, compiled.lowered_name, device_id, shared_bytes)

@@ -1,4 +1,6 @@
-"""Which kernel runs: variant, tile shape, grid and shared memory from shapes and arch.
+"""Which kernels a call launches: variant, tile shape, grid, shared memory and Params,
+from shapes, dtypes, options and the device's shared memory. Nothing here compiles or
+touches a GPU: ``_kernels`` binds a plan to compiled kernels and launches it.
 
 This is the one dispatch table. A variant is a template instance of one of the
 tiled kernels in ``cuda/`` (``KINDS``); its tile shape is the first entry of the
@@ -10,7 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Callable
+import math
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+from ._params import ArrayView, Params
+
+if TYPE_CHECKING:
+    from ._arrays import ArrayInfo
+    from ._options import Options, Varlen
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -47,9 +56,13 @@ class Kind:
     source: str
     template: str
     tiles: dict[int, tuple[Tile, ...]]  # head-dim bucket -> candidates, preferred first
+    # Dynamic shared memory of a tile at a head-dim bucket: the size of the kernel's own
+    # layout, the template ``layout``<head dim, block_m, block_n, stages> in ``source``
+    # (tests/test_plan.py compiles the one against the other for every variant).
     shared_bytes: Callable[[Tile, int], int]
     grid_rows: str  # the tile dimension the grid's x runs over: "block_m" or "block_n"
     has_col_split: bool
+    layout: str
     # Tiles of the instances with softcap, ALiBi or dropout where they differ (None: the same).
     extras_tiles: dict[int, tuple[Tile, ...]] | None = None
 
@@ -76,7 +89,7 @@ KINDS = {
         # on sm_90, and without the spill (fewer k16 steps overlapped) lose 1.6-4.5%.
         32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 64, 4, 2),), 128: (_T(128, 32, 4, 2),),
         **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
-    }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False),
+    }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False, "ForwardShared"),
     # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
     # + P and dS tiles. Warps own 32 rows of each product (bwd_one_pass.cu) and multiples of 8
     # columns of dK, dV and dQ (24 at d 96, 40 at d 160: an odd n8 tile, mma.cuh).
@@ -95,7 +108,7 @@ KINDS = {
         128: (_T(64, 128, 8, 2), _T(64, 64, 8, 2), _T(64, 64, 8, 1)),
         **{d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (2 * t.block_n * _row_bytes(d) + t.stages * (2 * t.block_m * _row_bytes(d) + 8 * t.block_m)
-                     + 2 * t.block_m * (t.block_n + 8) * 2), "block_n", False,
+                     + 2 * t.block_m * (t.block_n + 8) * 2), "block_n", False, "BackwardShared",
         extras_tiles={d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (160, 192, 224, 256)}),
     # The deterministic path: dK/dV here, dQ in its own pass (below).
     # K and V tiles + stages x (Q tile + dO tile + LSE + D)
@@ -108,13 +121,14 @@ KINDS = {
         # At d 224 the halves (112 columns) spill under CUDA 12's ptxas in some variants.
         224: (_T(32, 64, 4, 2, 7), _T(32, 64, 4, 1, 7)),
     }, lambda t, d: 2 * t.block_n * _row_bytes(d) + t.stages * (2 * t.block_m * _row_bytes(d) + 8 * t.block_m),
-        "block_n", True),
+        "block_n", True, "BackwardDkDvShared"),
     # Q tile + dO tile + stages x (K tile + V tile)
     "backward_dq": Kind("bwd_two_kernel.cu", "attention_backward_dq", {
         32: (_T(64, 128, 4, 2),), 64: (_T(64, 64, 4, 2),), 96: (_T(64, 64, 4, 2),),
         128: (_T(64, 32, 4, 2), _T(64, 32, 4, 1)),
         **{d: (_T(64, 32, 4, 2), _T(64, 32, 4, 1), _T(32, 32, 2, 1)) for d in (160, 192, 224, 256)},
-    }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", True),
+    }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", True,
+        "BackwardDqShared"),
 }
 
 # Untiled helpers of the backward, one instance per dtype.
@@ -157,6 +171,12 @@ class Kernel:
     @property
     def shared_bytes(self) -> int:
         return KINDS[self.kind].shared_bytes(self.tile, self.head_dim)
+
+    @property
+    def shared_layout(self) -> str:
+        """The kernel's own shared-memory layout type (its ``kBytes`` is ``shared_bytes``)."""
+        t = self.tile
+        return f"cuflash::{KINDS[self.kind].layout}<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}>"
 
     @property
     def threads(self) -> int:
@@ -236,3 +256,150 @@ def covering_sample(archs: tuple[str, ...]) -> list[tuple[str, Kernel | Elementw
         chosen.append(best)
         missing -= reaches(*best)
     return chosen
+
+
+# -- plans ---------------------------------------------------------------------------------
+
+class Step(NamedTuple):
+    """One kernel launch: the variant, its grid, its int arguments after the Params, and
+    the (head, batch) pairs its tile-major grid groups (``_kernels.tile_group``; 0: none)."""
+    kernel: Kernel | Elementwise
+    grid: tuple[int, int, int]
+    args: tuple[int, ...] = ()
+    grouped_heads: int = 0
+
+
+class Plan(NamedTuple):
+    """What a call launches, all but its array pointers: the Params (bytes) with the
+    pointers left to fill in at ``pointers`` (field names, in the order the launcher is
+    given them), then each step."""
+    params: bytes
+    pointers: tuple[str, ...]
+    steps: tuple[Step, ...]
+
+
+FORWARD_POINTERS = ("q", "k", "v", "o", "lse")
+BACKWARD_POINTERS = ("dout", "q", "k", "v", "o", "lse", "dlse", "dq", "dk", "dv", "delta", "dq_accum")
+PREPROCESS_ROWS = 4  # (row, head) tasks per thread of the backward's preprocess (bwd.cu, kPreprocessRows)
+_FLOAT32_TINY = 2.0 ** -126
+
+
+def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options, varlen: Varlen | None,
+            shared_limit: int) -> Plan:
+    """out = attention(q, k, v) (and its LSE where the launch is given a pointer)."""
+    p, batch = _params(q, k, v, options, varlen, o=out)
+    kernel = _kernel("forward", q, options, vectorizable(q, k, v, out), shared_limit)
+    steps = ()
+    if batch and p.seqlen_q and p.nheads:
+        steps = (Step(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), (), batch * p.nheads),)
+    return Plan(bytes(p), FORWARD_POINTERS, steps)
+
+
+def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
+             dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo | None, options: Options, varlen: Varlen | None,
+             shared_limit: int) -> Plan:
+    """dq, dk, dv: the one-pass kernel (dQ by atomics into ``dq_accum``) where it has a
+    tile, else the dQ pass and the dK/dV pass (bitwise reproducible)."""
+    p, batch = _params(q, k, v, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
+    vec = vectorizable(dout, q, k, v, dq, dk, dv)
+    nheads_kv = k.shape[-2]
+    rows_per_batch = p.seqlen_q if varlen is None else q.shape[0]
+    groups = batch if varlen is None else 1
+    tasks = groups * rows_per_batch * p.nheads
+    one_pass = dq_accum is not None and has_tile("backward", p.headdim, options.extras, shared_limit)
+    accum_cols = dq_accum.shape[2] * dq_accum.shape[-1] if one_pass else 0  # (rows / 8, nheads, cols / 8, 8, 8)
+    # Lanes per (row, head) of the elementwise kernels: one per 16 bytes of the row, 4-32.
+    lanes = min(32, max(4, 1 << (-(-p.headdim // 8) - 1).bit_length()))
+    per_row = (groups, rows_per_batch, accum_cols, lanes)
+    elementwise_grid = (-(-tasks * lanes // 256), 1, 1)
+    preprocess_grid = (-(-(-(-tasks // PREPROCESS_ROWS)) * lanes // 256), 1, 1)
+    steps = []
+    if tasks:
+        steps.append(Step(Elementwise("backward_preprocess", q.dtype), preprocess_grid, per_row))
+        if not one_pass:
+            kernel = _kernel("backward_dq", q, options, vec, shared_limit)
+            steps.append(Step(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), (), batch * p.nheads))
+    if batch and p.seqlen_k and nheads_kv:
+        kernel = _kernel("backward" if one_pass else "backward_dkdv", q, options, vec, shared_limit)
+        # (backward_dkdv goes head by head: no tile group)
+        steps.append(Step(kernel, kernel.grid(p.seqlen_k, nheads_kv, batch), (), batch * nheads_kv * one_pass))
+    if tasks and one_pass:
+        steps.append(Step(Elementwise("backward_convert_dq", q.dtype), elementwise_grid, per_row))
+    # dq_accum stays unset without the one-pass kernel: nothing reads it then.
+    pointers = BACKWARD_POINTERS if one_pass else BACKWARD_POINTERS[:-1]
+    return Plan(bytes(p), pointers, tuple(steps))
+
+
+def backward_workspace(q_shape, deterministic: bool = False,
+                       extras: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Scratch buffers of the backward (contents on entry do not matter): D = rowsum(dO * O),
+    laid out like the LSE, and, unless ``deterministic``, dQ's fp32 accumulator in 8 x 8
+    blocks, (rows / 8, nheads, head-dim bucket / 8, 8, 8) (dq_accum.cuh, DqAccum), where the
+    one-pass kernel has a tile for this head dim and ``extras`` (softcap, ALiBi or dropout on)."""
+    *rows, nheads, head_dim = q_shape
+    work = {"delta": (((rows[0], nheads, rows[1]) if len(rows) == 2 else (nheads, rows[0])), "float32")}
+    bucket = head_dim_bucket(head_dim)
+    if not deterministic and KINDS["backward"].candidates(bucket, extras):
+        work["dq_accum"] = ((-(-math.prod(rows) // 8), nheads, bucket // 8, 8, 8), "float32")
+    return work
+
+
+def dropout_threshold(p: float) -> int:
+    """A probability is dropped iff its 32-bit Philox word is below this."""
+    return min(int(p * 2**32), 2**32 - 1)
+
+
+def scale_log2(scale: float) -> float:
+    """The softmax scale in log2 units (kernels use exp2). A zero scale becomes the
+    smallest normal float so that masked scores (-inf) times it stay -inf, not NaN."""
+    return max(scale * math.log2(math.e), _FLOAT32_TINY)
+
+
+def vectorizable(*arrays: ArrayInfo) -> bool:
+    """Can every row be moved in 16-byte chunks? (cp.async needs aligned addresses.)"""
+    if arrays[0].shape[-1] % 8:
+        return False
+    return all(a.ptr % 16 == 0 and all(s % 8 == 0 for s in a.strides[:-1]) for a in arrays)
+
+
+def _kernel(kind: str, q: ArrayInfo, options: Options, vectorized: bool, shared_limit: int) -> Kernel:
+    return kernel(kind, q.dtype, q.shape[-1], options.local, vectorized, options.extras, shared_limit)
+
+
+def _view(a: ArrayInfo | None) -> ArrayView:
+    if a is None:
+        return ArrayView()
+    strides = a.strides if len(a.shape) == 4 else (0, *a.strides)  # packed: no batch stride
+    return ArrayView(0, *strides[:3])
+
+
+def _params(q, k, v, options: Options, varlen: Varlen | None, **arrays) -> tuple[Params, int]:
+    """The Params of a call but its array pointers, and the number of (batch) sequences."""
+    p = Params()
+    for name, a in dict(q=q, k=k, v=v, **arrays).items():
+        setattr(p, name, _view(a))
+    head_dim, nheads, nheads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
+    # The LSE is contiguous: (batch, nheads, seqlen_q), or (nheads, total_q) when packed.
+    if varlen is None:
+        batch, p.seqlen_q, p.seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        p.lse_batch_stride, p.lse_head_stride = nheads * p.seqlen_q, p.seqlen_q
+    else:
+        batch, p.seqlen_q, p.seqlen_k = varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k
+        p.lse_batch_stride, p.lse_head_stride = 0, q.shape[0]
+        p.cu_seqlens_q, p.cu_seqlens_k = varlen.cu_seqlens_q.ptr, varlen.cu_seqlens_k.ptr
+    p.nheads, p.heads_per_kv, p.headdim = nheads, nheads // max(nheads_kv, 1), head_dim
+    p.window_left, p.window_right = options.window  # normalised per sequence by the kernel (mask.cuh)
+    p.scale, p.scale_log2, p.softcap = options.scale, scale_log2(options.scale), options.softcap
+    if options.alibi is not None:
+        p.alibi_slopes = options.alibi.ptr
+        p.alibi_batch_stride = options.alibi.strides[0] if len(options.alibi.shape) == 2 else 0
+    if options.dropout_p > 0:
+        p.dropout_threshold = dropout_threshold(options.dropout_p)
+        p.dropout_scale = 1.0 / (1.0 - options.dropout_p)
+        p.seed, p.rng_offset = options.seed, options.rng_offset
+    return p, batch
+
+
+def pointer_offsets(names: tuple[str, ...]) -> tuple[int, ...]:
+    """Where each named pointer lies in Params (an ArrayView's pointer is its first field)."""
+    return tuple(getattr(Params, name).offset for name in names)

@@ -1,7 +1,7 @@
 """The NumPy-like public functions: validate -> plan -> launch."""
 from __future__ import annotations
 
-from . import _arrays, _kernels, _options
+from . import _arrays, _kernels, _options, _plan
 from ._options import Options, Varlen
 
 _OPTIONS_DOC = """
@@ -35,17 +35,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     """
     arrays = _inspect(q=q, k=k, v=v)
     key = _signature(arrays, alibi_slopes, dropout_p, causal, softmax_scale, window_size, softcap, seed, rng_offset)
-    options = _validated.get(key)
-    if options is None:
+    warm = _warm.get(key)
+    if warm is None:
         _options.check_qkv(*arrays.values(), packed=False)
-        options = _options.make_options(arrays["q"], arrays["k"], causal, softmax_scale, window_size, softcap,
-                                        alibi_slopes, dropout_p, seed, rng_offset, backward=False)
-        _remember(key, options)
+        warm = _remember(key, _options.make_options(arrays["q"], arrays["k"], causal, softmax_scale, window_size,
+                                                    softcap, alibi_slopes, dropout_p, seed, rng_offset,
+                                                    backward=False))
     if arrays["q"].device is None:
         from . import cpu
-        out, lse = cpu.attention_forward(q, k, v, **_cpu_options(options, alibi_slopes))
+        out, lse = cpu.attention_forward(q, k, v, **_cpu_options(warm.options, alibi_slopes))
     else:
-        out, lse = _forward_gpu(*arrays.values(), options, None, return_lse, key)
+        out, lse = _forward_gpu(*arrays.values(), warm.options, None, return_lse, warm)
     return (out, lse) if return_lse else out
 
 
@@ -97,19 +97,20 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
     key = _signature(arrays, alibi_slopes, dropout_p, causal, softmax_scale, window_size, softcap, seed, rng_offset,
                      deterministic)
-    options = _validated.get(key)
-    if options is None:
+    warm = _warm.get(key)
+    if warm is None:
         _options.check_qkv(qi, ki, vi, packed=False)
         _options.check_outputs(arrays, (qi.shape[0], qi.shape[2], qi.shape[1]))
         _options.check_dlse(arrays)
         options = _options.make_options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes,
                                         dropout_p, seed, rng_offset, backward=True)
         _options.check_bool("deterministic", deterministic)
-        _remember(key, options)
+        warm = _remember(key, options)
     if qi.device is None:
         from . import cpu
-        return cpu.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **_cpu_options(options, alibi_slopes))
-    return _backward_gpu(arrays, options, None, deterministic, key)
+        return cpu.attention_backward(dout, q, k, v, out, lse, dlse=dlse,
+                                      **_cpu_options(warm.options, alibi_slopes))
+    return _backward_gpu(arrays, warm.options, None, deterministic, warm)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -140,26 +141,38 @@ for _f in (attention, attention_varlen, attention_backward, attention_varlen_bac
 
 # -- GPU ---------------------------------------------------------------------------------
 
-def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, return_lse: bool, key=None):
+def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, return_lse: bool, warm: _Warm | None = None):
     framework = _arrays.Framework(q)
     out = framework.empty(q.shape, q.dtype)
     lse = None
     if return_lse:  # (the kernel skips the LSE's stores otherwise)
         lse = framework.empty((q.shape[0], q.shape[2], q.shape[1]) if varlen is None else (q.shape[1], q.shape[0]),
                               "float32")
-    _kernels.forward(q, k, v, out, lse, options, stream=framework.stream, varlen=varlen, key=key)
+    launcher = warm and warm.launcher
+    if not launcher:
+        launcher = _kernels.forward_launcher(q, k, v, out, options, varlen)
+        if warm:  # (out is this call's own allocation: its layout is the same every call)
+            warm.launcher = launcher
+    launcher(framework.stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr)
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
 
 
-def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, deterministic: bool, key=None):
+def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, deterministic: bool,
+                  warm: _Warm | None = None):
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     framework = _arrays.Framework(q)
-    grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
+    dq, dk, dv = grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
     work = {name: framework.empty(shape, dtype)
-            for name, (shape, dtype) in _kernels.backward_workspace(q.shape, deterministic, options.extras).items()}
-    _kernels.backward(arrays["dout"], q, k, v, arrays["out"], arrays["lse"], *grads,
-                      work["delta"], options, stream=framework.stream, varlen=varlen, dq_accum=work.get("dq_accum"),
-                      dlse=arrays.get("dlse"), key=key)
+            for name, (shape, dtype) in _plan.backward_workspace(q.shape, deterministic, options.extras).items()}
+    dq_accum, dlse = work.get("dq_accum"), arrays.get("dlse")
+    launcher = warm and warm.launcher
+    if not launcher:
+        launcher = _kernels.backward_launcher(arrays["dout"], q, k, v, arrays["out"], dq, dk, dv, dq_accum, options,
+                                              varlen)
+        if warm:
+            warm.launcher = launcher
+    pointers = (arrays["dout"], q, k, v, arrays["out"], arrays["lse"], dlse, dq, dk, dv, work["delta"], dq_accum)
+    launcher(framework.stream, *(0 if a is None else a.ptr for a in pointers))
     return tuple(framework.finish(g.obj) for g in grads)
 
 
@@ -172,15 +185,25 @@ def _cpu_options(options: Options, alibi_slopes) -> dict:
 # -- warm calls ----------------------------------------------------------------------------
 
 # Every user error becomes an exception in _options, before anything runs. Warm calls skip
-# the checks: a signature (every array's kind, device, shape, strides
-# and dtype, and every option with its type) that passed once passes again. ALiBi
-# and dropout calls are always checked (their arrays and seeds vary).
-_validated: dict = {}
+# the checks and the planning: a signature (every array's kind, device, shape, strides
+# and dtype, and every option with its type) that passed once passes again and launches
+# what it launched. ALiBi and dropout calls are always checked and planned (their arrays
+# and seeds vary), and so are packed sequences (their cu_seqlens).
+class _Warm:
+    """A call signature that passed the checks: its options and, once it has run on
+    the GPU, its launcher."""
+    __slots__ = ("options", "launcher")
+
+    def __init__(self, options: Options):
+        self.options, self.launcher = options, None
+
+
+_warm: dict = {}
 
 
 def _signature(arrays: dict, alibi_slopes, dropout_p, *scalars):
     if alibi_slopes is not None or dropout_p.__class__ not in (int, float) or dropout_p != 0 \
-            or len(_validated) > 4096:
+            or len(_warm) > 4096:
         return None
     # repr tells apart what == would not (True / 1 / 1.0, a list from a tuple). The
     # pointers' 16-byte alignment picks the kernel's copy width.
@@ -188,9 +211,11 @@ def _signature(arrays: dict, alibi_slopes, dropout_p, *scalars):
             repr((dropout_p, *scalars)))
 
 
-def _remember(key, options: Options) -> None:
+def _remember(key, options: Options) -> _Warm:
+    warm = _Warm(options)
     if key is not None:
-        _validated[key] = options
+        _warm[key] = warm
+    return warm
 
 
 def _inspect(**arrays) -> dict[str, _arrays.ArrayInfo]:

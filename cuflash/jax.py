@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arrays, _kernels, _options, api
+from . import _arrays, _kernels, _options, _plan, api
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -259,7 +259,7 @@ def _forward(q, k, v, extras: dict, config: _Config):
 
 def _backward(dout, dlse, q, k, v, out, lse, extras: dict, config: _Config):
     grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    work = _kernels.backward_workspace(tuple(q.shape), config.deterministic, config.extras)
+    work = _plan.backward_workspace(tuple(q.shape), config.deterministic, config.extras)
     workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in work.items()}
     call = buffer_callback(_BackwardCallback(config), (grads, workspace), vmap_method="sequential")
     grads, _ = call(dout, dlse, q, k, v, out, lse, *(extras[name] for name in config.inputs))

@@ -74,10 +74,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     speed. ``seed=None`` with dropout draws one from torch's generator (see the module).
     """
     _options.check_bool("return_lse", return_lse)
-    out, lse, _ = _forward(q, k, v, *_op_options(
-        dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), causal=causal, softmax_scale=softmax_scale,
-        deterministic=deterministic, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        dropout_p=dropout_p, seed=seed))
+    args = _op_options(dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), causal=causal, softmax_scale=softmax_scale,
+                       deterministic=deterministic, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed)
+    if _tracked(q, k, v):
+        out, lse, _ = _forward(q, k, v, *args)
+    else:
+        out, lse, _ = _run_forward(q, k, v, *args, return_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -96,11 +99,23 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     _options.check_bool("return_lse", return_lse)
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
-    out, lse, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_op_options(
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_op_options(
         tensors, max_seqlens=(max_seqlen_q, max_seqlen_k), causal=causal, softmax_scale=softmax_scale,
         deterministic=deterministic, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         dropout_p=dropout_p, seed=seed))
+    if _tracked(q, k, v):
+        out, lse, _ = _varlen_forward(*args)
+    else:
+        out, lse, _ = _run_varlen_forward(*args, return_lse=return_lse)
     return (out, lse) if return_lse else out
+
+
+def _tracked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Does the call go through autograd or torch.compile? Otherwise (inference) it runs
+    the kernels straight away, without the autograd.Function, the custom op or an LSE
+    it does not return."""
+    return torch.compiler.is_compiling() or torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _op_options(tensors: dict, *, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes, dropout_p,
@@ -167,14 +182,24 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     """(out, lse, rng_state). ``deterministic`` is not used by the forward: autograd hands
     it to the backward, and it has to be an input of this op for setup_context to see it.
     rng_state is int64 [seed, rng_offset] on the CPU (zeros without dropout)."""
+    out, lse, (seed, rng_offset) = _run_forward(q, k, v, causal, softmax_scale, deterministic, window_left,
+                                                window_right, softcap, alibi_slopes, dropout_p, seed, return_lse=True)
+    return out, lse, _rng_state(seed, rng_offset)
+
+
+def _run_forward(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap, alibi_slopes,
+                 dropout_p, seed, *, return_lse: bool):
+    """(out, lse or None, (seed, rng_offset)): ``cuflash.attention`` on the tensors (CUDA)
+    or on NumPy views of them (CPU), the dropout seed drawn as the module says."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
-        out, lse = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options)
-        return out, lse, _rng_state(seed, rng_offset)
+        result = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=return_lse, **options)
+        out, lse = result if return_lse else (result, None)
+        return out, lse, (seed, rng_offset)
     q, k, v, alibi_slopes = _numpy(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
     out, lse = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options)
-    return _tensor(out), _tensor(lse), _rng_state(seed, rng_offset)
+    return _tensor(out), _tensor(lse), (seed, rng_offset)
 
 
 attention_forward = torch.library.custom_op(
@@ -279,17 +304,28 @@ def _attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                               seed: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, rng_state) of packed sequences; lse is float32 (nheads, total_q)."""
+    out, lse, (seed, rng_offset) = _run_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
+        window_left, window_right, softcap, alibi_slopes, dropout_p, seed, return_lse=True)
+    return out, lse, _rng_state(seed, rng_offset)
+
+
+def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                        deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, *,
+                        return_lse: bool):
+    """``_run_forward`` of packed sequences."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
-        out, lse = api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        alibi_slopes=alibi_slopes, return_lse=True, **options)
-        return out, lse, _rng_state(seed, rng_offset)
-    *arrays, alibi_slopes = _numpy(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                   alibi_slopes=alibi_slopes)
+        arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    else:
+        *arrays, alibi_slopes = _numpy(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                       alibi_slopes=alibi_slopes)
     out, lse = api.attention_varlen(*arrays, max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
                                     return_lse=True, **options)
-    return _tensor(out), _tensor(lse), _rng_state(seed, rng_offset)
+    if q.device.type == "cpu":
+        out, lse = _tensor(out), _tensor(lse)
+    return out, lse if return_lse else None, (seed, rng_offset)
 
 
 attention_varlen_forward = torch.library.custom_op(

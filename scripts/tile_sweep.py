@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from cuflash import _kernels, _plan, bench
+from cuflash import _kernels, _plan, api, bench
 
 
 def parse_tiles(spec: str) -> dict[str, list[_plan.Tile]]:
@@ -60,7 +60,8 @@ def main() -> None:
                 for kind, tile in zip(kinds, combo):
                     _plan.KINDS[kind].tiles[args.d] = (tile,)
                 _plan.kernel.cache_clear()
-                _kernels._forward_plans.clear()  # warm-call plans hold their kernel
+                api._warm.clear()  # warm calls hold their launchers
+                _kernels._launchers.clear()
                 try:
                     tflops = flops / (bench._median_ms(impls["cuflash"], torch) * 1e-3) / 1e12
                     cells.append(f"{'/'.join(f'{t.block_m}x{t.block_n}x{t.warps}x{t.stages}x{t.col_split}' for t in combo)}"

@@ -161,10 +161,11 @@ def test_a_gpu_below_sm80_is_refused_in_one_line(monkeypatch):
                                   "H100/H200, ...); this GPU, Tesla T4, has 7.5")
     _compile.check_supported("NVIDIA A100", 8, 0)
 
-    cupy = pytest.importorskip("cupy", reason="CuPy (the cuda12/cuda13 extra) is not installed")
-    gpu = {"name": b"Tesla V100-SXM2-16GB", "major": 7, "minor": 0}
-    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", lambda device: gpu)
+    from cuflash import _driver
+    gpu = {"name": "Tesla V100-SXM2-16GB", _driver.COMPUTE_CAPABILITY_MAJOR: 7, _driver.COMPUTE_CAPABILITY_MINOR: 0}
+    monkeypatch.setattr(_driver, "attribute", lambda device, attr: gpu[attr])
+    monkeypatch.setattr(_driver, "name", lambda device: gpu["name"])
     with pytest.raises(RuntimeError, match=r"this GPU, Tesla V100-SXM2-16GB, has 7\.0$"):
         _compile.device_arch(0)
-    gpu.update(name=b"NVIDIA B200", major=10, minor=0)
+    gpu.update({"name": "NVIDIA B200", _driver.COMPUTE_CAPABILITY_MAJOR: 10, _driver.COMPUTE_CAPABILITY_MINOR: 0})
     assert _compile.device_arch(0) == "sm_100"

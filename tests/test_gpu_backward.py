@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _kernels, _plan
+from cuflash import _kernels, _plan, api
 from cuflash.reference import (attention_lowp_backward, attention_lowp_varlen_backward, attention_reference_backward,
                                attention_reference_varlen_backward)
 
@@ -103,10 +103,17 @@ def test_deterministic_is_bitwise_stable_across_runs_and_streams(head_dim):
 def launched_kinds(monkeypatch) -> list[str]:
     """The kinds of kernel the next backward launches (its launch plan is built afresh)."""
     kinds = []
-    real = _kernels._config
-    monkeypatch.setattr(_kernels, "_backward_plans", {})
-    monkeypatch.setattr(_kernels, "_config", lambda kernel, *args: kinds.append(kernel.kind) or real(kernel, *args))
+    real = _plan.backward
+    forget_warm_calls(monkeypatch)
+    monkeypatch.setattr(_plan, "backward", lambda *args: kinds.extend(s.kernel.kind for s in real(*args).steps)
+                        or real(*args))
     return kinds
+
+
+def forget_warm_calls(monkeypatch) -> None:
+    """The next calls plan and bind their launches afresh."""
+    monkeypatch.setattr(api, "_warm", {})
+    monkeypatch.setattr(_kernels, "_launchers", {})
 
 
 @pytest.mark.parametrize("head_dim,deterministic,softcap,one_pass", [
@@ -132,8 +139,7 @@ def test_the_tiles_of_smaller_devices(monkeypatch, arch, head_dim):
     """The tiles another arch's shared memory picks (one stage, smaller tiles, or the
     two-kernel backward where the one-pass kernel does not fit) run correctly here."""
     monkeypatch.setattr(_kernels, "_shared_limit", lambda device: _plan.shared_memory_limit(arch))
-    monkeypatch.setattr(_kernels, "_forward_plans", {})  # (plans are cached per device, not per limit)
-    monkeypatch.setattr(_kernels, "_backward_plans", {})
+    forget_warm_calls(monkeypatch)  # (launchers are cached per device, not per limit)
     shape = Shape(2, 333, 301, 4, 2, head_dim, True)
     (dout, q, k, v), grads, _ = run_backward(shape, "bfloat16", head_dim, deterministic=False)
     check_gradients(dout, q, k, v, grads, shape.causal)

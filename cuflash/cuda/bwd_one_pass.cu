@@ -15,6 +15,20 @@
 
 namespace cuflash {
 
+// Shared memory, byte offsets: the K and V tiles, kStages Q and dO tiles, the P and dS
+// tiles ([query][key], padded rows), then kStages rows of LSE and of D (float).
+// _plan.KINDS["backward"] states the same size (tests/test_plan.py holds the two together).
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
+struct BackwardShared {
+  static constexpr int kRow = HeadDimLayout<kHeadDim>::kRowElems * kElemBytes;
+  static constexpr int kPRow = PaddedRows<kBlockN>::kRowElems * kElemBytes;
+  static constexpr int kK = 0, kV = kK + kBlockN * kRow, kQ = kV + kBlockN * kRow;
+  static constexpr int kDo = kQ + kStages * kBlockM * kRow, kP = kDo + kStages * kBlockM * kRow;
+  static constexpr int kDs = kP + kBlockM * kPRow, kLse = kDs + kBlockM * kPRow;
+  static constexpr int kDelta = kLse + kStages * kBlockM * 4;
+  static constexpr int kBytes = kDelta + kStages * kBlockM * 4;
+};
+
 // One CTA per (key tile j, KV head, batch), dK_j and dV_j in registers, dQ added to
 // p.dq_accum. Per step (query head of the group, query tile i):
 //   S = Q K^T, dP = dO V^T     warps split queries x keys, 32 queries each
@@ -32,7 +46,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   constexpr int kThreads = kWarps * 32;
   using S = HeadDimLayout<kHeadDim>;
   using P = PaddedRows<kBlockN>;  // P and dS, [query][key]
-  constexpr int kStride = S::kRowElems, kPStride = P::kRowElems;  // elements from one row to the next
   constexpr int kQueryWarps = kBlockM / 32, kKeyWarps = kBlockN / 32;
   constexpr int kSKeys = kBlockN / (kWarps / kQueryWarps);    // S, dP: 32 queries x kSKeys keys a warp
   constexpr int kKvCols = kHeadDim / (kWarps / kKeyWarps);    // dK, dV: 32 keys x kKvCols a warp
@@ -47,15 +60,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
                 "warp layout");
   static_assert(kSKeys % 16 == 0 && kKvCols % 8 == 0 && kDqCols % 8 == 0, "tile shape");
 
+  using Shared = BackwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
   extern __shared__ __align__(128) unsigned char smem[];  // swizzled rows start on 128-byte lines
-  const SharedTile<S> k_tile{reinterpret_cast<elem_t*>(smem)};
-  const SharedTile<S> v_tile{k_tile.data + kBlockN * kStride};
-  const StagedTiles<S, kBlockM, kStages> q_tiles{v_tile.data + kBlockN * kStride};
-  const StagedTiles<S, kBlockM, kStages> do_tiles{q_tiles.end()};
-  const SharedTile<P> p_tile{do_tiles.end()};  // [kBlockM][kPStride]
-  const SharedTile<P> ds_tile{p_tile.data + kBlockM * kPStride};
-  const StagedRows<kBlockM, kStages> lses{reinterpret_cast<float*>(ds_tile.data + kBlockM * kPStride)};
-  const StagedRows<kBlockM, kStages> deltas{lses.end()};
+  const SharedTile<S> k_tile{reinterpret_cast<elem_t*>(smem + Shared::kK)};
+  const SharedTile<S> v_tile{reinterpret_cast<elem_t*>(smem + Shared::kV)};
+  const StagedTiles<S, kBlockM, kStages> q_tiles{reinterpret_cast<elem_t*>(smem + Shared::kQ)};
+  const StagedTiles<S, kBlockM, kStages> do_tiles{reinterpret_cast<elem_t*>(smem + Shared::kDo)};
+  const SharedTile<P> p_tile{reinterpret_cast<elem_t*>(smem + Shared::kP)};
+  const SharedTile<P> ds_tile{reinterpret_cast<elem_t*>(smem + Shared::kDs)};
+  const StagedRows<kBlockM, kStages> lses{reinterpret_cast<float*>(smem + Shared::kLse)};
+  const StagedRows<kBlockM, kStages> deltas{reinterpret_cast<float*>(smem + Shared::kDelta)};
 
   // Under a causal band the first key tiles see the most queries: they are numbered first.
   // (Not with extras: decoding GridTile's order costs registers those variants lack.)

@@ -22,6 +22,28 @@ __host__ __device__ constexpr int qk_unroll(int head_dim) {
   return head_dim > 192 ? 2 : head_dim > 128 ? 4 : head_dim / 16;
 }
 
+// Shared memory of the dK/dV kernel, byte offsets: the K and V tiles, kStages Q and dO
+// tiles, then kStages rows of LSE and of D (float).
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
+struct BackwardDkDvShared {
+  static constexpr int kRow = HeadDimLayout<kHeadDim>::kRowElems * kElemBytes;
+  static constexpr int kK = 0, kV = kK + kBlockN * kRow, kQ = kV + kBlockN * kRow;
+  static constexpr int kDo = kQ + kStages * kBlockM * kRow, kLse = kDo + kStages * kBlockM * kRow;
+  static constexpr int kDelta = kLse + kStages * kBlockM * 4;
+  static constexpr int kBytes = kDelta + kStages * kBlockM * 4;
+};
+
+// Shared memory of the dQ kernel, byte offsets: the Q and dO tiles, then kStages K
+// tiles and kStages V tiles. _plan.KINDS["backward_dkdv"] and ["backward_dq"] state the
+// same sizes (tests/test_plan.py holds them together).
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
+struct BackwardDqShared {
+  static constexpr int kRow = HeadDimLayout<kHeadDim>::kRowElems * kElemBytes;
+  static constexpr int kQ = 0, kDo = kQ + kBlockM * kRow, kK = kDo + kBlockM * kRow;
+  static constexpr int kV = kK + kStages * kBlockN * kRow;
+  static constexpr int kBytes = kV + kStages * kBlockN * kRow;
+};
+
 // dK and dV: one CTA per (key tile j, KV head, batch), each warp 16 keys, query tiles
 // streamed through kStages buffers. For each query head of the group and query tile i:
 //   S^T = K_j Q_i^T;  dP^T = V_j dO_i^T
@@ -39,18 +61,18 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kS
 __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const Params p) {
   constexpr int kThreads = kWarps * 32;
   using S = HeadDimLayout<kHeadDim, true>;  // (layout.cuh: kXorAddress)
-  constexpr int kStride = S::kRowElems;  // elements from one row of a tile to the next
   constexpr int kCols = kHeadDim / kColSplit;
   constexpr int kQkUnroll = qk_unroll(kHeadDim);
   static_assert(kBlockN == 16 * kWarps && kBlockM % 16 == 0 && kCols % 16 == 0, "tile shape");
 
+  using Shared = BackwardDkDvShared<kHeadDim, kBlockM, kBlockN, kStages>;
   extern __shared__ __align__(128) unsigned char smem[];  // swizzled rows start on 128-byte lines
-  const SharedTile<S> k_tile{reinterpret_cast<elem_t*>(smem)};
-  const SharedTile<S> v_tile{k_tile.data + kBlockN * kStride};
-  const StagedTiles<S, kBlockM, kStages> q_tiles{v_tile.data + kBlockN * kStride};
-  const StagedTiles<S, kBlockM, kStages> do_tiles{q_tiles.end()};
-  const StagedRows<kBlockM, kStages> lse_log2{reinterpret_cast<float*>(do_tiles.end())};
-  const StagedRows<kBlockM, kStages> deltas{lse_log2.end()};
+  const SharedTile<S> k_tile{reinterpret_cast<elem_t*>(smem + Shared::kK)};
+  const SharedTile<S> v_tile{reinterpret_cast<elem_t*>(smem + Shared::kV)};
+  const StagedTiles<S, kBlockM, kStages> q_tiles{reinterpret_cast<elem_t*>(smem + Shared::kQ)};
+  const StagedTiles<S, kBlockM, kStages> do_tiles{reinterpret_cast<elem_t*>(smem + Shared::kDo)};
+  const StagedRows<kBlockM, kStages> lse_log2{reinterpret_cast<float*>(smem + Shared::kLse)};
+  const StagedRows<kBlockM, kStages> deltas{reinterpret_cast<float*>(smem + Shared::kDelta)};
 
   // Head by head, not in GridTile's longest-first order: decoding that order costs
   // this kernel ~18 registers it does not have (spills at d 256).
@@ -160,16 +182,16 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kS
 __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Params p) {
   constexpr int kThreads = kWarps * 32;
   using S = HeadDimLayout<kHeadDim, true>;  // (layout.cuh: kXorAddress)
-  constexpr int kStride = S::kRowElems;  // elements from one row of a tile to the next
   constexpr int kCols = kHeadDim / kColSplit;
   constexpr int kQkUnroll = qk_unroll(kHeadDim);
   static_assert(kBlockM == 16 * kWarps && kBlockN % 16 == 0 && kCols % 16 == 0, "tile shape");
 
+  using Shared = BackwardDqShared<kHeadDim, kBlockM, kBlockN, kStages>;
   extern __shared__ __align__(128) unsigned char smem[];  // swizzled rows start on 128-byte lines
-  const SharedTile<S> q_tile{reinterpret_cast<elem_t*>(smem)};
-  const SharedTile<S> do_tile{q_tile.data + kBlockM * kStride};
-  const StagedTiles<S, kBlockN, kStages> k_tiles{do_tile.data + kBlockM * kStride};
-  const StagedTiles<S, kBlockN, kStages> v_tiles{k_tiles.end()};
+  const SharedTile<S> q_tile{reinterpret_cast<elem_t*>(smem + Shared::kQ)};
+  const SharedTile<S> do_tile{reinterpret_cast<elem_t*>(smem + Shared::kDo)};
+  const StagedTiles<S, kBlockN, kStages> k_tiles{reinterpret_cast<elem_t*>(smem + Shared::kK)};
+  const StagedTiles<S, kBlockN, kStages> v_tiles{reinterpret_cast<elem_t*>(smem + Shared::kV)};
 
   // Under a causal band the last query tiles see the most keys: number them first.
   const auto grid_tile = GridTile<kLocal>::of_block(p.tile_group);

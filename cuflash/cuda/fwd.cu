@@ -23,6 +23,15 @@
 
 namespace cuflash {
 
+// Shared memory, byte offsets: the Q tile, then kStages K tiles, then kStages V tiles.
+// _plan.KINDS["forward"] states the same size (tests/test_plan.py holds the two together).
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
+struct ForwardShared {
+  static constexpr int kRow = HeadDimLayout<kHeadDim>::kRowElems * kElemBytes;
+  static constexpr int kQ = 0, kK = kQ + kBlockM * kRow, kV = kK + kStages * kBlockN * kRow;
+  static constexpr int kBytes = kV + kStages * kBlockN * kRow;
+};
+
 // @tparam T         half_t or bfloat16_t
 // @tparam kHeadDim  head-dim bucket, a multiple of 32; the real headdim <= kHeadDim is in Params
 // @tparam kBlockM   query rows per CTA; each of the kWarps warps owns kBlockM / kWarps of them
@@ -40,7 +49,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row mma tiles per warp
   constexpr int kDTiles = kHeadDim / 8;
   using S = HeadDimLayout<kHeadDim>;
-  constexpr int kStride = S::kRowElems;  // elements from one row of a tile to the next
   static_assert(kMTiles * 16 * kWarps == kBlockM && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
   static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
   // Key tiles load as kBlockN rows, but with 32 rows per warp above d 64 and softcap,
@@ -49,10 +57,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   // barriers and copies of a 64-key one.
   constexpr int kSubN = kMTiles == 2 && kHeadDim > 64 && kExtras ? 32 : kBlockN;
   static_assert(kBlockN % kSubN == 0 && (kSubN == kBlockN || kStages == 2), "key sub-tiles");
+  using Shared = ForwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
   extern __shared__ __align__(128) unsigned char smem[];  // swizzled rows start on 128-byte lines
-  const SharedTile<S> q_tile{reinterpret_cast<elem_t*>(smem)};
-  const StagedTiles<S, kBlockN, kStages> k_tiles{q_tile.data + kBlockM * kStride};
-  const StagedTiles<S, kBlockN, kStages> v_tiles{k_tiles.end()};
+  const SharedTile<S> q_tile{reinterpret_cast<elem_t*>(smem + Shared::kQ)};
+  const StagedTiles<S, kBlockN, kStages> k_tiles{reinterpret_cast<elem_t*>(smem + Shared::kK)};
+  const StagedTiles<S, kBlockN, kStages> v_tiles{reinterpret_cast<elem_t*>(smem + Shared::kV)};
 
   // Under a causal band the last query tiles see the most keys: number them first.
   const auto grid_tile = GridTile<kLocal>::of_block(p.tile_group);

@@ -50,8 +50,6 @@ struct StagedTiles {
   __device__ __forceinline__ SharedTile<L> at(int stage, int row) const {
     return SharedTile<L>{data + (stage * kRows + row) * L::kRowElems};
   }
-  // The first element past the buffers: where the next ones go.
-  __device__ __forceinline__ elem_t* end() const { return data + kStages * kRows * L::kRowElems; }
 };
 
 // The kStages buffers of kRows floats of a staged operand's rows (the backward's LSE
@@ -62,7 +60,6 @@ struct StagedRows {
 
   __device__ __forceinline__ float* operator[](int stage) const { return data + stage * kRows; }
   __device__ __forceinline__ float& at(int stage, int row) const { return data[stage * kRows + row]; }
-  __device__ __forceinline__ float* end() const { return data + kStages * kRows; }
 };
 
 }  // namespace cuflash

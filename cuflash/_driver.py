@@ -1,0 +1,175 @@
+"""The few CUDA driver calls a launch needs, through ctypes on libcuda.
+
+Loading a cubin, asking a device's limits and launching a kernel need neither CuPy nor
+a framework: a torch or JAX caller's first call would otherwise pay for importing CuPy
+(about 100 ms). Kernels run in the device's primary context, the one the CUDA runtime
+(and so CuPy, PyTorch and JAX) uses.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+import threading
+
+_p, _i, _u = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+
+# CUdevice_attribute and CUfunction_attribute values (cuda.h)
+MULTIPROCESSOR_COUNT = 16
+COMPUTE_CAPABILITY_MAJOR = 75
+COMPUTE_CAPABILITY_MINOR = 76
+MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+_FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+_SIGNATURES = {
+    "cuInit": (_u,),
+    "cuGetErrorName": (_i, ctypes.POINTER(ctypes.c_char_p)),
+    "cuDeviceGet": (ctypes.POINTER(_i), _i),
+    "cuDeviceGetCount": (ctypes.POINTER(_i),),
+    "cuDeviceGetName": (ctypes.c_char_p, _i, _i),
+    "cuDeviceGetAttribute": (ctypes.POINTER(_i), _i, _i),
+    "cuDevicePrimaryCtxRetain": (ctypes.POINTER(_p), _i),
+    "cuCtxGetCurrent": (ctypes.POINTER(_p),),
+    "cuCtxSetCurrent": (_p,),
+    "cuCtxPushCurrent_v2": (_p,),
+    "cuCtxPopCurrent_v2": (ctypes.POINTER(_p),),
+    "cuModuleLoadData": (ctypes.POINTER(_p), ctypes.c_char_p),
+    "cuModuleGetFunction": (ctypes.POINTER(_p), _p, ctypes.c_char_p),
+    "cuFuncSetAttribute": (_p, _i, _i),
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": (ctypes.POINTER(_i), _p, _i, ctypes.c_size_t),
+    "cuLaunchKernel": (_p, _u, _u, _u, _u, _u, _u, _u, _p, _p, _p),
+}
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+_loaded: list = []  # the library, once opened (errors are named through it)
+
+
+@functools.cache
+def _lib():
+    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError as e:
+        raise CudaError(f"the CUDA driver ({name}) cannot be loaded: {e}; cuflash's GPU path needs an NVIDIA "
+                        f"driver (NumPy arrays take the CPU path)") from None
+    for fn, argtypes in _SIGNATURES.items():
+        getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, _i
+    _loaded.append(lib)
+    _check(lib.cuInit(0), "cuInit")
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        name = ctypes.c_char_p()
+        if _loaded:
+            _loaded[0].cuGetErrorName(status, ctypes.byref(name))
+        raise CudaError(f"{what} failed: {name.value.decode() if name.value else 'CUDA error'} ({status})")
+
+
+def attribute(device: int, attr: int) -> int:
+    value = _i()
+    _check(_lib().cuDeviceGetAttribute(ctypes.byref(value), attr, _device(device)), "cuDeviceGetAttribute")
+    return value.value
+
+
+def name(device: int) -> str:
+    buffer = ctypes.create_string_buffer(256)
+    _check(_lib().cuDeviceGetName(buffer, len(buffer), _device(device)), "cuDeviceGetName")
+    return buffer.value.decode()
+
+
+def device_count() -> int:
+    count = _i()
+    _check(_lib().cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+    return count.value
+
+
+@functools.cache
+def _device(ordinal: int) -> int:
+    device = _i()
+    _check(_lib().cuDeviceGet(ctypes.byref(device), ordinal), f"cuDeviceGet({ordinal})")
+    return device.value
+
+
+_primary_lock = threading.Lock()
+_primary: dict[int, int] = {}
+
+
+def primary_context(device: int) -> int:
+    """The device's primary context (retained once, for the life of the process)."""
+    context = _primary.get(device)
+    if context is None:
+        with _primary_lock:
+            handle = _p()
+            _check(_lib().cuDevicePrimaryCtxRetain(ctypes.byref(handle), _device(device)), "cuDevicePrimaryCtxRetain")
+            context = _primary.setdefault(device, handle.value)
+    return context
+
+
+class _Current:
+    """Run in ``device``'s primary context: push it when another is current, make it
+    current when none is (as cudaSetDevice would: autograd's device thread may not
+    have made a CUDA call yet), else nothing."""
+    __slots__ = ("context", "pushed")
+
+    def __init__(self, device: int):
+        self.context = primary_context(device)
+        self.pushed = False
+
+    def __enter__(self):
+        lib, current = _lib(), _p()
+        lib.cuCtxGetCurrent(ctypes.byref(current))
+        if current.value != self.context:
+            if current.value:
+                _check(lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
+                self.pushed = True
+            else:
+                _check(lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        return self
+
+    def __exit__(self, *exc):
+        if self.pushed:
+            _lib().cuCtxPopCurrent_v2(ctypes.byref(_p()))
+
+
+def in_context(device: int) -> _Current:
+    return _Current(device)
+
+
+def load_function(cubin: bytes, lowered_name: str, device: int, shared_bytes: int) -> int:
+    """Load ``cubin`` into the device's primary context (never unloaded: the kernels
+    stay for the life of the process) and return the CUfunction of ``lowered_name``,
+    allowed ``shared_bytes`` of dynamic shared memory."""
+    lib = _lib()
+    with in_context(device):
+        module, function = _p(), _p()
+        _check(lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+        _check(lib.cuModuleGetFunction(ctypes.byref(function), module, lowered_name.encode()), "cuModuleGetFunction")
+        _check(lib.cuFuncSetAttribute(function, _FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
+               "cuFuncSetAttribute")
+    return function.value
+
+
+def resident_blocks(function: int, threads: int, shared_bytes: int) -> int:
+    """Blocks of ``function`` one multiprocessor holds at once (registers, shared memory, threads)."""
+    blocks = _i()
+    _check(_lib().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), function, threads, shared_bytes),
+           "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    return blocks.value
+
+
+@functools.cache
+def launcher():
+    """cuLaunchKernel(function, grid x/y/z, block x/y/z, shared bytes, stream, kernelParams,
+    extra) -> status, and cuCtxGetCurrent(byref(c_void_p)): the two calls of every launch."""
+    lib = _lib()
+    return lib.cuLaunchKernel, lib.cuCtxGetCurrent
+
+
+def check_launch(status: int) -> None:
+    _check(status, "cuLaunchKernel")

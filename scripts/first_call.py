@@ -1,0 +1,32 @@
+"""A cached first call in a new process: import cuflash, load the kernel from the disk
+cache, launch. Run it twice (the first run fills the cache); the CUDA context and the
+input are made before the clock starts, as an application would have them.
+
+    PYTHONPATH=. python scripts/first_call.py [cupy|torch]
+"""
+import sys
+import time
+
+framework = sys.argv[1] if len(sys.argv) > 1 else "cupy"
+if framework == "torch":
+    import torch
+    q = torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.float16)
+    sync = torch.cuda.synchronize
+else:
+    import cupy
+    q = cupy.random.rand(1, 128, 8, 64).astype(cupy.float16)
+    sync = cupy.cuda.Device().synchronize
+sync()
+start = time.perf_counter()
+import cuflash  # noqa: E402
+imported = time.perf_counter()
+cuflash.attention(q, q, q, causal=True)
+sync()
+first = time.perf_counter()
+cuflash.attention(q, q, q, causal=True)
+sync()
+second = time.perf_counter()
+heavy = [m for m in ("torch", "jax") if m in sys.modules and m != framework]
+print(f"{framework}: import cuflash {(imported - start) * 1e3:.1f} ms, first call {(first - imported) * 1e3:.1f} ms, "
+      f"together {(first - start) * 1e3:.1f} ms; second call {(second - first) * 1e3:.2f} ms; "
+      f"also imported: {heavy or 'nothing heavy'}")

@@ -1,0 +1,102 @@
+"""Where a small call's host time goes: each step of a warm call timed on its own.
+
+    PYTHONPATH=. python scripts/host_time.py            # table of steps, CuPy and torch
+    PYTHONPATH=. python scripts/host_time.py --profile  # and cProfile of the torch calls
+
+Calls are issued back to back without synchronising (the GPU work of a (1, 128, 1, 64)
+call is shorter than its host time) and timed with perf_counter: median of 5 x 1000.
+"""
+import statistics
+import sys
+import time
+
+import cupy
+import torch
+
+import cuflash
+import cuflash.torch
+from cuflash import _arrays, _kernels, api
+
+
+def per_call(fn, n=1000, rounds=5) -> float:
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - start) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    shape = (1, 128, 1, 64)
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16) for _ in range(3))
+    qc, kc, vc = (cupy.asarray(x) for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn_like(q)
+    info = _arrays.inspect(q, "q")
+    infos = {name: _arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
+    key = api._signature(infos, None, 0.0, True, None, (-1, -1), 0.0, None, 0)
+    cuflash.attention(q, k, v, causal=True)
+    warm = api._warm[key]
+    framework = _arrays.Framework(info)
+    out = framework.empty(info.shape, info.dtype)
+    launcher = warm.launcher
+    info_c = _arrays.inspect(qc, "q")
+    framework_c = _arrays.Framework(info_c)
+
+    rows = {
+        "torch SDPA (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
+        "cuflash.attention, CuPy": lambda: cuflash.attention(qc, kc, vc, causal=True),
+        "cuflash.attention, torch": lambda: cuflash.attention(q, k, v, causal=True),
+        "cuflash.torch.attention": lambda: cuflash.torch.attention(q, k, v, causal=True),
+        "cuflash.torch.attention, grad": lambda: cuflash.torch.attention(*leaves, causal=True),
+        "  inspect x 3 (CuPy)": lambda: [_arrays.inspect(x, "q") for x in (qc, kc, vc)],
+        "  Framework (CuPy)": lambda: _arrays.Framework(info_c),
+        "  empty (CuPy)": lambda: framework_c.empty(info.shape, info.dtype),
+        "  cupy.empty": lambda: cupy.empty(shape, dtype=cupy.float16),
+        "  cupy current stream": lambda: cupy.cuda.get_current_stream().ptr,
+        "  q.new_empty": lambda: q.new_empty(shape),
+        "  inspect x 3 (torch)": lambda: [_arrays.inspect(x, "q") for x in (q, k, v)],
+        "  signature": lambda: api._signature(infos, None, 0.0, True, None, (-1, -1), 0.0, None, 0),
+        "  Framework (torch)": lambda: _arrays.Framework(info),
+        "  empty (torch)": lambda: framework.empty(info.shape, info.dtype),
+        "  warm lookup": lambda: api._warm.get(key),
+        "  kernels.forward (JAX's way)": lambda: _kernels.forward(infos["q"], infos["k"], infos["v"], out, None,
+                                                                  warm.options, stream=framework.stream),
+        "  Launcher": lambda: launcher(framework.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.ptr, 0),
+        "  torch.empty": lambda: torch.empty(shape, dtype=torch.float16, device="cuda"),
+        "  current stream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "SDPA fwd+bwd": lambda: torch.autograd.grad(sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True),
+                                                   leaves, dout.transpose(1, 2)),
+        "cuflash.torch fwd+bwd": lambda: torch.autograd.grad(cuflash.torch.attention(*leaves, causal=True),
+                                                            leaves, dout),
+    }
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        results = {name: per_call(fn) for name, fn in rows.items()}
+    print(f"host time per warm call, {shape} float16 causal, median of 5 x 1000 calls")
+    for name, us in results.items():
+        print(f"{name:>34}: {us:6.1f} us")
+    if "--profile" in sys.argv:
+        import cProfile
+        import pstats
+        for name in ("cuflash.torch.attention", "cuflash.torch fwd+bwd"):
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(2000):
+                rows[name]()
+            profile.disable()
+            torch.cuda.synchronize()
+            print(f"--- {name}")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The planner on its own: plans from shapes, dtypes and options, with no GPU and no
+compiler, and its shared-memory sizes held against the kernels' own layouts."""
+import ast
+from pathlib import Path
+
+import pytest
+
+from cuflash import _compile, _options, _plan
+from cuflash._arrays import ArrayInfo, contiguous_strides
+from cuflash._params import Params
+
+
+def info(shape, dtype="bfloat16", ptr=1 << 20) -> ArrayInfo:
+    shape = tuple(shape)
+    return ArrayInfo(None, "cupy", ptr, shape, contiguous_strides(shape), dtype, 0)
+
+
+def dense(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype="bfloat16"):
+    q = info((batch, seqlen_q, nheads, head_dim), dtype)
+    k, v = (info((batch, seqlen_k, nheads_kv, head_dim), dtype) for _ in range(2))
+    return q, k, v
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    """Planning that reached for the compiler would fail here."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the planner compiled a kernel")
+    monkeypatch.setattr(_compile, "compile_kernel", refuse)
+    monkeypatch.setattr(_compile, "load_kernel", refuse)
+
+
+def test_the_planner_imports_no_compiler_driver_or_framework():
+    """What _plan imports when it runs (type hints aside): the Params layout, no more."""
+    tree = ast.parse(Path(_plan.__file__).read_text())
+    typing_only = [node for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
+    hidden = {id(n) for block in typing_only for n in ast.walk(block)}
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and id(node) not in hidden:
+            imported |= {f"{'.' * node.level}{node.module or ''}:{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+    assert {name for name in imported if name.startswith(".")} == {"._params:ArrayView", "._params:Params"}
+    assert not {"cupy", "torch", "jax"} & {name.split(".")[0] for name in imported}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_forward_plan(no_compiler, causal):
+    q, k, v = dense(3, 1000, 777, 8, 2, 128)
+    options = _options.make_options(q, k, causal, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
+    plan = _plan.forward(q, k, v, info(q.shape), options, None, _plan.shared_memory_limit("sm_90"))
+    (step,) = plan.steps
+    tile = _plan.KINDS["forward"].tiles[128][0]
+    assert step.kernel == _plan.Kernel("forward", "bfloat16", 128, tile, causal, True, False)
+    assert step.grid == (-(-1000 // tile.block_m), 8, 3) and step.grouped_heads == 24
+    p = Params.from_buffer_copy(plan.params)
+    assert (p.seqlen_q, p.seqlen_k, p.nheads, p.heads_per_kv, p.headdim) == (1000, 777, 8, 4, 128)
+    assert (p.window_left, p.window_right) == ((-1, 0) if causal else (-1, -1))
+    assert p.q.row_stride == 8 * 128 and p.k.batch_stride == 777 * 2 * 128
+    assert not p.q.ptr and not p.lse  # pointers come at launch
+    assert plan.pointers == _plan.FORWARD_POINTERS
+
+
+@pytest.mark.parametrize("head_dim,deterministic,softcap,kinds", [
+    (128, False, 0.0, ["backward_preprocess", "backward", "backward_convert_dq"]),
+    (128, True, 0.0, ["backward_preprocess", "backward_dq", "backward_dkdv"]),
+    (64, False, 5.0, ["backward_preprocess", "backward_dq", "backward_dkdv"]),
+    (256, False, 5.0, ["backward_preprocess", "backward", "backward_convert_dq"]),
+])
+def test_a_backward_plan(no_compiler, head_dim, deterministic, softcap, kinds):
+    q, k, v = dense(2, 300, 301, 4, 2, head_dim)
+    options = _options.make_options(q, k, True, None, (-1, -1), softcap, None, 0.0, None, 0, backward=True)
+    work = _plan.backward_workspace(q.shape, deterministic, options.extras)
+    accum = info(work["dq_accum"][0], "float32") if "dq_accum" in work else None
+    plan = _plan.backward(info(q.shape), q, k, v, info(q.shape), info(q.shape), info(k.shape), info(v.shape), accum,
+                          options, None, _plan.shared_memory_limit("sm_90"))
+    assert [s.kernel.kind for s in plan.steps] == kinds
+    assert (accum is not None) == (plan.pointers == _plan.BACKWARD_POINTERS)
+
+
+def test_plans_fit_the_shared_memory_they_are_given(no_compiler):
+    """The same call on a GPU with less shared memory gets a smaller tile, never one that
+    does not fit."""
+    q, k, v = dense(1, 512, 512, 4, 4, 256)
+    options = _options.make_options(q, k, False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
+    for arch in ("sm_90", "sm_80", "sm_86"):
+        limit = _plan.shared_memory_limit(arch)
+        (step,) = _plan.forward(q, k, v, info(q.shape), options, None, limit).steps
+        assert step.kernel.shared_bytes <= limit
+
+
+def test_unaligned_rows_plan_the_scalar_copies(no_compiler):
+    q, k, v = dense(1, 64, 64, 2, 2, 64)
+    options = _options.make_options(q, k, False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
+    odd = q._replace(ptr=q.ptr + 2)
+    assert not _plan.forward(odd, k, v, info(q.shape), options, None, 10**6).steps[0].kernel.vectorized
+
+
+def test_empty_calls_plan_no_launch(no_compiler):
+    q, k, v = dense(0, 10, 10, 2, 2, 64)
+    options = _options.make_options(q, k, False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
+    assert _plan.forward(q, k, v, info(q.shape), options, None, 10**6).steps == ()
+
+
+def test_planned_shared_memory_is_the_kernels_own_layout():
+    """For every variant of every arch, the planner's shared-memory size equals the
+    kBytes of the layout the kernel carves its shared memory with: NVRTC compiles one
+    static_assert per variant (no kernel is instantiated)."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
+                                reason="NVRTC comes with CuPy (the cuda12/cuda13 extra), not installed")
+    variants = {k for arch in _plan.SHARED_MEMORY_LIMIT for k in _plan.all_kernels(arch)
+                if isinstance(k, _plan.Kernel)}
+    sources = _compile._sources()
+    headers = {n: t for n, t in sources.items() if n.endswith(".cuh")}
+    checked = 0
+    for source in sorted({k.source for k in variants}):
+        asserts = sorted({f"static_assert({k.shared_layout}::kBytes == {k.shared_bytes}, "
+                          f"\"{k.shared_layout}: the planner says {k.shared_bytes} bytes\");"
+                          for k in variants if k.source == source})
+        text = sources[source].decode() + "\n" + "\n".join(asserts) + "\n"
+        prog = nvrtc.createProgram(text, source, list(headers.values()), [n.encode() for n in headers])
+        try:
+            try:
+                nvrtc.compileProgram(prog, ["--std=c++17", "--gpu-architecture=compute_80"])
+            except nvrtc.NVRTCError:
+                pytest.fail(f"{source}:\n{nvrtc.getProgramLog(prog)}")
+        finally:
+            nvrtc.destroyProgram(prog)
+        checked += len(asserts)
+    assert checked == len({(k.source, k.shared_layout) for k in variants}) > 20
