@@ -114,7 +114,6 @@ class Launcher:
         self._steps = [(_function(s.kernel, device), s.grid, s.kernel.threads, s.kernel.shared_bytes,
                         tuple(map(ctypes.c_int, s.args))) for s in plan.steps]
         self._lock = threading.Lock()
-        self._current = ctypes.c_void_p()  # (the locked path's out-argument of cuCtxGetCurrent)
         self._calls = self._bind(self.params)
 
     def _bind(self, params: Params) -> list[tuple]:
@@ -122,35 +121,34 @@ class Launcher:
         calls = []
         for function, grid, threads, shared, args in self._steps:
             arguments = (ctypes.c_void_p * (1 + len(args)))(*map(ctypes.addressof, (params, *args)))
-            calls.append((function, *grid, threads, shared, arguments))
+            calls.append((function, *grid, threads, shared, arguments, ctypes.addressof(arguments)))
         return calls
 
     def __call__(self, stream: int, *pointers: int) -> None:
+        if not self._calls:  # an empty call: nothing to launch
+            return
         if self._lock.acquire(blocking=False):
             try:
-                self._launch(self.params, self._calls, self._current, stream, pointers)
+                self._launch(self.params, self._calls, stream, pointers)
             finally:
                 self._lock.release()
         else:  # another thread is launching this plan: a copy of its arguments
             params = Params.from_buffer_copy(self.params)
-            self._launch(params, self._bind(params), ctypes.c_void_p(), stream, pointers)
+            self._launch(params, self._bind(params), stream, pointers)
 
-    def _launch(self, params: Params, calls: list, current: ctypes.c_void_p, stream: int, pointers: tuple) -> None:
+    def _launch(self, params: Params, calls: list, stream: int, pointers: tuple) -> None:
         for offset, pointer in zip(self.offsets, pointers):
             _put_pointer(params, offset, pointer)  # (a nested field's setattr costs 3x as much)
         if _launch_observer is not None:
             _launch_observer(params.pointers(), stream)
-        launch, get_current = _driver.launcher()
-        get_current(ctypes.byref(current))
-        if current.value == self.context:
-            for function, x, y, z, threads, shared, arguments in calls:
-                status = launch(function, x, y, z, threads, 1, 1, shared, stream, arguments, None)
-                if status:
-                    _driver.check_launch(status)
+        launch, current_context = _driver.launcher()
+        if current_context() == self.context:
+            for function, x, y, z, threads, shared, _, arguments in calls:
+                launch(function, x, y, z, threads, 1, 1, shared, stream, arguments, 0)
         else:
             with _driver.in_context(self.device):
-                for function, x, y, z, threads, shared, arguments in calls:
-                    _driver.check_launch(launch(function, x, y, z, threads, 1, 1, shared, stream, arguments, None))
+                for function, x, y, z, threads, shared, _, arguments in calls:
+                    launch(function, x, y, z, threads, 1, 1, shared, stream, arguments, 0)
 
 
 def tile_group(kernel: _plan.Kernel, heads: int, device: int) -> int:

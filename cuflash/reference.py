@@ -575,6 +575,21 @@ def _textbook_row(q, k, b, h, i, h_kv, scale, causal, window_size, softcap, alib
     return keys, numpy.array(scores), numpy.array(chain)
 
 
+def _textbook_rows(q, k, scale, causal, window_size, softcap, alibi_slopes):
+    """Each (batch, head, query) row that sees a key, as (b, h, h_kv, i, keys, scores,
+    chain, weights): _textbook_row's keys, scores and chain factors, and exp(scores - max)."""
+    batch, seqlen_q, nheads, d = q.shape
+    group = nheads // k.shape[2]
+    scale = _default_scale(scale, d)
+    for b in range(batch):
+        for h in range(nheads):
+            for i in range(seqlen_q):
+                keys, scores, chain = _textbook_row(q, k, b, h, i, h // group, scale, causal, window_size, softcap,
+                                                    alibi_slopes)
+                if keys:
+                    yield b, h, h // group, i, keys, scores, chain, numpy.exp(scores - scores.max())
+
+
 def attention_textbook(
     q, k, v, causal=False, scale=None, *, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, dropout_p=0.0, dropout_keep=None,
@@ -586,29 +601,16 @@ def attention_textbook(
     attention_reference.
     """
     q, k, v = (numpy.asarray(x, dtype=numpy.float64) for x in (q, k, v))
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    group = nheads // nheads_kv
-    scale = _default_scale(scale, d)
-
+    batch, seqlen_q, nheads, _ = q.shape
     out = numpy.zeros((batch, seqlen_q, nheads, v.shape[-1]))
-    lse = numpy.full((batch, nheads, seqlen_q), numpy.inf)
-    for b in range(batch):
-        for h in range(nheads):
-            h_kv = h // group
-            for i in range(seqlen_q):
-                keys, scores, _ = _textbook_row(
-                    q, k, b, h, i, h_kv, scale, causal, window_size, softcap, alibi_slopes
-                )
-                if not keys:
-                    continue  # nothing to attend to: out 0, lse +inf
-                weights = numpy.exp(scores - scores.max())
-                probabilities = weights / weights.sum()
-                for p, j in zip(probabilities, keys):
-                    if dropout_keep is not None:
-                        p = p * dropout_keep[b, h, i, j] / (1 - dropout_p)
-                    out[b, i, h] += p * v[b, j, h_kv]
-                lse[b, h, i] = scores.max() + numpy.log(weights.sum())
+    lse = numpy.full((batch, nheads, seqlen_q), numpy.inf)  # a row that sees no key: out 0, lse +inf
+    for b, h, h_kv, i, keys, scores, _, weights in _textbook_rows(q, k, scale, causal, window_size, softcap,
+                                                                 alibi_slopes):
+        for p, j in zip(weights / weights.sum(), keys):
+            if dropout_keep is not None:
+                p = p * dropout_keep[b, h, i, j] / (1 - dropout_p)
+            out[b, i, h] += p * v[b, j, h_kv]
+        lse[b, h, i] = scores.max() + numpy.log(weights.sum())
     return out, lse
 
 
@@ -626,31 +628,20 @@ def attention_textbook_backward(
     attention_reference_backward. NumPy only. Returns (dq, dk, dv).
     """
     dout, q, k, v = (numpy.asarray(x, dtype=numpy.float64) for x in (dout, q, k, v))
-    batch, seqlen_q, nheads, d = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    group = nheads // nheads_kv
-    scale = _default_scale(scale, d)
-
     dq, dk, dv = numpy.zeros_like(q), numpy.zeros_like(k), numpy.zeros_like(v)
-    for b in range(batch):
-        for h in range(nheads):
-            h_kv = h // group
-            for i in range(seqlen_q):
-                keys, scores, chain = _textbook_row(
-                    q, k, b, h, i, h_kv, scale, causal, window_size, softcap, alibi_slopes
-                )
-                if not keys:
-                    continue  # nothing attended to: no gradient flows through this row
-                weights = numpy.exp(scores - scores.max())
-                probabilities = weights / weights.sum()
-                if dropout_keep is None:
-                    z = numpy.ones(len(keys))
-                else:
-                    z = numpy.array([dropout_keep[b, h, i, j] / (1 - dropout_p) for j in keys])
-                dp = numpy.array([z_j * (dout[b, i, h] @ v[b, j, h_kv]) for z_j, j in zip(z, keys)])
-                ds = probabilities * (dp - probabilities @ dp) * chain
-                for p_j, z_j, ds_j, j in zip(probabilities, z, ds, keys):
-                    dq[b, i, h] += scale * ds_j * k[b, j, h_kv]
-                    dk[b, j, h_kv] += scale * ds_j * q[b, i, h]
-                    dv[b, j, h_kv] += p_j * z_j * dout[b, i, h]
+    scale = _default_scale(scale, q.shape[-1])
+    # (a row that sees no key passes no gradient)
+    for b, h, h_kv, i, keys, scores, chain, weights in _textbook_rows(q, k, scale, causal, window_size, softcap,
+                                                                     alibi_slopes):
+        probabilities = weights / weights.sum()
+        if dropout_keep is None:
+            z = numpy.ones(len(keys))
+        else:
+            z = numpy.array([dropout_keep[b, h, i, j] / (1 - dropout_p) for j in keys])
+        dp = numpy.array([z_j * (dout[b, i, h] @ v[b, j, h_kv]) for z_j, j in zip(z, keys)])
+        ds = probabilities * (dp - probabilities @ dp) * chain
+        for p_j, z_j, ds_j, j in zip(probabilities, z, ds, keys):
+            dq[b, i, h] += scale * ds_j * k[b, j, h_kv]
+            dk[b, j, h_kv] += scale * ds_j * q[b, i, h]
+            dv[b, j, h_kv] += p_j * z_j * dout[b, i, h]
     return dq, dk, dv

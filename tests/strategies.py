@@ -43,6 +43,35 @@ scales = st.one_of(st.none(), st.just(0.0), st.floats(0.01, 2.0))
 blocks = st.one_of(st.sampled_from([1, 2, 16, 64, 65]), st.integers(1, 70))
 
 
+# ALiBi slopes of the front ends' option tests, (batch 4, nheads 4).
+FRONT_END_SLOPES = np.array([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.1, 0.05, 0.7],
+                             [0.01, 0.2, 0.4, 0.0], [1.0, 0.5, 0.33, 0.25]], dtype=np.float32)
+
+
+def front_end_variants(slopes) -> dict:
+    """(causal, keywords of a front end's attention) by name: each flash-attn option alone,
+    and all together. ``slopes``: FRONT_END_SLOPES as the front end's array."""
+    return {
+        "window": (False, dict(window_size=(5, 3))),
+        "window_left_causal": (True, dict(window_size=(7, -1))),
+        "window_right": (False, dict(window_size=(-1, 2))),
+        "softcap": (False, dict(softcap=1.5)),
+        "alibi_heads": (True, dict(alibi_slopes=slopes[0])),
+        "alibi_batch_heads": (False, dict(alibi_slopes=slopes)),  # rows cut to the batch
+        "dropout": (False, dict(dropout_p=0.3, seed=2**63 + 5)),  # a seed past int64: wraps in torch's rng_state
+        "everything": (True, dict(window_size=(9, 0), softcap=3.0, alibi_slopes=slopes[1], dropout_p=0.2, seed=11)),
+    }
+
+
+def cpu_path_draws(shapes, **more):
+    """``given`` the draws of a CPU-path test against the oracle: a shape from ``shapes``,
+    float32 or float64, a scale, the CPU path's query and key block sizes, a seed (and
+    ``more``)."""
+    from hypothesis import given
+    return given(shape=shapes, dtype=st.sampled_from([np.float32, np.float64]), scale=scales, block_q=blocks,
+                 block_k=blocks, seed=seeds, **more)
+
+
 def seqlens(max_seqlen, *, allow_zero=False):
     """A sequence length in [0 or 1, max_seqlen], often a special ragged value."""
     low = 0 if allow_zero else 1

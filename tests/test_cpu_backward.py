@@ -19,8 +19,8 @@ from cuflash.reference import (
     attention_textbook_backward,
     round_to,
 )
-from .strategies import (Shape, VarlenShape, assert_close, attention_shapes, blocks, random_dout, random_qkv,
-                         reference_options, rounding_floor, scales, seeds)
+from .strategies import (Shape, VarlenShape, assert_close, attention_shapes, blocks, cpu_path_draws, random_dout,
+                         random_qkv, reference_options, rounding_floor, scales, seeds)
 
 # NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -122,14 +122,7 @@ def test_reference_gradients_match_textbook(shape, scale, seed):
 
 
 @settings(deadline=None, max_examples=200)
-@given(
-    shape=shapes,
-    dtype=st.sampled_from([np.float32, np.float64]),
-    scale=scales,
-    block_q=blocks,
-    block_k=blocks,
-    seed=seeds,
-)
+@cpu_path_draws(shapes)
 def test_matches_reference(shape, dtype, scale, block_q, block_k, seed):
     dout, q, k, v = _data(shape, dtype, seed)
     grads, lse = _backward(
@@ -423,14 +416,7 @@ def test_reference_lse_gradients_match_finite_differences(shape, options):
 
 
 @settings(deadline=None, max_examples=100)
-@given(
-    shape=shapes,
-    dtype=st.sampled_from([np.float32, np.float64]),
-    scale=scales,
-    block_q=blocks,
-    block_k=blocks,
-    seed=seeds,
-)
+@cpu_path_draws(shapes)
 def test_lse_gradient_matches_reference(shape, dtype, scale, block_q, block_k, seed):
     dout, q, k, v = _data(shape, dtype, seed)
     out, lse = attention_forward(q, k, v, causal=shape.causal, softmax_scale=scale)

@@ -11,38 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cuflash import _philox, cpu
-from cuflash.reference import (
-    attention_lowp,
-    attention_lowp_backward,
-    attention_lowp_varlen,
-    attention_lowp_varlen_backward,
-    attention_reference,
-    attention_reference_backward,
-    attention_reference_varlen,
-    attention_reference_varlen_backward,
-    attention_textbook,
-    attention_textbook_backward,
-    normalized_window,
-    round_to,
-)
+from cuflash.reference import (attention_lowp, attention_lowp_backward, attention_lowp_varlen,
+                               attention_lowp_varlen_backward, attention_reference, attention_reference_backward,
+                               attention_reference_varlen, attention_reference_varlen_backward, attention_textbook,
+                               attention_textbook_backward, normalized_window, round_to)
 from .test_cpu_backward import GRAD_TOL, _data, _finite_difference, _max_finite, _scale_of
-from .strategies import (
-    Shape,
-    Variant,
-    VarlenShape,
-    assert_close,
-    attention_shapes,
-    blocks,
-    random_dout,
-    random_qkv,
-    rounding_floor,
-    scales,
-    seeds,
-    seqlens,
-    variants,
-    varlen_shapes,
-    window_sizes,
-)
+from .strategies import (Shape, Variant, VarlenShape, assert_close, attention_shapes, blocks, cpu_path_draws,
+                         random_qkv, rounding_floor, scales, seeds, seqlens, variants, varlen_shapes, window_sizes)
 
 # NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -451,15 +426,7 @@ cpu_shapes = attention_shapes(max_batch=2, max_seqlen=70, max_headdim=32, allow_
 
 
 @settings(deadline=None, max_examples=150)
-@given(
-    shape=cpu_shapes,
-    dtype=st.sampled_from([np.float32, np.float64]),
-    scale=scales,
-    block_q=blocks,
-    block_k=blocks,
-    data=st.data(),
-    seed=seeds,
-)
+@cpu_path_draws(cpu_shapes, data=st.data())
 def test_forward_matches_reference(shape, dtype, scale, block_q, block_k, data, seed):
     variant = data.draw(variants(shape.batch, shape.nheads, 70), label="variant")
     q, k, v = random_qkv(shape, dtype, np.random.default_rng(seed))
@@ -472,15 +439,7 @@ def test_forward_matches_reference(shape, dtype, scale, block_q, block_k, data, 
 
 
 @settings(deadline=None, max_examples=150)
-@given(
-    shape=cpu_shapes,
-    dtype=st.sampled_from([np.float32, np.float64]),
-    scale=scales,
-    block_q=blocks,
-    block_k=blocks,
-    data=st.data(),
-    seed=seeds,
-)
+@cpu_path_draws(cpu_shapes, data=st.data())
 def test_backward_matches_reference(shape, dtype, scale, block_q, block_k, data, seed):
     variant = data.draw(variants(shape.batch, shape.nheads, 70), label="variant")
     dout, q, k, v = _data(shape, dtype, seed)

@@ -20,29 +20,12 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _philox
-from cuflash.reference import (
-    attention_lowp,
-    attention_lowp_backward,
-    attention_lowp_varlen,
-    attention_lowp_varlen_backward,
-    attention_reference,
-    attention_reference_backward,
-    attention_reference_varlen,
-    attention_reference_varlen_backward,
-    round_to,
-)
+from cuflash.reference import (attention_lowp, attention_lowp_backward, attention_lowp_varlen,
+                               attention_lowp_varlen_backward, attention_reference, attention_reference_backward,
+                               attention_reference_varlen, attention_reference_varlen_backward, round_to)
 
-from .strategies import (
-    Shape,
-    Variant,
-    VarlenShape,
-    assert_close,
-    attention_shapes,
-    random_dout,
-    random_qkv,
-    variants,
-    varlen_shapes,
-)
+from .strategies import (Shape, Variant, VarlenShape, assert_close, attention_shapes, random_dout, random_qkv,
+                         variants, varlen_shapes)
 from .test_gpu_forward import FLOOR, LSE_ATOL, Launches, cupy_dtype, poisoned_allocations
 
 pytestmark = pytest.mark.gpu

@@ -27,8 +27,8 @@ from cuflash.reference import (  # noqa: E402
     attention_reference_varlen_backward,
 )
 
-from .strategies import (Launches, Shape, VarlenShape, assert_close, numpy_options,  # noqa: E402
-                         reference_options)
+from .strategies import (FRONT_END_SLOPES, Launches, Shape, VarlenShape, assert_close,  # noqa: E402
+                         front_end_variants, numpy_options, reference_options)
 
 
 def make_inputs(shape: Shape, dtype, seed=0):
@@ -116,20 +116,8 @@ def test_cpu_errors_are_raised_while_tracing(cpu):
 
 # --- CPU: the flash-attn options ----------------------------------------------------------
 
-_SLOPES = np.array([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.1, 0.05, 0.7],
-                    [0.01, 0.2, 0.4, 0.0], [1.0, 0.5, 0.33, 0.25]], dtype=np.float32)
-
-# (causal, keywords of cuflash.jax.attention): each option alone, and together.
-VARIANTS = {
-    "window": (False, dict(window_size=(5, 3))),
-    "window_left_causal": (True, dict(window_size=(7, -1))),
-    "window_right": (False, dict(window_size=(-1, 2))),
-    "softcap": (False, dict(softcap=1.5)),
-    "alibi_heads": (True, dict(alibi_slopes=_SLOPES[0])),
-    "alibi_batch_heads": (False, dict(alibi_slopes=_SLOPES)),  # rows cut to the batch
-    "dropout": (False, dict(dropout_p=0.3, seed=2**63 + 5)),
-    "everything": (True, dict(window_size=(9, 0), softcap=3.0, alibi_slopes=_SLOPES[1], dropout_p=0.2, seed=11)),
-}
+_SLOPES = FRONT_END_SLOPES
+VARIANTS = front_end_variants(_SLOPES)  # (NumPy slopes: _for_batch makes them JAX arrays)
 
 
 def _for_batch(kwargs: dict, batch: int) -> dict:

@@ -33,7 +33,8 @@ def no_compiler(monkeypatch):
 def test_the_planner_imports_no_compiler_driver_or_framework():
     """What _plan imports when it runs (type hints aside): the Params layout, no more."""
     tree = ast.parse(Path(_plan.__file__).read_text())
-    typing_only = [node for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
+    typing_only = [node for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
     hidden = {id(n) for block in typing_only for n in ast.walk(block)}
     imported = set()
     for node in ast.walk(tree):

@@ -35,8 +35,8 @@ from cuflash.reference import (  # noqa: E402
     normalized_window,
 )
 
-from .strategies import (Launches, Shape, VarlenShape, assert_close, numpy_options,  # noqa: E402
-                         reference_options)
+from .strategies import (FRONT_END_SLOPES, Launches, Shape, VarlenShape, assert_close,  # noqa: E402
+                         front_end_variants, numpy_options, reference_options)
 
 
 def make_inputs(shape: Shape, dtype, device, seed=0):
@@ -189,20 +189,8 @@ def test_cpu_torch_compile_varlen():
 
 # --- CPU: the flash-attn options ----------------------------------------------------------
 
-_SLOPES = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.1, 0.05, 0.7],
-                        [0.01, 0.2, 0.4, 0.0], [1.0, 0.5, 0.33, 0.25]])
-
-# (causal, keywords of cuflash.torch.attention): each option alone, and together.
-VARIANTS = {
-    "window": (False, dict(window_size=(5, 3))),
-    "window_left_causal": (True, dict(window_size=(7, -1))),
-    "window_right": (False, dict(window_size=(-1, 2))),
-    "softcap": (False, dict(softcap=1.5)),
-    "alibi_heads": (True, dict(alibi_slopes=_SLOPES[0])),
-    "alibi_batch_heads": (False, dict(alibi_slopes=_SLOPES)),  # rows sliced to the batch
-    "dropout": (False, dict(dropout_p=0.3, seed=2**63 + 5)),  # a seed past int64: wraps in rng_state
-    "everything": (True, dict(window_size=(9, 0), softcap=3.0, alibi_slopes=_SLOPES[1], dropout_p=0.2, seed=11)),
-}
+_SLOPES = torch.from_numpy(FRONT_END_SLOPES)
+VARIANTS = front_end_variants(_SLOPES)
 
 
 def _for_batch(kwargs: dict, batch: int, device="cpu") -> dict:
