@@ -69,7 +69,7 @@ def compile_all(args) -> int:
     futures = []
     try:
         for arch, kernel in jobs:
-            futures.append(pool.submit(_compile.compile_kernel, kernel.source, kernel.instance, arch))
+            futures.append(pool.submit(_compile.compile_kernel, kernel.source, kernel.instance, arch, refresh=True))
         for future in concurrent.futures.as_completed(futures):
             future.result()  # the first failure ends the run
             progress.step()

@@ -12,7 +12,6 @@ checks is reported once, removed and rebuilt. Writes are atomic, cubin first; a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -25,6 +24,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 try:
     import fcntl
@@ -64,8 +64,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cuflash"
 
 
-@dataclasses.dataclass(frozen=True)
-class Resources:
+class Resources(NamedTuple):
     """What ptxas reported for one kernel."""
     registers: int
     spill_stores: int
@@ -81,28 +80,34 @@ class Resources:
         return cls(int(regs[1]), int(spill[2]), int(spill[3]), int(spill[1]))
 
 
-@dataclasses.dataclass(frozen=True)
-class Compiled:
+class Compiled(NamedTuple):
     cubin: bytes
     lowered_name: str  # the mangled symbol of the template instance
     resources: Resources
+    nvrtc: tuple[int, ...] = ()  # the version of NVRTC that compiled it
 
 
-CACHE_FORMAT = 2  # part of the key: entries of an older layout are never looked up
+CACHE_FORMAT = 3  # part of the key: entries of an older layout are never looked up
 # Every file the cache writes: an entry's cubin and metadata, its lock, a write under way.
 _CACHE_FILE = re.compile(r"[0-9a-f]{64}\.(cubin|json|lock)(\.[0-9a-f]{16}\.tmp)?")
 
 _lock = threading.Lock()
 
 
-def compile_kernel(source: str, instance: str, arch: str) -> Compiled:
+def compile_kernel(source: str, instance: str, arch: str, *, refresh: bool = False) -> Compiled:
     """Compile one template ``instance`` of the kernels in ``cuda/<source>`` for
-    ``arch`` (e.g. "sm_90"), or take it from the disk cache."""
+    ``arch`` (e.g. "sm_90"), or take it from the disk cache.
+
+    The key covers every source byte, the instance, the arch and NVRTC's options, not
+    NVRTC's version: a cache hit would have to load NVRTC to learn it, a library whose
+    loading costs more than the rest of a first call (and the cubin of another NVRTC
+    runs all the same). Each entry records the version that compiled it; ``refresh``
+    (``python -m cuflash compile``) compiles again the entries of another version."""
     options = (f"--gpu-architecture={arch}",) + OPTIONS
     key = hashlib.sha256()
     for name, text in _sources().items():
         key.update(name.encode() + b"\0" + text + b"\0")
-    key.update(repr((CACHE_FORMAT, source, instance, options, nvrtc_version())).encode())
+    key.update(repr((CACHE_FORMAT, source, instance, options)).encode())
     path = cache_dir() / key.hexdigest()
     # A process that needs the entry while another compiles it waits here, then loads it.
     with _entry_lock(path):
@@ -111,6 +116,8 @@ def compile_kernel(source: str, instance: str, arch: str) -> Compiled:
         except BadEntry as e:
             warnings.warn(f"cuflash: {e}; removed it, compiling the kernel again", RuntimeWarning, stacklevel=2)
             _remove_entry(path)
+            compiled = None
+        if compiled is not None and refresh and compiled.nvrtc != nvrtc_version():
             compiled = None
         if compiled is None:
             start = time.perf_counter()
@@ -141,6 +148,7 @@ def load_entry(path: Path) -> Compiled | None:
         meta = json.loads(text)
         key, digest, lowered_name = meta["key"], meta["cubin_sha256"], meta["lowered_name"]
         resources = Resources(**meta["resources"])
+        made_by = tuple(meta.get("nvrtc", ()))
     except KeyError as e:
         raise BadEntry(f"{meta_path} lacks the key {e}") from None
     except (ValueError, TypeError) as e:
@@ -153,7 +161,7 @@ def load_entry(path: Path) -> Compiled | None:
         raise BadEntry(f"cannot read {cubin_path}: {e.strerror}") from None
     if hashlib.sha256(cubin).hexdigest() != digest:
         raise BadEntry(f"{cubin_path} does not match the sha256 in its metadata (truncated or corrupt)")
-    return Compiled(cubin, lowered_name, resources)
+    return Compiled(cubin, lowered_name, resources, made_by)
 
 
 def verify_entry(path: Path) -> str | None:
@@ -183,7 +191,7 @@ def cache_entries() -> list[Path]:
 
 def _write_entry(path: Path, compiled: Compiled, arch: str, instance: str) -> None:
     meta = {"key": path.name, "arch": arch, "instance": instance, "lowered_name": compiled.lowered_name,
-            "resources": dataclasses.asdict(compiled.resources),
+            "resources": compiled.resources._asdict(), "nvrtc": list(compiled.nvrtc),
             "cubin_sha256": hashlib.sha256(compiled.cubin).hexdigest()}
     # The cubin first: whoever finds the metadata finds the whole cubin.
     if _write_atomic(path.with_suffix(".cubin"), compiled.cubin):
@@ -229,7 +237,7 @@ def _run_nvrtc(source: str, instance: str, options: tuple[str, ...]) -> Compiled
         lowered = lowered.decode() if isinstance(lowered, bytes) else lowered
         # The log describes every function; keep the block of this instance.
         block = text[text.find(f"Function properties for {lowered}"):]
-        return Compiled(_whole_elf(nvrtc.getCUBIN(prog)), lowered, Resources.from_log(block))
+        return Compiled(_whole_elf(nvrtc.getCUBIN(prog)), lowered, Resources.from_log(block), nvrtc_version())
     finally:
         nvrtc.destroyProgram(prog)
 

@@ -9,10 +9,10 @@ what was expected and what was given.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,8 +23,7 @@ GPU_DTYPES = ("float16", "bfloat16")
 CPU_DTYPES = ("float16", "float32", "float64")
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
+class Options(NamedTuple):
     """What a call asks for, validated. window: (left, right) with -1 = unbounded,
     causal already folded in (right = 0)."""
     causal: bool = False
@@ -45,8 +44,7 @@ class Options:
         return self.softcap > 0 or self.alibi is not None or self.dropout_p > 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Varlen:
+class Varlen(NamedTuple):
     """Packed sequences: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]."""
     cu_seqlens_q: ArrayInfo  # int32 (batch + 1,)
     cu_seqlens_k: ArrayInfo
@@ -183,10 +181,10 @@ def make_options(q: ArrayInfo, k: ArrayInfo, causal, softmax_scale, window_size,
                              softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                              dropout_p=dropout_p, seed=seed, rng_offset=rng_offset, backward=backward)
     if seed is None and options.dropout_p > 0:
-        options = dataclasses.replace(options, seed=int.from_bytes(os.urandom(8), "little"))
+        options = options._replace(seed=int.from_bytes(os.urandom(8), "little"))
     if alibi_slopes is None:
         return options
-    return dataclasses.replace(options, alibi=alibi(alibi_slopes, q, q.shape[0] if batch is None else batch))
+    return options._replace(alibi=alibi(alibi_slopes, q, q.shape[0] if batch is None else batch))
 
 
 def scalar_options(head_dim: int, seqlen_k: int, *, causal=False, softmax_scale=None, window_size=(-1, -1),

@@ -9,7 +9,6 @@ budgets behind these choices are checked by ``python -m cuflash compile``.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -33,8 +32,7 @@ SHARED_MEMORY_LIMIT = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Tile:
+class Tile(NamedTuple):
     """@block_m query rows and @block_n key rows per tile, @warps warps per CTA,
     @stages shared buffers for the streamed operand, @col_split passes over the
     head dim (backward only: keeps the gradient accumulators in registers)."""
@@ -51,8 +49,7 @@ def _row_bytes(d: int) -> int:
     return d * 2 if d in (64, 128, 256) else (d + 8) * 2
 
 
-@dataclasses.dataclass(frozen=True)
-class Kind:
+class Kind(NamedTuple):
     source: str
     template: str
     tiles: dict[int, tuple[Tile, ...]]  # head-dim bucket -> candidates, preferred first
@@ -144,8 +141,7 @@ def shared_memory_limit(arch: str) -> int:
     return SHARED_MEMORY_LIMIT.get(arch, 99 * 1024)
 
 
-@dataclasses.dataclass(frozen=True)
-class Kernel:
+class Kernel(NamedTuple):
     """One template instance of a tiled kernel with its launch shape."""
     kind: str
     dtype: str
@@ -188,8 +184,7 @@ class Kernel:
         return (-(-rows // tile_rows), heads, batch)
 
 
-@dataclasses.dataclass(frozen=True)
-class Elementwise:
+class Elementwise(NamedTuple):
     kind: str
     dtype: str
 

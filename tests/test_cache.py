@@ -169,3 +169,20 @@ def test_a_gpu_below_sm80_is_refused_in_one_line(monkeypatch):
         _compile.device_arch(0)
     gpu.update({"name": "NVIDIA B200", _driver.COMPUTE_CAPABILITY_MAJOR: 10, _driver.COMPUTE_CAPABILITY_MINOR: 0})
     assert _compile.device_arch(0) == "sm_100"
+
+
+def test_an_entry_of_another_nvrtc_is_loaded_and_refreshed_by_compile(monkeypatch, tmp_path):
+    """A cache hit does not load NVRTC to learn its version (the key leaves it out); the
+    entry records the version that compiled it, and compile(refresh=True), what
+    ``python -m cuflash compile`` runs, compiles again an entry of another version."""
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    runs = []
+    monkeypatch.setattr(_compile, "_run_nvrtc", lambda *args: runs.append(args) or _compile.Compiled(
+        b"\x7fELF cubin", "lowered", _compile.Resources(32, 0, 0, 0), (11, 8)))
+    monkeypatch.setattr(_compile, "nvrtc_version", lambda: (12, 9))
+    first = _compile.compile_kernel(KERNEL.source, KERNEL.instance, "sm_80")
+    assert first.nvrtc == (11, 8) and len(runs) == 1
+    again = _compile.compile_kernel(KERNEL.source, KERNEL.instance, "sm_80")
+    assert again == first and len(runs) == 1  # loaded, whatever NVRTC is installed
+    _compile.compile_kernel(KERNEL.source, KERNEL.instance, "sm_80", refresh=True)
+    assert len(runs) == 2
