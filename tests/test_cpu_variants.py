@@ -520,13 +520,8 @@ def _cpu_varlen(dout, q, k, v, shape, variant, **kwargs):
 
 
 @settings(deadline=None, max_examples=100)
-@given(
-    shape=varlen_shapes(max_batch=4, max_seqlen=50, max_headdim=32),
-    block_q=blocks,
-    block_k=blocks,
-    data=st.data(),
-    seed=seeds,
-)
+@given(shape=varlen_shapes(max_batch=4, max_seqlen=50, max_headdim=32), block_q=blocks, block_k=blocks, data=st.data(),
+       seed=seeds)
 def test_varlen_matches_reference(shape, block_q, block_k, data, seed):
     variant = data.draw(variants(shape.batch, shape.nheads, 50), label="variant")
     dout, q, k, v = _data(shape, np.float32, seed)
@@ -709,13 +704,8 @@ FP16_HALF_ULP = 2.0**-11  # half an ulp at 1, the GPU tests' FLOOR for float16
 
 
 @settings(deadline=None, max_examples=50)
-@given(
-    shape=attention_shapes(max_batch=2, max_seqlen=70, max_headdim=32),
-    block_q=blocks,
-    block_k=blocks,
-    data=st.data(),
-    seed=seeds,
-)
+@given(shape=attention_shapes(max_batch=2, max_seqlen=70, max_headdim=32), block_q=blocks, block_k=blocks, data=st.data(),
+       seed=seeds)
 def test_float16_within_flash_attn_rules(shape, block_q, block_k, data, seed):
     # The yardstick GPU tests use, with every variant: out within 2x plain fp16 attention's
     # error, gradients within 3x, plus the noise of storing the exact answer in fp16.
