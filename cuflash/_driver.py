@@ -165,10 +165,28 @@ def resident_blocks(function: int, threads: int, shared_bytes: int) -> int:
 
 @functools.cache
 def launcher():
-    """launch(function, grid x/y/z, block x/y/z, shared bytes, stream, kernelParams, extra)
-    and current_context(): the two calls of every launch, through CuPy's compiled driver
-    bindings (a ctypes call converts its eleven arguments at twice the cost of the whole
-    launch; the bindings load in milliseconds, without CuPy's array module). Both raise
-    on a CUDA error."""
-    from cupy_backends.cuda.api import driver
-    return driver.launchKernel, driver.ctxGetCurrent
+    """launch(function, grid x/y/z, block x/y/z, shared bytes, stream, kernelParams, 0)
+    and current_context(): the two calls of every launch; both raise on a CUDA error.
+    Where CuPy is loaded (the caller passes CuPy arrays), its compiled driver bindings,
+    a microsecond faster a launch; otherwise ctypes, since CuPy's bindings import CuPy
+    whole on their first call (over 100 ms of a torch or JAX caller's first call)."""
+    if "cupy" in sys.modules:
+        from cupy_backends.cuda.api import driver
+        return driver.launchKernel, driver.ctxGetCurrent
+    lib = _lib()
+    # Fresh function objects without argtypes: ints go as C ints and pointers as
+    # c_void_p, with none of argtypes' per-argument conversions.
+    raw_launch, raw_current = lib["cuLaunchKernel"], lib["cuCtxGetCurrent"]
+    raw_launch.restype = raw_current.restype = _i
+
+    def launch(function, x, y, z, bx, by, bz, shared, stream, arguments, extra):
+        status = raw_launch(_p(function), x, y, z, bx, by, bz, shared, _p(stream), _p(arguments), None)
+        if status:
+            _check(status, "cuLaunchKernel")
+
+    def current_context():
+        context = _p()  # (one per call: ctypes lets go of the GIL during the call)
+        raw_current(ctypes.byref(context))
+        return context.value or 0
+
+    return launch, current_context

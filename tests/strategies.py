@@ -63,13 +63,16 @@ def front_end_variants(slopes) -> dict:
     }
 
 
-def cpu_path_draws(shapes, **more):
-    """``given`` the draws of a CPU-path test against the oracle: a shape from ``shapes``,
-    float32 or float64, a scale, the CPU path's query and key block sizes, a seed (and
-    ``more``)."""
+def blocked_draws(shapes, **more):
+    """``given`` the draws of a CPU-path test: a shape from ``shapes``, the CPU path's query
+    and key block sizes, a seed (and ``more``)."""
     from hypothesis import given
-    return given(shape=shapes, dtype=st.sampled_from([np.float32, np.float64]), scale=scales, block_q=blocks,
-                 block_k=blocks, seed=seeds, **more)
+    return given(shape=shapes, block_q=blocks, block_k=blocks, seed=seeds, **more)
+
+
+def cpu_path_draws(shapes, **more):
+    """``blocked_draws`` of a test against the oracle: also float32 or float64 and a scale."""
+    return blocked_draws(shapes, dtype=st.sampled_from([np.float32, np.float64]), scale=scales, **more)
 
 
 def seqlens(max_seqlen, *, allow_zero=False):

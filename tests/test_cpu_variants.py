@@ -16,7 +16,7 @@ from cuflash.reference import (attention_lowp, attention_lowp_backward, attentio
                                attention_reference_varlen, attention_reference_varlen_backward, attention_textbook,
                                attention_textbook_backward, normalized_window, round_to)
 from .test_cpu_backward import GRAD_TOL, _data, _finite_difference, _max_finite, _scale_of
-from .strategies import (Shape, Variant, VarlenShape, assert_close, attention_shapes, blocks, cpu_path_draws,
+from .strategies import (Shape, Variant, VarlenShape, assert_close, attention_shapes, blocked_draws, cpu_path_draws,
                          random_qkv, rounding_floor, scales, seeds, seqlens, variants, varlen_shapes, window_sizes)
 
 # NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
@@ -520,8 +520,7 @@ def _cpu_varlen(dout, q, k, v, shape, variant, **kwargs):
 
 
 @settings(deadline=None, max_examples=100)
-@given(shape=varlen_shapes(max_batch=4, max_seqlen=50, max_headdim=32), block_q=blocks, block_k=blocks, data=st.data(),
-       seed=seeds)
+@blocked_draws(varlen_shapes(max_batch=4, max_seqlen=50, max_headdim=32), data=st.data())
 def test_varlen_matches_reference(shape, block_q, block_k, data, seed):
     variant = data.draw(variants(shape.batch, shape.nheads, 50), label="variant")
     dout, q, k, v = _data(shape, np.float32, seed)
@@ -704,8 +703,7 @@ FP16_HALF_ULP = 2.0**-11  # half an ulp at 1, the GPU tests' FLOOR for float16
 
 
 @settings(deadline=None, max_examples=50)
-@given(shape=attention_shapes(max_batch=2, max_seqlen=70, max_headdim=32), block_q=blocks, block_k=blocks, data=st.data(),
-       seed=seeds)
+@blocked_draws(attention_shapes(max_batch=2, max_seqlen=70, max_headdim=32), data=st.data())
 def test_float16_within_flash_attn_rules(shape, block_q, block_k, data, seed):
     # The yardstick GPU tests use, with every variant: out within 2x plain fp16 attention's
     # error, gradients within 3x, plus the noise of storing the exact answer in fp16.
