@@ -66,9 +66,10 @@ def normalized_window(window_size, causal, seqlen_k):
     return left, 0 if causal else right
 
 
-def _visible(xp, seqlen_q, seqlen_k, causal, window_size=(-1, -1)):
-    """Boolean (seqlen_q, seqlen_k): may query i attend to key j (bottom-right aligned)."""
-    left, right = normalized_window(window_size, causal, seqlen_k)
+def _visible(xp, seqlen_q, seqlen_k, causal, window_size=(-1, -1), window_limit=None):
+    """Boolean (seqlen_q, seqlen_k): may query i attend to key j (bottom-right aligned).
+    A window side >= ``window_limit`` (default seqlen_k) is unbounded."""
+    left, right = normalized_window(window_size, causal, seqlen_k if window_limit is None else window_limit)
     # A key's offset from the query's diagonal: j - (i + seqlen_k - seqlen_q).
     offset = xp.arange(seqlen_k)[None, :] - (xp.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q)
     visible = xp.ones((seqlen_q, seqlen_k), dtype=bool)
@@ -88,11 +89,11 @@ class _Variant:
     """
 
     def __init__(self, xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                 dropout_p, dropout_keep, dtype):
+                 dropout_p, dropout_keep, dtype, window_limit=None):
         batch, seqlen_q, nheads, d = q.shape
         seqlen_k = k.shape[1]
         self.scale = dtype(_default_scale(softmax_scale, d))
-        self.visible = _visible(xp, seqlen_q, seqlen_k, causal, window_size)
+        self.visible = _visible(xp, seqlen_q, seqlen_k, causal, window_size, window_limit)
         self.softcap = float(softcap)
         if self.softcap < 0:
             raise ValueError(f"softcap must be >= 0, got {softcap}")
@@ -204,7 +205,7 @@ def _sum_over_group(x_g):
 
 def attention_reference(
     q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, dropout_p=0.0, dropout_keep=None,
+    alibi_slopes=None, dropout_p=0.0, dropout_keep=None, window_limit=None,
 ):
     """Exact attention in float64: returns (out, lse).
 
@@ -212,14 +213,16 @@ def attention_reference(
     natural log of the sum of exp of the (soft-capped, ALiBi-biased) visible scores, before
     dropout. A fully masked row (or seqlen_k == 0) gives out 0 and lse +inf. NaN in the inputs
     is not suppressed: it reaches every output that reads it. The options are the module's
-    (see its docstring); dropout_p > 0 needs `dropout_keep`.
+    (see its docstring); dropout_p > 0 needs `dropout_keep`. ``window_limit``: the key count a
+    window side is compared with, a side >= it being unbounded (default seqlen_k; the KV-cache
+    call compares with the cache's length).
     """
     xp = _array_module(q)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     variant = _Variant(xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                       dropout_p, dropout_keep, xp.float64)
+                       dropout_p, dropout_keep, xp.float64, window_limit)
 
     out = xp.zeros((batch, seqlen_q, nheads, v.shape[-1]), dtype=xp.float64)
     lse = xp.full((batch, nheads, seqlen_q), xp.inf, dtype=xp.float64)
@@ -350,16 +353,22 @@ def attention_reference_varlen_backward(
     """attention_reference_backward of a packed variable-length batch (laid out as
     attention_reference_varlen, dlse (nheads, total_q)): returns float64 (dq, dk, dv)
     shaped like q, k, v."""
+    return _varlen_backward(attention_reference_backward, "float64", dout, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                            alibi_slopes, dropout_keep, dlse, out=out, **options)
+
+
+def _varlen_backward(backward, dtype, dout, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep, dlse,
+                     *, out=None, **options):
+    """``backward`` (a dense backward of this module) sequence by sequence: (dq, dk, dv)
+    of ``dtype``, shaped like q, k, v."""
     xp = _array_module(q)
-    dq, dk, dv = (xp.zeros(x.shape, dtype=xp.float64) for x in (q, k, v))
+    dq, dk, dv = (xp.zeros(x.shape, dtype=dtype) for x in (q, k, v))
     for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
         if out is not None:
             own["out"] = out[None, rows_q]
         if dlse is not None:
             own["dlse"] = dlse[None, :, rows_q]
-        grads = attention_reference_backward(
-            dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], **own, **options
-        )
+        grads = backward(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], **own, **options)
         dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
     return dq, dk, dv
 
@@ -533,16 +542,8 @@ def attention_lowp_varlen_backward(
     **options
 ):
     """attention_lowp_backward of a packed variable-length batch: float32 (dq, dk, dv)."""
-    xp = _array_module(q)
-    dq, dk, dv = (xp.zeros(x.shape, dtype=xp.float32) for x in (q, k, v))
-    for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
-        if dlse is not None:
-            own["dlse"] = dlse[None, :, rows_q]
-        grads = attention_lowp_backward(
-            dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], **own, **options
-        )
-        dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
-    return dq, dk, dv
+    return _varlen_backward(attention_lowp_backward, "float32", dout, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                            alibi_slopes, dropout_keep, dlse, **options)
 
 
 def _textbook_row(q, k, b, h, i, h_kv, scale, causal, window_size, softcap, alibi_slopes):
