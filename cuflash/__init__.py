@@ -6,6 +6,8 @@ q, k, v are (batch, seqlen, nheads, headdim) CuPy, PyTorch or JAX CUDA arrays
 (float16/bfloat16, tensor-core kernels) or NumPy arrays (the CPU path).
 """
 from .api import attention, attention_backward, attention_varlen, attention_varlen_backward
+from .kvcache import attention_with_kvcache, merge_states
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
+           "attention_with_kvcache", "merge_states"]
 __version__ = "0.1.0"

@@ -61,34 +61,38 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def check_qkv(q, k, v, *, packed: bool) -> None:
+def check_qkv(q, k, v, *, packed: bool, names: tuple[str, str, str] = ("q", "k", "v"),
+              same_batch: bool = True) -> None:
     ndim = 3 if packed else 4
     layout = "(total, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
-    arrays = {"q": q, "k": k, "v": v}
+    arrays = dict(zip(names, (q, k, v)))
+    together = f"{names[0]}, {names[1]} and {names[2]}"
     for name, a in arrays.items():
         if len(a.shape) != ndim:
             raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {a.shape}")
     if len({a.framework for a in arrays.values()}) > 1:
-        raise TypeError(f"q, k and v must be the same kind of array, got {q.framework}, {k.framework}, {v.framework}")
+        raise TypeError(f"{together} must be the same kind of array, got {q.framework}, {k.framework}, {v.framework}")
     if len({a.where for a in arrays.values()}) > 1:
-        raise ValueError(f"q, k and v must be on one device, got {q.where}, {k.where}, {v.where}")
+        raise ValueError(f"{together} must be on one device, got {q.where}, {k.where}, {v.where}")
     if len({a.dtype for a in arrays.values()}) > 1:
-        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{together} must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     allowed = GPU_DTYPES if q.device is not None else CPU_DTYPES
     if q.dtype not in allowed:
         hint = "; cast to float16 or bfloat16" if q.device is not None else ""
         raise TypeError(f"dtype must be one of {', '.join(allowed)} on {q.where}, got {q.dtype}{hint}")
+    kv = f"{names[1]} and {names[2]}"
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape {layout}, got {k.shape} and {v.shape}")
-    if not packed and k.shape[0] != q.shape[0]:
-        raise ValueError(f"k and v must have q's batch size {q.shape[0]}, got {k.shape[0]}")
+        raise ValueError(f"{kv} must have one shape {layout}, got {k.shape} and {v.shape}")
+    if same_batch and not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"{kv} must have q's batch size {q.shape[0]}, got {k.shape[0]}")
     head_dim, nheads, nheads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
     if k.shape[-1] != head_dim:
-        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[-1]}")
+        raise ValueError(f"{kv} must have q's head dim {head_dim}, got {k.shape[-1]}")
     if not 1 <= head_dim <= _plan.MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in 1..{_plan.MAX_HEAD_DIM}, got {head_dim}")
     if nheads_kv == 0 or nheads % nheads_kv:
-        raise ValueError(f"q's nheads must be a multiple of k/v's nheads, got {nheads} and {nheads_kv}")
+        raise ValueError(f"q's nheads must be a multiple of {names[1]}/{names[2]}'s nheads, "
+                         f"got {nheads} and {nheads_kv}")
     if q.device is not None:
         for name, a in arrays.items():
             check_last_dim_contiguous(name, a)
@@ -315,3 +319,179 @@ def to_numpy(a: ArrayInfo) -> np.ndarray:
     if a.framework == "cupy":
         return a.obj.get()
     return np.asarray(a.obj)
+
+
+# -- the KV-cache call -----------------------------------------------------------------------
+
+class KVCache(NamedTuple):
+    """The cache arguments of an ``attention_with_kvcache`` call, validated. ``lengths``:
+    cache_seqlens' values where they can be read (None under CUDA-graph capture)."""
+    cache_seqlens: ArrayInfo | int
+    lengths: np.ndarray | None
+    batch_idx: ArrayInfo | None
+    leftpad: ArrayInfo | None
+    block_table: ArrayInfo | None
+    page_size: int  # rows of a page; 0: contiguous caches
+    capacity: int  # the rows a sequence's cache holds
+    seqlen_new: int
+    rotary_cos: ArrayInfo | None
+    rotary_sin: ArrayInfo | None
+    rotary_interleaved: bool
+    num_splits: int
+
+
+def kvcache(arrays: dict, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
+            rotary_interleaved, causal, window_size, num_splits) -> KVCache:
+    """Check a KV-cache call's arrays (``arrays``: q, k_cache, v_cache and, when given, k and
+    v, described) and cache arguments; the values of the small integer arrays where they
+    can be read: every position, page and cache row in range before anything runs."""
+    q, k_cache, v_cache = arrays["q"], arrays["k_cache"], arrays["v_cache"]
+    check_qkv(q, k_cache, v_cache, packed=False, names=("q", "k_cache", "v_cache"), same_batch=False)
+    batch, seqlen_q, _, head_dim = q.shape
+    nheads_k = k_cache.shape[2]
+    k, v = arrays.get("k"), arrays.get("v")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append), or neither")
+    seqlen_new = 0
+    if k is not None:
+        for name, a in (("k", k), ("v", v)):
+            check_beside(name, a, q)
+            if a.shape[:1] + a.shape[2:] != (batch, nheads_k, head_dim):
+                raise ValueError(f"{name} must have shape (batch {batch}, seqlen_new, nheads_k {nheads_k}, "
+                                 f"headdim {head_dim}), got {a.shape}")
+            if a.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")
+            if q.device is not None:
+                check_last_dim_contiguous(name, a)
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have one shape, got {k.shape} and {v.shape}")
+        seqlen_new = k.shape[1]
+    table = _int32_array("block_table", block_table, q, ndim=2)
+    batch_idx = _int32_array("cache_batch_idx", cache_batch_idx, q, ndim=1)
+    leftpad = _int32_array("cache_leftpad", cache_leftpad, q, ndim=1)
+    for name, a in (("cache_batch_idx", batch_idx), ("cache_leftpad", leftpad)):
+        if a is not None and a.shape != (batch,):
+            raise ValueError(f"{name} must have shape (batch {batch},), got {a.shape}")
+    if table is not None:
+        if table.shape[0] != batch or table.shape[1] < 1:
+            raise ValueError(f"block_table must have shape (batch {batch}, max_blocks >= 1), got {table.shape}")
+        if batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table: the table's rows pick the pages")
+        page_size, capacity = k_cache.shape[1], table.shape[1] * k_cache.shape[1]
+    else:
+        page_size, capacity = 0, k_cache.shape[1]
+        if batch_idx is None and k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache and v_cache must hold one cache per sequence, batch {batch}, or "
+                             f"cache_batch_idx must pick them; got {k_cache.shape[0]} caches")
+    lengths, seqlens = _cache_seqlens(cache_seqlens, q)
+    check_bool("causal", causal)
+    # Rotary positions follow the mask: q rotates row by row under causal or a window.
+    local = window(window_size, bool(causal), capacity) != (-1, -1)
+    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, (bool, np.bool_)) or \
+            not 0 <= num_splits < 2**16:
+        raise TypeError(f"num_splits must be an integer in [0, 65536) (0: chosen for the shapes), got {num_splits!r}")
+    check_bool("rotary_interleaved", rotary_interleaved)
+    cos, sin = _rotary(rotary_cos, rotary_sin, q, k)
+    if lengths is None and isinstance(seqlens, ArrayInfo):
+        lengths = host_values(seqlens)
+    _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_size, table, k_cache.shape[0],
+                     batch_idx, leftpad)
+    return KVCache(seqlens, lengths, batch_idx, leftpad, table, page_size, capacity, seqlen_new, cos, sin,
+                   bool(rotary_interleaved), int(num_splits))
+
+
+def check_beside(name: str, a: ArrayInfo, q: ArrayInfo) -> None:
+    """``a`` is the same kind of array as q, on q's device."""
+    if a.framework != q.framework or a.where != q.where:
+        raise TypeError(f"{name} must be the same kind of array on the same device as q "
+                        f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
+
+
+def _int32_array(name: str, x, q: ArrayInfo, *, ndim: int) -> ArrayInfo | None:
+    if x is None:
+        return None
+    a = _arrays.inspect(x, name)
+    check_beside(name, a, q)
+    if a.dtype != "int32":
+        raise TypeError(f"{name} must be int32, got {a.dtype}")
+    if len(a.shape) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension{'s' * (ndim > 1)}, got shape {a.shape}")
+    if not is_contiguous(a):
+        raise ValueError(f"{name} must be contiguous, got strides {a.strides} for shape {a.shape}")
+    return a
+
+
+def _cache_seqlens(cache_seqlens, q: ArrayInfo) -> tuple[np.ndarray | None, ArrayInfo | int]:
+    """(lengths on the host or None, the argument as the kernels take it)."""
+    batch = q.shape[0]
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        if not 0 <= cache_seqlens < 2**31:
+            raise ValueError(f"cache_seqlens must be in [0, 2**31), got {cache_seqlens}")
+        return np.full(batch, int(cache_seqlens), dtype=np.int32), int(cache_seqlens)
+    if cache_seqlens is None or isinstance(cache_seqlens, (bool, np.bool_, numbers.Number)):
+        raise TypeError(f"cache_seqlens must be an int or an int32 array of shape (batch {batch},), "
+                        f"got {cache_seqlens!r}")
+    a = _int32_array("cache_seqlens", cache_seqlens, q, ndim=1)  # int64 read as int32 would be wrong lengths
+    if a.shape != (batch,):
+        raise ValueError(f"cache_seqlens must have shape (batch {batch},), got {a.shape}")
+    return None, a
+
+
+def _rotary(rotary_cos, rotary_sin, q: ArrayInfo, k: ArrayInfo | None):
+    if rotary_cos is None and rotary_sin is None:
+        return None, None
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together, or neither")
+    if k is None:
+        raise ValueError("rotary_cos and rotary_sin rotate the new keys on their way into the cache: "
+                         "pass k and v too")
+    cos, sin = _arrays.inspect(rotary_cos, "rotary_cos"), _arrays.inspect(rotary_sin, "rotary_sin")
+    for name, a in (("rotary_cos", cos), ("rotary_sin", sin)):
+        check_beside(name, a, q)
+        if a.dtype not in (q.dtype, "float32"):
+            raise TypeError(f"{name} must have q's dtype {q.dtype} or float32, got {a.dtype}")
+        if len(a.shape) != 2 or not 1 <= 2 * a.shape[1] <= q.shape[-1]:
+            raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= headdim "
+                             f"{q.shape[-1]}, got {a.shape}")
+        if not is_contiguous(a):
+            raise ValueError(f"{name} must be contiguous, got strides {a.strides} for shape {a.shape}")
+    if cos.shape != sin.shape or cos.dtype != sin.dtype:
+        raise ValueError(f"rotary_cos and rotary_sin must have one shape and dtype, got {cos.shape} {cos.dtype} "
+                         f"and {sin.shape} {sin.dtype}")
+    return cos, sin
+
+
+def _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_size, table, caches, batch_idx,
+                     leftpad) -> None:
+    """Every row the call writes or reads inside the cache, every page and cache index valid."""
+    if lengths is None:  # not readable here (graph capture): the kernels clamp instead
+        return
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if (lengths < 0).any():
+        raise ValueError(f"cache_seqlens must be >= 0, got {lengths.tolist()}")
+    ends = lengths + seqlen_new
+    if (ends > capacity).any():
+        b = int(np.argmax(ends > capacity))
+        where = "max_blocks * page_size" if table is not None else "seqlen_cache"
+        raise ValueError(f"cache_seqlens[{b}] + seqlen_new must be at most the cache's length ({where}) "
+                         f"{capacity}, got {int(lengths[b])} + {seqlen_new}")
+    if cos is not None:
+        needed = int((lengths + max(seqlen_new, seqlen_q if local else 1)).max(initial=0))
+        if cos.shape[0] < needed:
+            raise ValueError(f"rotary_cos and rotary_sin must have a row for every position they rotate, "
+                             f"{needed} rows, got {cos.shape[0]}")
+    values = None if batch_idx is None else host_values(batch_idx)
+    if values is not None and ((values < 0) | (values >= caches)).any():
+        raise ValueError(f"cache_batch_idx must name caches in [0, {caches}), got {values.tolist()}")
+    values = None if leftpad is None else host_values(leftpad)
+    if values is not None and ((values < 0) | (values > lengths)).any():
+        raise ValueError(f"cache_leftpad[b] must be in [0, cache_seqlens[b]], got {values.tolist()} for "
+                         f"cache_seqlens {lengths.tolist()}")
+    if table is not None:
+        values = host_values(table)
+        if values is not None:
+            for b, end in enumerate(ends):
+                used = values[b, :-(-int(end) // page_size)]
+                if ((used < 0) | (used >= caches)).any():
+                    raise ValueError(f"block_table[{b}] must name pages in [0, {caches}) for the "
+                                     f"{-(-int(end) // page_size)} pages sequence {b} uses, got {used.tolist()}")

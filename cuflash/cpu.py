@@ -43,18 +43,19 @@ class _Variant:
     """
 
     def __init__(self, seqlen_q, seqlen_k, nheads, nheads_kv, acc_dtype, *, causal, scale,
-                 window_size, softcap, alibi, dropout_p, seed, rng_offset, batch_index):
+                 window_size, softcap, alibi, dropout_p, seed, rng_offset, batch_index, window_limit=None):
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.nheads, self.nheads_kv = nheads, nheads_kv
         self.acc_dtype = acc_dtype
         self.scale = acc_dtype(scale)
         # Bottom-right alignment: key diag + i is query i's diagonal.
         self.diagonal = seqlen_k - seqlen_q
-        # flash-attn's normalisation: a negative side or one >= seqlen_k is unbounded (-1);
-        # causal is right = 0.
+        # flash-attn's normalisation: a negative side or one >= seqlen_k (the KV-cache call:
+        # the cache's length, window_limit) is unbounded (-1); causal is right = 0.
+        limit = seqlen_k if window_limit is None else window_limit
         left, right = (int(w) for w in window_size)
-        self.left = -1 if left < 0 or left >= seqlen_k else left
-        self.right = 0 if causal else (-1 if right < 0 or right >= seqlen_k else right)
+        self.left = -1 if left < 0 or left >= limit else left
+        self.right = 0 if causal else (-1 if right < 0 or right >= limit else right)
         self.softcap = float(softcap)
         self.alibi = None
         if alibi is not None:

@@ -136,6 +136,12 @@ def _numpy_names() -> dict:
     ns["outp"], ns["lsep"] = cuflash.attention_varlen(ns["qp"], ns["kp"], ns["vp"], ns["cu_q"], ns["cu_k"], 7, 6,
                                                       return_lse=True)
     ns["doutp"] = np.ones_like(ns["outp"])
+    ns["kc"], ns["vc"] = randn(2, 20, 2, 16), randn(2, 20, 2, 16)
+    ns["kn"], ns["vn"] = randn(2, 1, 2, 16), randn(2, 1, 2, 16)
+    ns["lens"] = np.array([5, 3], np.int32)
+    ns["pk"], ns["pv"] = randn(6, 8, 2, 16), randn(6, 8, 2, 16)
+    ns["table"] = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+    ns["rcos"], ns["rsin"] = randn(24, 4), randn(24, 4)
     return ns
 
 

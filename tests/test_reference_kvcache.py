@@ -11,7 +11,7 @@ from cuflash.reference import attention_reference
 from cuflash.reference_kvcache import (apply_rotary, attention_kvcache_reference, cache_rows,
                                        merge_states_reference)
 
-from .strategies import assert_close
+from .strategies import assert_close, kvcache_calls
 
 
 def test_rotary_is_complex_multiplication():
@@ -67,26 +67,6 @@ def _flash_attn_style(q_ro, k_cache, v_cache, lengths, leftpads, causal, window,
         out[b] = np.einsum("hqk,khd->qhd", p / np.where(seen, total, 1), v_rep[b])
         lse[b] = np.where(seen[..., 0], (top + np.log(np.where(seen, total, 1)))[..., 0], np.inf)
     return out, lse
-
-
-@st.composite
-def kvcache_calls(draw):
-    batch = draw(st.integers(1, 3))
-    nheads_k = draw(st.sampled_from([1, 2]))
-    nheads = nheads_k * draw(st.sampled_from([1, 3]))
-    d = draw(st.sampled_from([4, 8, 12]))
-    seqlen_q = draw(st.integers(1, 5))
-    seqlen_new = draw(st.sampled_from([0, 1, seqlen_q]))
-    capacity = draw(st.integers(max(seqlen_new, 1), 24))
-    lengths = [draw(st.integers(0, capacity - seqlen_new)) for _ in range(batch)]
-    leftpads = [draw(st.integers(0, n)) if draw(st.booleans()) else 0 for n in lengths]
-    rotary_dim = draw(st.sampled_from([0, 2, d // 2 * 2 if d % 4 == 0 else 2, d]))
-    return dict(batch=batch, nheads=nheads, nheads_k=nheads_k, d=d, seqlen_q=seqlen_q, seqlen_new=seqlen_new,
-                capacity=capacity, lengths=lengths, leftpads=leftpads, rotary_dim=rotary_dim,
-                interleaved=draw(st.booleans()), causal=draw(st.booleans()),
-                window=draw(st.sampled_from([(-1, -1), (3, -1), (-1, 1), (2, 0)])),
-                softcap=draw(st.sampled_from([0.0, 2.0])), alibi=draw(st.booleans()),
-                batch_idx=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
 
 
 @settings(deadline=None, max_examples=150)

@@ -1,0 +1,159 @@
+"""cuflash.attention_with_kvcache and cuflash.merge_states on the CPU path against the
+float64 oracle (cuflash.reference_kvcache): the output, the LSE, and the caches the call
+writes in place."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash.reference_kvcache import attention_kvcache_reference, merge_states_reference
+
+from .strategies import assert_close, kvcache_calls
+
+TOLERANCE = {np.float32: 2e-5, np.float16: 4e-3}
+
+
+def make_call(c: dict, dtype, rng):
+    """(q, k_cache, v_cache, k, v, keywords) of the drawn call ``c``: caches contiguous
+    (one per sequence, or picked by cache_batch_idx) or, with a page size, in shuffled
+    pages with a block table."""
+    batch, nheads_k, d = c["batch"], c["nheads_k"], c["d"]
+    q = rng.standard_normal((batch, c["seqlen_q"], c["nheads"], d)).astype(dtype)
+    kw = dict(cache_seqlens=np.array(c["lengths"], np.int32), causal=c["causal"], window_size=c["window"],
+              softcap=c["softcap"])
+    if c["page_size"]:
+        per_seq = -(-c["capacity"] // c["page_size"])
+        pages = batch * per_seq + 2
+        k_cache, v_cache = (rng.standard_normal((pages, c["page_size"], nheads_k, d)).astype(dtype) for _ in "kv")
+        kw["block_table"] = rng.permutation(pages)[:batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+    else:
+        caches = batch + 2 if c["batch_idx"] else batch
+        k_cache, v_cache = (rng.standard_normal((caches, c["capacity"], nheads_k, d)).astype(dtype) for _ in "kv")
+        if c["batch_idx"]:
+            kw["cache_batch_idx"] = rng.permutation(caches)[:batch].astype(np.int32)
+    k = v = None
+    if c["seqlen_new"]:
+        k, v = (rng.standard_normal((batch, c["seqlen_new"], nheads_k, d)).astype(dtype) for _ in "kv")
+    if any(c["leftpads"]):
+        kw["cache_leftpad"] = np.array(c["leftpads"], np.int32)
+    if c["rotary_dim"]:
+        angle = rng.uniform(0, 2 * np.pi, (c["capacity"] + c["seqlen_q"], c["rotary_dim"] // 2))
+        kw.update(rotary_cos=np.cos(angle).astype(np.float32), rotary_sin=np.sin(angle).astype(np.float32),
+                  rotary_interleaved=c["interleaved"])
+    if c["alibi"]:
+        kw["alibi_slopes"] = rng.uniform(0, 0.5, (batch, c["nheads"])).astype(np.float32)
+    return q, k_cache, v_cache, k, v, kw
+
+
+def check_call(c: dict, dtype):
+    rng = np.random.default_rng(c["seed"])
+    q, k_cache, v_cache, k, v, kw = make_call(c, dtype, rng)
+    want_out, want_lse, want_k, want_v = attention_kvcache_reference(q, k_cache, v_cache, k, v, **kw)
+    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, return_lse=True, **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == np.float32
+    tol = TOLERANCE[dtype]
+    assert_close(out, want_out, atol=tol * (1 + np.abs(want_out).max(initial=0)), name="out")
+    assert (np.isposinf(lse) == np.isposinf(want_lse)).all()
+    assert_close(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(want_lse), 0, want_lse), atol=4 * tol, name="lse")
+    # The append: values bitwise, rotated keys within one rounding of the float64 rotation.
+    assert (v_cache == want_v).all()
+    ulp = np.spacing(np.abs(want_k).astype(dtype)).astype(np.float64)
+    assert (np.abs(k_cache.astype(np.float64) - want_k.astype(np.float64)) <= ulp + 1e-6).all()
+
+
+@settings(deadline=None, max_examples=150)
+@given(call=kvcache_calls(), dtype=st.sampled_from([np.float32, np.float16]))
+def test_matches_the_oracle(call, dtype):
+    check_call(call, dtype)
+
+
+@settings(deadline=None, max_examples=100)
+@given(call=kvcache_calls(paged=True), dtype=st.sampled_from([np.float32, np.float16]))
+def test_paged_caches_match_the_oracle(call, dtype):
+    check_call(call, dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 17, 64, 256])
+def test_paged_is_bitwise_the_contiguous_call(page_size):
+    rng = np.random.default_rng(page_size)
+    batch, capacity, nheads_k, d = 2, 300, 2, 32
+    per_seq = -(-capacity // page_size)
+    pages = batch * per_seq + 3
+    table = rng.permutation(pages)[:batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+    k_pages, v_pages = (rng.standard_normal((pages, page_size, nheads_k, d)).astype(np.float16) for _ in "kv")
+    k_dense, v_dense = (x[table].reshape(batch, -1, nheads_k, d)[:, :capacity].copy() for x in (k_pages, v_pages))
+    q = rng.standard_normal((batch, 3, 4, d)).astype(np.float16)
+    k, v = (rng.standard_normal((batch, 3, nheads_k, d)).astype(np.float16) for _ in "kv")
+    angle = rng.uniform(0, 6, (capacity + 3, 8))
+    kw = dict(cache_seqlens=np.array([0, capacity - 3], np.int32), rotary_cos=np.cos(angle).astype(np.float16),
+              rotary_sin=np.sin(angle).astype(np.float16), causal=True, return_lse=True)
+    dense = cuflash.attention_with_kvcache(q, k_dense, v_dense, k, v, **kw)
+    paged = cuflash.attention_with_kvcache(q, k_pages, v_pages, k, v, block_table=table, **kw)
+    assert (dense[0] == paged[0]).all() and (dense[1] == paged[1]).all()
+    for pool, cache in ((k_pages, k_dense), (v_pages, v_dense)):
+        assert (pool[table].reshape(batch, -1, nheads_k, d)[:, :capacity] == cache).all()
+
+
+def test_decoding_token_by_token_is_attention_over_the_whole_sequence():
+    """Append one token a step, each attending to the cache so far: the outputs are the
+    rows of one causal attention over the whole sequence."""
+    rng = np.random.default_rng(1)
+    steps, nheads, nheads_k, d = 9, 4, 2, 16
+    q, k, v = (rng.standard_normal((1, steps, h, d)).astype(np.float32) for h in (nheads, nheads_k, nheads_k))
+    k_cache, v_cache = np.zeros((1, 12, nheads_k, d), np.float32), np.zeros((1, 12, nheads_k, d), np.float32)
+    want = cuflash.attention(q, k, v, causal=True)
+    for t in range(steps):
+        out = cuflash.attention_with_kvcache(q[:, t:t + 1], k_cache, v_cache, k[:, t:t + 1], v[:, t:t + 1],
+                                             cache_seqlens=t, causal=True)
+        assert_close(out[:, 0], want[:, t], atol=1e-5)
+    assert (k_cache[:, :steps] == k[:, :steps]).all() and (k_cache[:, steps:] == 0).all()
+
+
+def test_num_splits_changes_nothing_here():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 2, 4, 8)).astype(np.float32)
+    caches = [rng.standard_normal((2, 30, 2, 8)).astype(np.float32) for _ in "kv"]
+    lens = np.array([17, 29], np.int32)
+    results = [cuflash.attention_with_kvcache(q, *caches, cache_seqlens=lens, num_splits=n) for n in (0, 1, 2, 7)]
+    assert all((r == results[0]).all() for r in results)
+
+
+def test_empty_sequences_give_zero_and_infinite_lse():
+    q = np.ones((2, 1, 2, 8), np.float32)
+    caches = [np.ones((2, 4, 1, 8), np.float32) for _ in "kv"]
+    out, lse = cuflash.attention_with_kvcache(q, *caches, cache_seqlens=np.array([0, 3], np.int32),
+                                              cache_leftpad=np.array([0, 3], np.int32), return_lse=True)
+    assert (out == 0).all() and np.isposinf(lse).all()
+
+
+@settings(deadline=None, max_examples=100)
+@given(parts=st.integers(1, 4), dtype=st.sampled_from([np.float32, np.float16]), seed=st.integers(0, 2**32 - 1),
+       stacked=st.booleans())
+def test_merge_states_matches_the_oracle(parts, dtype, seed, stacked):
+    rng = np.random.default_rng(seed)
+    outs = rng.standard_normal((parts, 2, 3, 4, 8)).astype(dtype)
+    lses = rng.uniform(-5, 5, (parts, 2, 4, 3)).astype(np.float32)
+    lses[rng.random(lses.shape) < 0.3] = np.inf  # parts that saw no key of a row
+    lses[rng.random(lses.shape) < 0.1] = -np.inf
+    want_out, want_lse = merge_states_reference(outs, lses)
+    out, lse = cuflash.merge_states(outs if stacked else list(outs), lses if stacked else list(lses))
+    assert out.dtype == dtype and lse.dtype == np.float32
+    assert_close(out, want_out, atol=TOLERANCE[dtype] * (1 + np.abs(want_out).max(initial=0)))
+    assert (np.isposinf(lse) == np.isposinf(want_lse)).all()
+    assert_close(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(want_lse), 0, want_lse), atol=1e-5)
+
+
+def test_merging_the_halves_of_a_kvcache_call():
+    """Two calls over the two halves of a cache (the second with left padding), merged:
+    the call over the whole cache, the way cascade attention is built."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 1, 4, 16)).astype(np.float32)
+    caches = [rng.standard_normal((1, 40, 2, 16)).astype(np.float32) for _ in "kv"]
+    whole = cuflash.attention_with_kvcache(q, *caches, cache_seqlens=40, return_lse=True)
+    first = cuflash.attention_with_kvcache(q, *caches, cache_seqlens=25, return_lse=True)
+    second = cuflash.attention_with_kvcache(q, *caches, cache_seqlens=40, return_lse=True,
+                                            cache_leftpad=np.array([25], np.int32))
+    out, lse = cuflash.merge_states([first[0], second[0]], [first[1], second[1]])
+    assert_close(out, whole[0], atol=1e-5)
+    assert_close(lse, whole[1], atol=1e-5)
