@@ -420,3 +420,20 @@ def kvcache_calls(draw, paged: bool = False):
                 softcap=draw(st.sampled_from([0.0, 2.0])), alibi=draw(st.booleans()),
                 batch_idx=not paged and draw(st.booleans()), page_size=page_size,
                 seed=draw(st.integers(0, 2**32 - 1)))
+
+
+def paged_caches(rng, batch, capacity, page_size, nheads_k, d, dtype, spare=3):
+    """(block_table, k_pages, v_pages, k_dense, v_dense): random pages, ``spare`` more than
+    the sequences use, handed out in shuffled order, and the contiguous caches they hold."""
+    per_seq = -(-capacity // page_size)
+    pages = batch * per_seq + spare
+    table = rng.permutation(pages)[:batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+    k_pages, v_pages = (rng.standard_normal((pages, page_size, nheads_k, d)).astype(dtype) for _ in "kv")
+    k_dense, v_dense = (x[table].reshape(batch, -1, nheads_k, d)[:, :capacity].copy() for x in (k_pages, v_pages))
+    return table, k_pages, v_pages, k_dense, v_dense
+
+
+def assert_lse_close(got, want, atol: float) -> None:
+    """LSEs equal where infinite (a row that sees no key), within atol elsewhere."""
+    assert (np.isposinf(got) == np.isposinf(want)).all() and (np.isneginf(got) == np.isneginf(want)).all()
+    assert_close(np.where(np.isinf(got), 0, got), np.where(np.isinf(want), 0, want), atol=atol, name="lse")

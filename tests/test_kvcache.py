@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash.reference_kvcache import attention_kvcache_reference, merge_states_reference
 
-from .strategies import assert_close, kvcache_calls
+from .strategies import assert_close, assert_lse_close, kvcache_calls, paged_caches
 
 TOLERANCE = {np.float32: 2e-5, np.float16: 4e-3}
 
@@ -23,10 +23,8 @@ def make_call(c: dict, dtype, rng):
     kw = dict(cache_seqlens=np.array(c["lengths"], np.int32), causal=c["causal"], window_size=c["window"],
               softcap=c["softcap"])
     if c["page_size"]:
-        per_seq = -(-c["capacity"] // c["page_size"])
-        pages = batch * per_seq + 2
-        k_cache, v_cache = (rng.standard_normal((pages, c["page_size"], nheads_k, d)).astype(dtype) for _ in "kv")
-        kw["block_table"] = rng.permutation(pages)[:batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+        kw["block_table"], k_cache, v_cache, _, _ = paged_caches(rng, batch, c["capacity"], c["page_size"], nheads_k,
+                                                                 d, dtype, spare=2)
     else:
         caches = batch + 2 if c["batch_idx"] else batch
         k_cache, v_cache = (rng.standard_normal((caches, c["capacity"], nheads_k, d)).astype(dtype) for _ in "kv")
@@ -54,8 +52,7 @@ def check_call(c: dict, dtype):
     assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == np.float32
     tol = TOLERANCE[dtype]
     assert_close(out, want_out, atol=tol * (1 + np.abs(want_out).max(initial=0)), name="out")
-    assert (np.isposinf(lse) == np.isposinf(want_lse)).all()
-    assert_close(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(want_lse), 0, want_lse), atol=4 * tol, name="lse")
+    assert_lse_close(lse, want_lse, atol=4 * tol)
     # The append: values bitwise, rotated keys within one rounding of the float64 rotation.
     assert (v_cache == want_v).all()
     ulp = np.spacing(np.abs(want_k).astype(dtype)).astype(np.float64)
@@ -78,11 +75,7 @@ def test_paged_caches_match_the_oracle(call, dtype):
 def test_paged_is_bitwise_the_contiguous_call(page_size):
     rng = np.random.default_rng(page_size)
     batch, capacity, nheads_k, d = 2, 300, 2, 32
-    per_seq = -(-capacity // page_size)
-    pages = batch * per_seq + 3
-    table = rng.permutation(pages)[:batch * per_seq].reshape(batch, per_seq).astype(np.int32)
-    k_pages, v_pages = (rng.standard_normal((pages, page_size, nheads_k, d)).astype(np.float16) for _ in "kv")
-    k_dense, v_dense = (x[table].reshape(batch, -1, nheads_k, d)[:, :capacity].copy() for x in (k_pages, v_pages))
+    table, k_pages, v_pages, k_dense, v_dense = paged_caches(rng, batch, capacity, page_size, nheads_k, d, np.float16)
     q = rng.standard_normal((batch, 3, 4, d)).astype(np.float16)
     k, v = (rng.standard_normal((batch, 3, nheads_k, d)).astype(np.float16) for _ in "kv")
     angle = rng.uniform(0, 6, (capacity + 3, 8))
@@ -140,8 +133,7 @@ def test_merge_states_matches_the_oracle(parts, dtype, seed, stacked):
     out, lse = cuflash.merge_states(outs if stacked else list(outs), lses if stacked else list(lses))
     assert out.dtype == dtype and lse.dtype == np.float32
     assert_close(out, want_out, atol=TOLERANCE[dtype] * (1 + np.abs(want_out).max(initial=0)))
-    assert (np.isposinf(lse) == np.isposinf(want_lse)).all()
-    assert_close(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(want_lse), 0, want_lse), atol=1e-5)
+    assert_lse_close(lse, want_lse, atol=1e-5)
 
 
 def test_merging_the_halves_of_a_kvcache_call():
