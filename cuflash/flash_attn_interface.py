@@ -5,7 +5,8 @@
 
 Torch tensors in, torch tensors out, differentiable, like flash-attn: ``flash_attn_func``,
 ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func``, ``flash_attn_varlen_func``,
-``flash_attn_varlen_qkvpacked_func`` and ``flash_attn_varlen_kvpacked_func``, with the same
+``flash_attn_varlen_qkvpacked_func``, ``flash_attn_varlen_kvpacked_func`` and
+``flash_attn_with_kvcache``, with the same
 arguments, defaults and return conventions, and every option (dropout, sliding windows,
 softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. What differs:
 
@@ -26,6 +27,8 @@ softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. Wha
 - The packed variants pass strided views of qkv / kv to the kernel (no copy); their
   gradients reach qkv / kv through those views.
 - ``flash_attn_varlen_func``'s ``block_table`` (a paged KV cache) raises NotImplementedError.
+- ``flash_attn_with_kvcache`` runs on CPU tensors in this version (CUDA tensors raise
+  NotImplementedError); its page size may be anything, not only multiples of 256.
 """
 from . import _philox
 from . import torch as cuflash_torch
@@ -37,6 +40,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 
@@ -127,6 +131,25 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's ``flash_attn_with_kvcache`` (2.8): ``cuflash.torch.attention_with_kvcache``
+    under flash-attn's argument order and return convention. k_cache and v_cache are
+    updated in place where k and v are given. ``cache_seqlens=None`` means every cache is
+    full (its whole length). Returns out, or (out, softmax_lse) with return_softmax_lse."""
+    if cache_seqlens is None:
+        cache_seqlens = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    q, k, v = _unit_stride(q, k, v)
+    return cuflash_torch.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, num_splits=num_splits,
+        return_lse=return_softmax_lse)
 
 
 def _unit_stride(*tensors):

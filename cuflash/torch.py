@@ -52,10 +52,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import _options, api
+from . import _options, api, kvcache
 
 __all__ = ["attention", "attention_varlen", "attention_forward", "attention_backward",
-           "attention_varlen_forward", "attention_varlen_backward"]
+           "attention_varlen_forward", "attention_varlen_backward", "attention_with_kvcache", "merge_states"]
 
 _UINT64 = 2**64
 
@@ -396,6 +396,89 @@ def _varlen_backward(backward, ctx, dout, dlse, _drng_state):
 
 _varlen_forward = _differentiable(attention_varlen_forward, _attention_varlen_forward, attention_varlen_backward,
                                   _attention_varlen_backward, _setup_varlen_context, _varlen_backward)
+
+
+# --- the KV-cache call -----------------------------------------------------------------------
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *, cache_seqlens,
+                           cache_batch_idx: Optional[torch.Tensor] = None,
+                           cache_leftpad: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
+                           rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
+                           rotary_interleaved: bool = True, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                           num_splits: int = 0, return_lse: bool = False):
+    """``cuflash.attention_with_kvcache`` for torch tensors, through the custom op
+    ``cuflash::attention_with_kvcache``, which declares k_cache and v_cache as written in
+    place (torch.compile keeps the append; no gradient flows). An int ``cache_seqlens``
+    becomes an int32 tensor on q's device."""
+    _options.check_bool("return_lse", return_lse)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
+        _options.check_integer("cache_seqlens", cache_seqlens, bits=31)
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    # The op's schema takes typed values: check them first (int(1.5) would hide a wrong one).
+    _options.scalar_options(q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else 1, 2**31, causal=causal,
+                            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    _options.check_bool("rotary_interleaved", rotary_interleaved)
+    _options.check_integer("num_splits", num_splits, bits=16)
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                   cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+                   rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors.values()):
+        _refuse(tensors)
+    left, right = window_size
+    out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                               rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, int(left),
+                               int(right), float(softcap), alibi_slopes, int(num_splits))
+    return (out, lse) if return_lse else out
+
+
+def _kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                     v: Optional[torch.Tensor], cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
+                     cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                     rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
+                     causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
+                     softcap: float, alibi_slopes: Optional[torch.Tensor], num_splits: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the KV-cache call; k_cache and v_cache are written in place."""
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                  cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    on_cpu = q.device.type == "cpu"
+    if on_cpu:  # zero-copy NumPy views: the append writes the tensors' own storage
+        arrays = dict(zip(arrays, _numpy(**arrays)))
+    out, lse = kvcache.attention_with_kvcache(
+        arrays.pop("q"), arrays.pop("k_cache"), arrays.pop("v_cache"), arrays.pop("k"), arrays.pop("v"), **arrays,
+        rotary_interleaved=rotary_interleaved, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True)
+    return (_tensor(out), _tensor(lse)) if on_cpu else (out, lse)
+
+
+kvcache_forward = torch.library.custom_op("cuflash::attention_with_kvcache",
+                                          mutates_args=("k_cache", "v_cache"))(_kvcache_forward)
+
+
+@kvcache_forward.register_fake
+def _kvcache_forward_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                          rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
+                          window_right, softcap, alibi_slopes, num_splits):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape[:3] + v_cache.shape[-1:]), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def merge_states(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cuflash.merge_states`` for torch tensors: lists of parts, or tensors whose first
+    dimension runs over the parts."""
+    outs, lses = (list(x) if isinstance(x, (list, tuple)) else list(x.unbind(0)) if isinstance(x, torch.Tensor)
+                  else x for x in (outs, lses))
+    tensors = [*outs, *lses] if isinstance(outs, list) and isinstance(lses, list) else []
+    if tensors and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors):
+        views = _numpy(**{f"part {i}": t for i, t in enumerate(tensors)})
+        out, lse = kvcache.merge_states(views[:len(outs)], views[len(outs):])
+        return _tensor(out), _tensor(lse)
+    return kvcache.merge_states(outs, lses)
 
 
 # --- helpers ---------------------------------------------------------------------------------
