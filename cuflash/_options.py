@@ -299,7 +299,8 @@ def check_batches(shape_q: tuple, shape_k: tuple) -> None:
 
 def host_values(a: ArrayInfo) -> np.ndarray | None:
     """A small array's values for a check, or None where reading them would break a
-    CUDA-graph capture (the values then go to the kernel unchecked)."""
+    CUDA-graph capture, or where they do not exist yet (a JAX tracer): the values then go
+    to the kernel unchecked."""
     if a.framework == "torch" and a.device is not None:
         import torch
         if torch.cuda.is_current_stream_capturing():
@@ -307,6 +308,10 @@ def host_values(a: ArrayInfo) -> np.ndarray | None:
     if a.framework == "cupy":
         import cupy
         if cupy.cuda.get_current_stream().is_capturing():
+            return None
+    if a.framework == "jax":
+        import jax
+        if isinstance(a.obj, jax.core.Tracer):  # traced: no values yet
             return None
     return to_numpy(a)
 
@@ -410,7 +415,7 @@ def check_beside(name: str, a: ArrayInfo, q: ArrayInfo) -> None:
 def _int32_array(name: str, x, q: ArrayInfo, *, ndim: int) -> ArrayInfo | None:
     if x is None:
         return None
-    a = _arrays.inspect(x, name)
+    a = x if isinstance(x, ArrayInfo) else _arrays.inspect(x, name)  # (front ends may describe their own)
     check_beside(name, a, q)
     if a.dtype != "int32":
         raise TypeError(f"{name} must be int32, got {a.dtype}")
@@ -445,7 +450,8 @@ def _rotary(rotary_cos, rotary_sin, q: ArrayInfo, k: ArrayInfo | None):
     if k is None:
         raise ValueError("rotary_cos and rotary_sin rotate the new keys on their way into the cache: "
                          "pass k and v too")
-    cos, sin = _arrays.inspect(rotary_cos, "rotary_cos"), _arrays.inspect(rotary_sin, "rotary_sin")
+    cos, sin = (x if isinstance(x, ArrayInfo) else _arrays.inspect(x, name)
+                for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)))
     for name, a in (("rotary_cos", cos), ("rotary_sin", sin)):
         check_beside(name, a, q)
         if a.dtype not in (q.dtype, "float32"):

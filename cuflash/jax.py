@@ -56,14 +56,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arrays, _kernels, _options, _plan, api
+from . import _arrays, _kernels, _options, _plan, api, kvcache
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
 except ImportError:  # older JAX: attention() says what to upgrade to
     buffer_callback = None
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
 
 _DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
 
@@ -102,6 +102,82 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                               alibi_slopes, dropout_p, seed)
     out, lse = _attention(q, k, v, extras, config)
     return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_batch_idx=None,
+                           cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved: bool = True, causal: bool = False, window_size=(-1, -1),
+                           softcap: float = 0.0, alibi_slopes=None, softmax_scale: float | None = None,
+                           num_splits: int = 0, return_lse: bool = False):
+    """Functional ``cuflash.attention_with_kvcache`` for JAX arrays: returns (out, k_cache,
+    v_cache), the caches with the new keys and values appended, or (out, lse, k_cache,
+    v_cache) with ``return_lse``. The returned caches alias the given ones: under jax.jit
+    with k_cache and v_cache donated (``donate_argnums``) the append writes them in place.
+    Lengths and indices are checked while tracing when they are concrete. No gradient.
+    """
+    if buffer_callback is None:
+        raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or newer); "
+                          f"this is JAX {jax.__version__}: pip install -U jax")
+    _options.check_bool("return_lse", return_lse)
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        _options.check_integer("cache_seqlens", cache_seqlens, bits=31)
+        cache_seqlens = jnp.full((q.shape[0],), cache_seqlens, jnp.int32)
+    optional = {name: jnp.asarray(x) for name, x in (
+        ("k", k), ("v", v), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+        ("cache_leftpad", cache_leftpad), ("block_table", block_table), ("rotary_cos", rotary_cos),
+        ("rotary_sin", rotary_sin)) if x is not None}
+    described = {name: _describe(x, q) for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                                        *optional.items())}
+    cache = _options.kvcache({n: described[n] for n in ("q", "k_cache", "v_cache", "k", "v") if n in described},
+                             described.get("cache_seqlens"), described.get("cache_batch_idx"),
+                             described.get("cache_leftpad"), described.get("block_table"),
+                             described.get("rotary_cos"), described.get("rotary_sin"), rotary_interleaved, causal,
+                             window_size, num_splits)
+    options = _options.scalar_options(q.shape[-1], cache.capacity, causal=causal, softmax_scale=softmax_scale,
+                                      window_size=window_size, softcap=softcap)
+    if alibi_slopes is not None:
+        optional["alibi_slopes"] = _check_alibi(alibi_slopes, q.shape[-2], q.shape[0])
+    if _platform(q) != "cpu":
+        raise NotImplementedError("cuflash.jax.attention_with_kvcache runs on CPU arrays in this version; GPU "
+                                  "arrays need the decode kernel, which it does not have")
+    config = _KVCacheConfig(options.causal, options.scale, options.window, options.softcap, bool(rotary_interleaved),
+                            cache.num_splits, tuple(optional))
+    results = (jax.ShapeDtypeStruct(q.shape[:3] + v_cache.shape[-1:], q.dtype),
+               jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32),
+               jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    call = buffer_callback(_KVCacheCallback(config), results, input_output_aliases={1: 2, 2: 3},
+                           vmap_method="sequential")
+    out, lse, k_cache, v_cache = call(q, k_cache, v_cache, *optional.values())
+    return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KVCacheConfig:
+    """The static part of a KV-cache call (hashable: eager calls reuse their executable)."""
+    causal: bool
+    scale: float
+    window: tuple[int, int]
+    softcap: float
+    rotary_interleaved: bool
+    num_splits: int
+    inputs: tuple[str, ...]  # names of the callback's inputs after q, k_cache, v_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class _KVCacheCallback:
+    config: _KVCacheConfig
+
+    def __call__(self, ctx, outputs, q, k_cache, v_cache, *inputs):
+        # k_cache and v_cache alias their outputs: the append writes the output buffers,
+        # which hold the caches' contents.
+        out, lse, k_out, v_out = outputs
+        host = {name: np.asarray(b) for name, b in zip(self.config.inputs, inputs)}
+        c = self.config
+        results = kvcache.attention_with_kvcache(
+            np.asarray(q), np.asarray(k_out), np.asarray(v_out), host.pop("k", None), host.pop("v", None), **host,
+            rotary_interleaved=c.rotary_interleaved, causal=c.causal, window_size=c.window, softcap=c.softcap,
+            softmax_scale=c.scale, num_splits=c.num_splits, return_lse=True)
+        _write((out, lse), results)
 
 
 @dataclasses.dataclass(frozen=True)
