@@ -501,3 +501,30 @@ def _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_s
                 if ((used < 0) | (used >= caches)).any():
                     raise ValueError(f"block_table[{b}] must name pages in [0, {caches}) for the "
                                      f"{-(-int(end) // page_size)} pages sequence {b} uses, got {used.tolist()}")
+
+
+def check_merge(outs: list[ArrayInfo], lses: list[ArrayInfo]) -> None:
+    """merge_states' parts: one per LSE, one kind and device, one shape and dtype of out
+    (batch, seqlen_q, nheads, d), LSEs float32 (batch, nheads, seqlen_q)."""
+    if len(outs) != len(lses):
+        raise ValueError(f"outs and lses must hold one entry per part, got {len(outs)} and {len(lses)}")
+    first = outs[0]
+    for name, a in [*((f"outs[{i}]", a) for i, a in enumerate(outs)), *((f"lses[{i}]", a)
+                                                                          for i, a in enumerate(lses))]:
+        if a.framework != first.framework or a.where != first.where:
+            raise TypeError(f"{name} must be the same kind of array on the same device as outs[0] "
+                            f"({first.framework} on {first.where}), got {a.framework} on {a.where}")
+    if len(first.shape) != 4:
+        raise ValueError(f"outs' parts must have 4 dimensions (batch, seqlen_q, nheads, d), got shape {first.shape}")
+    batch, seqlen_q, nheads, _ = first.shape
+    for i, (out, lse) in enumerate(zip(outs, lses)):
+        if out.shape != first.shape or out.dtype != first.dtype:
+            raise ValueError(f"outs' parts must have one shape and dtype, got {first.shape} {first.dtype} and "
+                             f"{out.shape} {out.dtype} (part {i})")
+        if lse.shape != (batch, nheads, seqlen_q):
+            raise ValueError(f"lses[{i}] must have shape (batch, nheads, seqlen_q) {(batch, nheads, seqlen_q)}, "
+                             f"got {lse.shape}")
+        if lse.dtype != "float32":
+            raise TypeError(f"lses[{i}] must be float32, got {lse.dtype}")
+    if first.dtype not in ("float16", "bfloat16", "float32", "float64"):
+        raise TypeError(f"outs must be float16, bfloat16, float32 or float64, got {first.dtype}")

@@ -63,7 +63,7 @@ try:
 except ImportError:  # older JAX: attention() says what to upgrade to
     buffer_callback = None
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_states"]
 
 _DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
 
@@ -149,6 +149,18 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            vmap_method="sequential")
     out, lse, k_cache, v_cache = call(q, k_cache, v_cache, *optional.values())
     return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
+
+
+def merge_states(outs, lses):
+    """``cuflash.merge_states`` for JAX arrays (lists of parts, or arrays whose first axis
+    runs over the parts), in jax.numpy: on any device, under jit, differentiable."""
+    outs, lses = (list(x) if isinstance(x, (list, tuple)) else list(jnp.asarray(x)) for x in (outs, lses))
+    for name, parts in (("outs", outs), ("lses", lses)):
+        if not parts:
+            raise ValueError(f"{name} must hold at least one part")
+    outs, lses = [jnp.asarray(x) for x in outs], [jnp.asarray(x) for x in lses]
+    _options.check_merge([_describe(x, outs[0]) for x in outs], [_describe(x, outs[0]) for x in lses])
+    return kvcache.merge_stacked(jnp.stack(outs), jnp.stack(lses), jnp)
 
 
 @dataclasses.dataclass(frozen=True)

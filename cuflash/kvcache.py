@@ -68,31 +68,28 @@ def merge_states(outs, lses):
     """
     parts_out, parts_lse = _parts("outs", outs), _parts("lses", lses)
     infos = [_arrays.inspect(x, f"outs[{i}]") for i, x in enumerate(parts_out)]
-    lse_infos = [_arrays.inspect(x, f"lses[{i}]") for i, x in enumerate(parts_lse)]
-    first = infos[0]
-    if len(infos) != len(lse_infos):
-        raise ValueError(f"outs and lses must hold one entry per part, got {len(infos)} and {len(lse_infos)}")
-    for name, a in [(f"outs[{i}]", a) for i, a in enumerate(infos)] + [(f"lses[{i}]", a)
-                                                                       for i, a in enumerate(lse_infos)]:
-        _options.check_beside(name, a, first)
-    if len(first.shape) != 4:
-        raise ValueError(f"outs' parts must have 4 dimensions (batch, seqlen_q, nheads, d), got shape {first.shape}")
-    batch, seqlen_q, nheads, _ = first.shape
-    for i, (o, lse) in enumerate(zip(infos, lse_infos)):
-        if o.shape != first.shape or o.dtype != first.dtype:
-            raise ValueError(f"outs' parts must have one shape and dtype, got {first.shape} {first.dtype} and "
-                             f"{o.shape} {o.dtype} (part {i})")
-        if lse.shape != (batch, nheads, seqlen_q):
-            raise ValueError(f"lses[{i}] must have shape (batch, nheads, seqlen_q) {(batch, nheads, seqlen_q)}, "
-                             f"got {lse.shape}")
-        if lse.dtype != "float32":
-            raise TypeError(f"lses[{i}] must be float32, got {lse.dtype}")
-    if first.dtype not in ("float16", "bfloat16", "float32", "float64"):
-        raise TypeError(f"outs must be float16, bfloat16, float32 or float64, got {first.dtype}")
-    if first.device is not None:
+    _options.check_merge(infos, [_arrays.inspect(x, f"lses[{i}]") for i, x in enumerate(parts_lse)])
+    if infos[0].device is not None:
         raise NotImplementedError("merge_states runs on NumPy arrays (the CPU path) in this version; CUDA arrays "
                                   "need its kernel, which it does not have")
-    return _cpu_merge(np.stack(parts_out), np.stack(parts_lse))
+    return merge_stacked(np.stack(parts_out), np.stack(parts_lse), np)
+
+
+def merge_stacked(outs, lses, xp):
+    """merge_states of checked, stacked parts: outs (parts, batch, seqlen_q, nheads, d),
+    lses (parts, batch, nheads, seqlen_q), with ``xp`` NumPy or jax.numpy. Computes in
+    float32 (float64 for float64 parts); differentiable where xp is."""
+    acc = xp.float64 if outs.dtype == xp.float64 else xp.float32
+    lses = lses.astype(acc)
+    empty = xp.isinf(lses)
+    finite = xp.where(empty, -xp.inf, lses)
+    top = finite.max(axis=0)
+    seen = xp.isfinite(top)
+    weights = xp.where(empty, 0, xp.exp(finite - xp.where(seen, top, 0)))  # exp(-inf - 0) = 0: no NaN
+    total = weights.sum(axis=0)
+    lse = xp.where(seen, top + xp.log(xp.where(seen, total, 1)), xp.inf).astype(xp.float32)
+    share = xp.expand_dims((weights / xp.where(seen, total, 1)).transpose(0, 1, 3, 2), -1)  # (parts, b, s, h, 1)
+    return (share * outs.astype(acc)).sum(axis=0).astype(outs.dtype), lse
 
 
 # -- the CPU path ----------------------------------------------------------------------------
@@ -165,20 +162,3 @@ def _parts(name: str, parts) -> list:
         raise TypeError(f"{name} must be a sequence of arrays or an array whose first axis runs over the parts, "
                         f"got {type(parts).__qualname__}")
     return [parts[i] for i in range(parts.shape[0])]
-
-
-def _cpu_merge(outs: np.ndarray, lses: np.ndarray):
-    """outs (parts, batch, seqlen_q, nheads, d), lses (parts, batch, nheads, seqlen_q)."""
-    acc = np.float64 if outs.dtype == np.float64 else np.float32
-    lses = lses.astype(acc)
-    empty = np.isinf(lses)
-    finite = np.where(empty, -np.inf, lses)
-    top = finite.max(axis=0)
-    seen = np.isfinite(top)
-    with np.errstate(invalid="ignore"):  # (-inf - -inf where no part saw the row: masked out below)
-        weights = np.where(empty, 0, np.exp(finite - np.where(seen, top, 0)))
-    total = weights.sum(axis=0)
-    lse = np.where(seen, top + np.log(np.where(seen, total, 1)), np.inf).astype(np.float32)
-    share = (weights / np.where(seen, total, 1)).transpose(0, 1, 3, 2)[..., None]  # (parts, b, s, h, 1)
-    out = (share * outs.astype(acc)).sum(axis=0)
-    return out.astype(outs.dtype), lse

@@ -12,8 +12,9 @@ new ones in k and v, ``leftpad = cache_leftpad[b]`` or 0):
 - the new keys and values go to rows ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1``;
   with ``rotary_cos`` / ``rotary_sin`` ((seqlen_ro, rotary_dim / 2)) the keys are rotated
   first, key j at position ``cache_seqlens[b] + j``;
-- the queries are rotated at positions ``cache_seqlens[b] + i`` when causal or windowed,
-  else all at ``cache_seqlens[b]``;
+- the queries are rotated at positions ``cache_seqlens[b] + i`` when causal or windowed
+  (a window side at least the cache's length being unbounded, as below), else all at
+  ``cache_seqlens[b]``;
 - the keys attended to are rows ``leftpad .. cache_seqlens[b] + seqlen_new - 1``: a sequence
   of that length, whose key positions (masks, ALiBi) count from leftpad, with the mask's
   diagonal aligned bottom-right as everywhere else. A window side is unbounded when
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import numpy
 
-from .reference import _array_module, attention_reference
+from .reference import _array_module, attention_reference, normalized_window
 
 __all__ = ["attention_kvcache_reference", "apply_rotary", "merge_states_reference", "cache_rows"]
 
@@ -81,7 +82,9 @@ def attention_kvcache_reference(q, k_cache, v_cache, k=None, v=None, *, cache_se
     leftpads = [0] * batch if cache_leftpad is None else [int(x) for x in _host(cache_leftpad)]
     k_cache, v_cache = k_cache.copy(), v_cache.copy()
     rotary = rotary_cos is not None
-    local = causal or tuple(window_size) != (-1, -1)
+    # q rotates row by row under a mask that is causal or a window (sides at least the
+    # cache's length being no window, as flash-attn decides it).
+    local = normalized_window(window_size, causal, capacity) != (-1, -1)
     out = xp.zeros((batch, seqlen_q, nheads, v_cache.shape[-1]), dtype=xp.float64)
     lse = xp.full((batch, nheads, seqlen_q), numpy.inf, dtype=xp.float64)
     for b in range(batch):

@@ -47,6 +47,7 @@ make the glue testable without a GPU; it is not fast.
 
 Importing this module imports torch; ``import cuflash`` alone does not.
 """
+import math
 from typing import Optional
 
 import numpy as np
@@ -469,16 +470,36 @@ def _kvcache_forward_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_
 
 
 def merge_states(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cuflash.merge_states`` for torch tensors: lists of parts, or tensors whose first
-    dimension runs over the parts."""
+    """``cuflash.merge_states`` for torch tensors (lists of parts, or tensors whose first
+    dimension runs over the parts), on the CPU or a GPU, in torch's own operations, so
+    that gradients flow through both outs and lses."""
     outs, lses = (list(x) if isinstance(x, (list, tuple)) else list(x.unbind(0)) if isinstance(x, torch.Tensor)
                   else x for x in (outs, lses))
-    tensors = [*outs, *lses] if isinstance(outs, list) and isinstance(lses, list) else []
-    if tensors and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors):
-        views = _numpy(**{f"part {i}": t for i, t in enumerate(tensors)})
-        out, lse = kvcache.merge_states(views[:len(outs)], views[len(outs):])
-        return _tensor(out), _tensor(lse)
-    return kvcache.merge_states(outs, lses)
+    for name, parts in (("outs", outs), ("lses", lses)):
+        if not isinstance(parts, list) or not parts:
+            raise ValueError(f"{name} must hold at least one part")
+        if not all(isinstance(t, torch.Tensor) for t in parts):
+            raise TypeError(f"{name} must hold torch tensors")
+    _options.check_merge([_describe(t) for t in outs], [_describe(t) for t in lses])
+    outs, lses = torch.stack(outs), torch.stack(lses)
+    acc = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    lses = lses.to(acc)
+    empty = torch.isinf(lses)
+    finite = torch.where(empty, -math.inf, lses)
+    top = finite.amax(0)
+    seen = torch.isfinite(top)
+    weights = torch.where(empty, 0.0, torch.exp(finite - torch.where(seen, top, 0.0)))  # no -inf - -inf
+    total = weights.sum(0)
+    lse = torch.where(seen, top + torch.log(torch.where(seen, total, 1.0)), math.inf).float()
+    share = (weights / torch.where(seen, total, 1.0)).permute(0, 1, 3, 2).unsqueeze(-1)  # (parts, b, s, h, 1)
+    return (share * outs.to(acc)).sum(0).to(outs.dtype), lse
+
+
+def _describe(t: torch.Tensor):
+    """A tensor, CPU or CUDA, as the shared checks see it."""
+    from ._arrays import ArrayInfo
+    return ArrayInfo(t, "torch", 0, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."),
+                     None if t.device.type == "cpu" else t.device.index)
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -67,3 +67,19 @@ def test_checks_while_tracing():
     # Traced lengths: not readable while tracing, so no value check (and no error) there.
     traced = jax.jit(lambda n: cuflash.jax.attention_with_kvcache(q, *caches, cache_seqlens=n)[0])
     assert traced(jnp.array([1, 2], jnp.int32)).shape == q.shape
+
+
+def test_merged_halves_train_like_the_whole():
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 4, 8)).astype(np.float32)) for _ in range(3))
+
+    def whole(q, k, v):
+        return cuflash.jax.attention(q, k, v).sum()
+
+    def merged(q, k, v):
+        halves = [cuflash.jax.attention(q, k[:, s], v[:, s], return_lse=True) for s in (slice(0, 3), slice(3, 5))]
+        return cuflash.jax.merge_states([h[0] for h in halves], [h[1] for h in halves])[0].sum()
+
+    assert np.allclose(merged(q, k, v), whole(q, k, v), atol=1e-5)
+    for got, want in zip(jax.jit(jax.grad(merged, (0, 1, 2)))(q, k, v), jax.grad(whole, (0, 1, 2))(q, k, v)):
+        assert np.allclose(got, want, atol=1e-5)

@@ -98,7 +98,9 @@ def test_the_oracle_matches_flash_attn_style_masking(call):
     # The appended rows, and nothing else, changed.
     rows = np.arange(batch_cache) if batch_idx is None else batch_idx
     expected_k, expected_v = k_cache.copy(), v_cache.copy()
-    local = c["causal"] or c["window"] != (-1, -1)
+    # flash-attn rotates q row by row when its mask, after the cache's length bounds the
+    # window's sides, is causal or a window.
+    local = c["causal"] or any(0 <= side < c["capacity"] for side in c["window"])
     q_ro = q.copy()
     for b in range(c["batch"]):
         n = lengths[b]
