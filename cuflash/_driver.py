@@ -25,7 +25,6 @@ _SIGNATURES = {
     "cuInit": (_u,),
     "cuGetErrorName": (_i, ctypes.POINTER(ctypes.c_char_p)),
     "cuDeviceGet": (ctypes.POINTER(_i), _i),
-    "cuDeviceGetCount": (ctypes.POINTER(_i),),
     "cuDeviceGetName": (ctypes.c_char_p, _i, _i),
     "cuDeviceGetAttribute": (ctypes.POINTER(_i), _i, _i),
     "cuDevicePrimaryCtxRetain": (ctypes.POINTER(_p), _i),
@@ -37,8 +36,7 @@ _SIGNATURES = {
     "cuModuleGetFunction": (ctypes.POINTER(_p), _p, ctypes.c_char_p),
     "cuFuncSetAttribute": (_p, _i, _i),
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": (ctypes.POINTER(_i), _p, _i, ctypes.c_size_t),
-    "cuLaunchKernel": (_p, _u, _u, _u, _u, _u, _u, _u, _p, _p, _p),
-}
+}  # (launcher() takes its own handles of cuLaunchKernel and cuCtxGetCurrent, without argtypes)
 
 
 class CudaError(RuntimeError):
@@ -81,12 +79,6 @@ def name(device: int) -> str:
     buffer = ctypes.create_string_buffer(256)
     _check(_lib().cuDeviceGetName(buffer, len(buffer), _device(device)), "cuDeviceGetName")
     return buffer.value.decode()
-
-
-def device_count() -> int:
-    count = _i()
-    _check(_lib().cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
-    return count.value
 
 
 @functools.cache
