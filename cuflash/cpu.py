@@ -20,6 +20,9 @@ mask (the sliding window [i + diag - left, i + diag + right], causal being right
 softmax. Dropout multiplies the tile of P by keep / (1 - p) before P V only (l and the LSE see
 the undropped P); the keep bits come from cuflash._philox, tile by tile, keyed by (seed,
 rng_offset, batch, head, row, col). Tiles wholly outside the window are never computed.
+
+The KV-cache call (``attention_with_kvcache``) appends to the caches in place, then runs
+this forward over each sequence's keys.
 """
 
 import numpy as np
@@ -31,6 +34,7 @@ __all__ = [
     "attention_backward",
     "attention_varlen_forward",
     "attention_varlen_backward",
+    "attention_with_kvcache",
 ]
 
 
@@ -415,3 +419,67 @@ def attention_varlen_backward(
                           variant, block_q, block_k)
         dq[rows_q], dk[rows_k], dv[rows_k] = (g[0] for g in grads)
     return dq, dk, dv
+
+
+# --- the KV-cache call -------------------------------------------------------------------------
+
+def attention_with_kvcache(q, k_cache, v_cache, k, v, cache: _options.KVCache, options: _options.Options):
+    """The KV-cache call (``cuflash.attention_with_kvcache``) on checked NumPy arrays: the new
+    keys (rotated in the accumulator type, stored in the cache's) and values appended to
+    the caches in place, then each sequence's forward over its keys. Returns (out, lse)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    nheads_k = k_cache.shape[2]
+    acc = np.float64 if q.dtype == np.float64 else np.float32
+    lengths = cache.lengths.astype(np.int64)
+    batch_idx = None if cache.batch_idx is None else np.asarray(cache.batch_idx.obj)
+    table = None if cache.block_table is None else np.asarray(cache.block_table.obj)
+    leftpad = np.zeros(batch, np.int64) if cache.leftpad is None else np.asarray(cache.leftpad.obj)
+    cos = sin = None
+    if cache.rotary_cos is not None:
+        cos, sin = (np.asarray(a.obj).astype(acc) for a in (cache.rotary_cos, cache.rotary_sin))
+    local = options.window != (-1, -1)
+    alibi = None if options.alibi is None else np.broadcast_to(np.asarray(options.alibi.obj), (batch, nheads))
+
+    out = np.empty(q.shape[:3] + v_cache.shape[-1:], dtype=q.dtype)
+    lse = np.empty((batch, nheads, seqlen_q), dtype=np.float32)
+    for b in range(batch):
+        n = int(lengths[b])
+        if cache.seqlen_new:
+            new_k = k[b]
+            if cos is not None:  # rotated in the accumulator type, stored in the cache's
+                new_k = _rotate(new_k.astype(acc), cos, sin, np.arange(n, n + cache.seqlen_new),
+                                cache.rotary_interleaved)
+            where = _rows(b, np.arange(n, n + cache.seqlen_new), batch_idx, table, cache.page_size)
+            k_cache[where] = new_k.astype(k_cache.dtype)
+            v_cache[where] = v[b]
+        keys = _rows(b, np.arange(int(leftpad[b]), n + cache.seqlen_new), batch_idx, table, cache.page_size)
+        q_b = q[b]
+        if cos is not None:
+            positions = np.arange(n, n + seqlen_q) if local else np.full(seqlen_q, n)
+            q_b = _rotate(q_b.astype(acc), cos, sin, positions, cache.rotary_interleaved).astype(q.dtype)
+        variant = _Variant(
+            seqlen_q, len(keys[0]), nheads, nheads_k, acc, causal=options.causal, scale=options.scale,
+            window_size=options.window, softcap=options.softcap,
+            alibi=None if alibi is None else alibi[b:b + 1], dropout_p=0.0, seed=0, rng_offset=0,
+            batch_index=np.array([b]), window_limit=cache.capacity)
+        o, l = _forward(q_b[None], k_cache[keys][None], v_cache[keys][None], variant, 128, 128)
+        out[b], lse[b] = o[0], l[0]
+    return out, lse
+
+
+def _rows(b, positions, batch_idx, table, page_size):
+    """(cache row or page, row in it) of sequence b's logical rows ``positions``."""
+    if table is not None:
+        return table[b].astype(np.int64)[positions // page_size], positions % page_size
+    return np.full(len(positions), b if batch_idx is None else int(batch_idx[b])), positions
+
+
+def _rotate(x, cos, sin, positions, interleaved):
+    """x (seqlen, nheads, d) with its first 2 * cos.shape[1] features rotated at ``positions``."""
+    half = cos.shape[1]
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    pairs = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else (slice(0, half), slice(half, 2 * half))
+    first, second = x[..., pairs[0]], x[..., pairs[1]]
+    out = x.copy()
+    out[..., pairs[0]], out[..., pairs[1]] = first * c - second * s, first * s + second * c
+    return out

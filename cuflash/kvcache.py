@@ -5,9 +5,9 @@
                                          rotary_cos=cos, rotary_sin=sin, causal=True)
 
 The semantics (append, rotary positions, paged caches, left padding, windows) are stated in
-``cuflash.reference_kvcache``, the float64 oracle. NumPy arrays run the CPU path here: the
-append in place, then the blockwise forward of ``cuflash.cpu`` over each sequence's keys,
-computing in float32 as the kernels do. CUDA arrays (CuPy, PyTorch, JAX) raise
+``cuflash.reference_kvcache``, the float64 oracle. NumPy arrays run the CPU path
+(``cpu.attention_with_kvcache``): the append in place, then the blockwise forward over each
+sequence's keys, computing in float32 as the kernels do. CUDA arrays (CuPy, PyTorch, JAX) raise
 NotImplementedError: the decode kernel that serves them is not part of this version.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if arrays["q"].device is not None:
         raise NotImplementedError("attention_with_kvcache runs on NumPy arrays (the CPU path) in this version; "
                                   "CUDA arrays need the decode kernel, which it does not have")
-    out, lse = _cpu_forward(q, k_cache, v_cache, k, v, cache, options)
+    out, lse = cpu.attention_with_kvcache(q, k_cache, v_cache, k, v, cache, options)
     return (out, lse) if return_lse else out
 
 
@@ -90,67 +90,6 @@ def merge_stacked(outs, lses, xp):
     lse = xp.where(seen, top + xp.log(xp.where(seen, total, 1)), xp.inf).astype(xp.float32)
     share = xp.expand_dims((weights / xp.where(seen, total, 1)).transpose(0, 1, 3, 2), -1)  # (parts, b, s, h, 1)
     return (share * outs.astype(acc)).sum(axis=0).astype(outs.dtype), lse
-
-
-# -- the CPU path ----------------------------------------------------------------------------
-
-def _cpu_forward(q, k_cache, v_cache, k, v, cache: _options.KVCache, options: _options.Options):
-    batch, seqlen_q, nheads, _ = q.shape
-    nheads_k = k_cache.shape[2]
-    acc = np.float64 if q.dtype == np.float64 else np.float32
-    lengths = cache.lengths.astype(np.int64)
-    batch_idx = None if cache.batch_idx is None else np.asarray(cache.batch_idx.obj)
-    table = None if cache.block_table is None else np.asarray(cache.block_table.obj)
-    leftpad = np.zeros(batch, np.int64) if cache.leftpad is None else np.asarray(cache.leftpad.obj)
-    cos = sin = None
-    if cache.rotary_cos is not None:
-        cos, sin = (np.asarray(a.obj).astype(acc) for a in (cache.rotary_cos, cache.rotary_sin))
-    local = options.window != (-1, -1)
-    alibi = None if options.alibi is None else np.broadcast_to(np.asarray(options.alibi.obj), (batch, nheads))
-
-    out = np.empty(q.shape[:3] + v_cache.shape[-1:], dtype=q.dtype)
-    lse = np.empty((batch, nheads, seqlen_q), dtype=np.float32)
-    for b in range(batch):
-        n = int(lengths[b])
-        if cache.seqlen_new:
-            new_k = k[b]
-            if cos is not None:  # rotated in the accumulator type, stored in the cache's
-                new_k = _rotate(new_k.astype(acc), cos, sin, np.arange(n, n + cache.seqlen_new),
-                                cache.rotary_interleaved)
-            where = _rows(b, np.arange(n, n + cache.seqlen_new), batch_idx, table, cache.page_size)
-            k_cache[where] = new_k.astype(k_cache.dtype)
-            v_cache[where] = v[b]
-        keys = _rows(b, np.arange(int(leftpad[b]), n + cache.seqlen_new), batch_idx, table, cache.page_size)
-        q_b = q[b]
-        if cos is not None:
-            positions = np.arange(n, n + seqlen_q) if local else np.full(seqlen_q, n)
-            q_b = _rotate(q_b.astype(acc), cos, sin, positions, cache.rotary_interleaved).astype(q.dtype)
-        variant = cpu._Variant(
-            seqlen_q, len(keys[0]), nheads, nheads_k, acc, causal=options.causal, scale=options.scale,
-            window_size=options.window, softcap=options.softcap,
-            alibi=None if alibi is None else alibi[b:b + 1], dropout_p=0.0, seed=0, rng_offset=0,
-            batch_index=np.array([b]), window_limit=cache.capacity)
-        o, l = cpu._forward(q_b[None], k_cache[keys][None], v_cache[keys][None], variant, 128, 128)
-        out[b], lse[b] = o[0], l[0]
-    return out, lse
-
-
-def _rows(b, positions, batch_idx, table, page_size):
-    """(cache row or page, row in it) of sequence b's logical rows ``positions``."""
-    if table is not None:
-        return table[b].astype(np.int64)[positions // page_size], positions % page_size
-    return np.full(len(positions), b if batch_idx is None else int(batch_idx[b])), positions
-
-
-def _rotate(x, cos, sin, positions, interleaved):
-    """x (seqlen, nheads, d) with its first 2 * cos.shape[1] features rotated at ``positions``."""
-    half = cos.shape[1]
-    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    pairs = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else (slice(0, half), slice(half, 2 * half))
-    first, second = x[..., pairs[0]], x[..., pairs[1]]
-    out = x.copy()
-    out[..., pairs[0]], out[..., pairs[1]] = first * c - second * s, first * s + second * c
-    return out
 
 
 def _parts(name: str, parts) -> list:
