@@ -76,13 +76,13 @@ def backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options: Options
 _launchers: dict = {}
 
 
-def cacheable(options: Options, varlen: Varlen | None) -> bool:
+def _cacheable(options: Options, varlen: Varlen | None) -> bool:
     """Is a plan for these options the same for every call of one signature?"""
     return varlen is None and options.alibi is None and options.dropout_p == 0
 
 
 def _plan_key(arrays, options: Options, varlen: Varlen | None):
-    if not cacheable(options, varlen) or len(_launchers) >= 4096:
+    if not _cacheable(options, varlen) or len(_launchers) >= 4096:
         return None
     return tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in arrays if a is not None), options
 

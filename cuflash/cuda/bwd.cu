@@ -73,7 +73,7 @@ __device__ __forceinline__ bool rows_aligned16(const ArrayView& a) {
 // tensor was in flight and the kernel ran at half FlashAttention-2's bandwidth (122-125
 // us against its 67-68 at seqlen 512 and 1k; now about 70). The zeros go out in the
 // accumulator's own order, 16 contiguous bytes a lane (a row's 8 floats of each 8 x 8
-// block, 256 bytes apart, were half-sector stores). (_kernels.PREPROCESS_ROWS is this
+// block, 256 bytes apart, were half-sector stores). (_plan.PREPROCESS_ROWS is this
 // count.)
 constexpr int kPreprocessRows = 4;
 
