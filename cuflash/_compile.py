@@ -54,7 +54,9 @@ def nvrtc_version() -> tuple[int, int]:
 
 @functools.cache
 def _sources() -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(CUDA_DIR.glob("*.cu*"))}
+    """Every kernel source and header, by its path under ``cuda/`` (``fwd.cu``,
+    ``decode/split_kv.cu``): the names they include each other by."""
+    return {p.relative_to(CUDA_DIR).as_posix(): p.read_bytes() for p in sorted(CUDA_DIR.rglob("*.cu*"))}
 
 
 def cache_dir() -> Path:

@@ -20,8 +20,8 @@ import threading
 
 from . import _compile, _driver, _plan
 from ._arrays import ArrayInfo
-from ._options import Options, Varlen
-from ._params import Params
+from ._options import KVCache, Options, Varlen
+from ._params import field_offset
 
 # Tests set this to a callable(pointers, stream) to see every launch's array
 # pointers and stream (zero-copy and stream-order checks).
@@ -41,7 +41,7 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: Array
 
 def forward_launcher(q, k, v, out, options: Options, varlen: Varlen | None) -> Launcher:
     """The forward of this call signature, ready to launch with (stream, q, k, v, out, lse pointers)."""
-    return Launcher(_plan.forward(q, k, v, out, options, varlen, _shared_limit(q.device)), q.device)
+    return Launcher(_plan.forward(q, k, v, out, options, varlen, shared_limit(q.device)), q.device)
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
@@ -66,8 +66,51 @@ def backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options: Options
     """The backward of this call signature, ready to launch with (stream, dout, q, k, v,
     out, lse, dlse, dq, dk, dv, delta, dq_accum pointers). (dlse, like every pointer, is
     given at launch: the plan is the same with or without it.)"""
-    plan = _plan.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, _shared_limit(q.device))
+    plan = _plan.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, shared_limit(q.device))
     return Launcher(plan, q.device)
+
+
+def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Options) -> Launcher:
+    """The KV-cache call of this signature (``arrays``: q, k_cache, v_cache and k, v when
+    given); its plan's workspace names the scratch buffers ``decode_pointers`` takes."""
+    q = arrays["q"]
+    key = _decode_key(arrays, out, cache, options)
+    launcher = _launchers.get(key) if key else None
+    if launcher is None:
+        plan = _plan.decode(q, arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"), out, cache,
+                            options, shared_limit(q.device), multiprocessors(q.device))
+        launcher = _remember(key, Launcher(plan, q.device))
+    return launcher
+
+
+def decode_pointers(arrays: dict, out: ArrayInfo, lse: ArrayInfo | None, workspace: dict, cache: KVCache,
+                    options: Options) -> tuple[int, ...]:
+    """The pointers of a KV-cache launch, in _plan.DECODE_POINTERS' order."""
+    def ptr(a):
+        return a.ptr if isinstance(a, ArrayInfo) else 0
+    partial_o, partial_lse = ptr(workspace.get("partial_o")), ptr(workspace.get("partial_lse"))
+    return (arrays["q"].ptr, out.ptr, arrays["k_cache"].ptr, arrays["v_cache"].ptr, ptr(arrays.get("k")),
+            ptr(arrays.get("v")), ptr(lse), partial_o, partial_lse, ptr(cache.cache_seqlens), ptr(cache.batch_idx),
+            ptr(cache.leftpad), ptr(cache.block_table), ptr(cache.rotary_cos), ptr(cache.rotary_sin),
+            ptr(options.alibi), partial_o, partial_lse, out.ptr, ptr(lse))
+
+
+def _decode_key(arrays: dict, out: ArrayInfo, cache: KVCache, options: Options):
+    """What a KV-cache plan depends on: every array's layout, the options but ALiBi's
+    pointer, and the cache's shape-like values (an int cache_seqlens is one)."""
+    if len(_launchers) >= 4096:
+        return None
+    described = [*arrays.values(), out, *(a for a in (cache.batch_idx, cache.leftpad, cache.block_table,
+                                                      cache.rotary_cos, options.alibi) if a is not None)]
+    layouts = tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in described)
+    return ("decode", layouts, tuple(arrays), options._replace(alibi=None), options.alibi is None,
+            cache.cache_seqlens if isinstance(cache.cache_seqlens, int) else None, cache.capacity,
+            cache.rotary_interleaved, cache.num_splits)
+
+
+def merge_launcher(parts: ArrayInfo, lses: ArrayInfo, out: ArrayInfo) -> Launcher:
+    """merge_states of stacked parts into ``out``, launched with (parts, lses, out, out_lse)."""
+    return Launcher(_plan.merge(parts, lses, out), parts.device)
 
 
 # Warm calls of callers without their own cache (JAX): what a dense call signature
@@ -105,22 +148,24 @@ class Launcher:
 
     def __init__(self, plan: _plan.Plan, device: int):
         self.plan, self.device = plan, device
-        self.params = Params.from_buffer_copy(plan.params)
-        self.offsets = _plan.pointer_offsets(plan.pointers)
+        self.params = plan.struct.from_buffer_copy(plan.params)
+        self.offsets = _plan.pointer_offsets(plan.struct, plan.pointers)
         self.context = _driver.primary_context(device)
         for step in plan.steps:
             if step.grouped_heads:
                 self.params.tile_group = tile_group(step.kernel, step.grouped_heads, device)
         self._steps = [(_function(s.kernel, device), s.grid, s.kernel.threads, s.kernel.shared_bytes,
+                        field_offset(plan.struct, s.argument) if s.argument else 0,
                         tuple(map(ctypes.c_int, s.args))) for s in plan.steps]
         self._lock = threading.Lock()
         self._calls = self._bind(self.params)
 
-    def _bind(self, params: Params) -> list[tuple]:
+    def _bind(self, params: ctypes.Structure) -> list[tuple]:
         """cuLaunchKernel's arguments but the stream, for each step, over ``params``."""
         calls = []
-        for function, grid, threads, shared, args in self._steps:
-            arguments = (ctypes.c_void_p * (1 + len(args)))(*map(ctypes.addressof, (params, *args)))
+        for function, grid, threads, shared, at, args in self._steps:
+            arguments = (ctypes.c_void_p * (1 + len(args)))(ctypes.addressof(params) + at,
+                                                             *map(ctypes.addressof, args))
             calls.append((function, *grid, threads, shared, arguments, ctypes.addressof(arguments)))
         return calls
 
@@ -133,10 +178,10 @@ class Launcher:
             finally:
                 self._lock.release()
         else:  # another thread is launching this plan: a copy of its arguments
-            params = Params.from_buffer_copy(self.params)
+            params = self.plan.struct.from_buffer_copy(self.params)
             self._launch(params, self._bind(params), stream, pointers)
 
-    def _launch(self, params: Params, calls: list, stream: int, pointers: tuple) -> None:
+    def _launch(self, params: ctypes.Structure, calls: list, stream: int, pointers: tuple) -> None:
         for offset, pointer in zip(self.offsets, pointers):
             _put_pointer(params, offset, pointer)  # (a nested field's setattr costs 3x as much)
         if _launch_observer is not None:
@@ -159,13 +204,13 @@ def tile_group(kernel: _plan.Kernel, heads: int, device: int) -> int:
     with 72 pairs in groups of 66 and 6; docs/tuning.md, "Tile-major causal grids").
     The resident CTAs depend on the compiled kernel's registers: this is the one number
     of a launch that the plan cannot know."""
-    most = max(1, _multiprocessors(device) * _resident_ctas(kernel, device) // 4)
+    most = max(1, multiprocessors(device) * _resident_ctas(kernel, device) // 4)
     groups = -(-heads // most)
     return -(-heads // groups)
 
 
 @functools.cache
-def _multiprocessors(device: int) -> int:
+def multiprocessors(device: int) -> int:
     return _driver.attribute(device, _driver.MULTIPROCESSOR_COUNT)
 
 
@@ -175,7 +220,7 @@ def _resident_ctas(kernel: _plan.Kernel, device: int) -> int:
 
 
 @functools.cache
-def _shared_limit(device: int) -> int:
+def shared_limit(device: int) -> int:
     return _driver.attribute(device, _driver.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
 
 

@@ -398,7 +398,7 @@ def kvcache(arrays: dict, cache_seqlens, cache_batch_idx, cache_leftpad, block_t
     check_bool("rotary_interleaved", rotary_interleaved)
     cos, sin = _rotary(rotary_cos, rotary_sin, q, k)
     if lengths is None and isinstance(seqlens, ArrayInfo):
-        lengths = host_values(seqlens)
+        lengths = _values_on_host(seqlens)
     _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_size, table, k_cache.shape[0],
                      batch_idx, leftpad)
     return KVCache(seqlens, lengths, batch_idx, leftpad, table, page_size, capacity, seqlen_new, cos, sin,
@@ -467,6 +467,16 @@ def _rotary(rotary_cos, rotary_sin, q: ArrayInfo, k: ArrayInfo | None):
     return cos, sin
 
 
+def _values_on_host(a: ArrayInfo) -> np.ndarray | None:
+    """The values of a KV-cache call's integer array where they are on the host. On a GPU
+    they are not read: a decode step is a few microseconds of GPU time, and reading them
+    would wait for the GPU at every step (and break CUDA-graph capture). The kernel clamps
+    instead (decode/cache.cuh, decode/rotary.cuh): lengths into the cache, leftpad into the
+    length, cache indices into the caches, positions into the rotary tables, and rows of a
+    page index out of range read as zeros and are never written."""
+    return host_values(a) if a.device is None else None
+
+
 def _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_size, table, caches, batch_idx,
                      leftpad) -> None:
     """Every row the call writes or reads inside the cache, every page and cache index valid."""
@@ -486,15 +496,15 @@ def _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_s
         if cos.shape[0] < needed:
             raise ValueError(f"rotary_cos and rotary_sin must have a row for every position they rotate, "
                              f"{needed} rows, got {cos.shape[0]}")
-    values = None if batch_idx is None else host_values(batch_idx)
+    values = None if batch_idx is None else _values_on_host(batch_idx)
     if values is not None and ((values < 0) | (values >= caches)).any():
         raise ValueError(f"cache_batch_idx must name caches in [0, {caches}), got {values.tolist()}")
-    values = None if leftpad is None else host_values(leftpad)
+    values = None if leftpad is None else _values_on_host(leftpad)
     if values is not None and ((values < 0) | (values > lengths)).any():
         raise ValueError(f"cache_leftpad[b] must be in [0, cache_seqlens[b]], got {values.tolist()} for "
                          f"cache_seqlens {lengths.tolist()}")
     if table is not None:
-        values = host_values(table)
+        values = _values_on_host(table)
         if values is not None:
             for b, end in enumerate(ends):
                 used = values[b, :-(-int(end) // page_size)]

@@ -1,5 +1,6 @@
-"""The kernels' one argument, ``cuflash::Params`` (cuda/params.cuh), as a ctypes
-structure with the same fields in the same order: the C ABI lays both out alike
+"""The kernels' one argument as ctypes structures with the same fields in the same order
+as their CUDA structs: ``Params`` (cuda/params.cuh), ``DecodeParams`` and ``MergeParams``
+(cuda/decode/decode_params.cuh). The C ABI lays both sides out alike
 (tests/test_compile.py checks every offset against NVRTC's own)."""
 from __future__ import annotations
 
@@ -12,7 +13,25 @@ class ArrayView(ctypes.Structure):
     _fields_ = [("ptr", _ptr), ("batch_stride", _i64), ("row_stride", _i64), ("head_stride", _i64)]
 
 
-class Params(ctypes.Structure):
+class _Struct(ctypes.Structure):
+    def pointers(self) -> list[int]:
+        """Every array this call touches, in field order (for zero-copy checks)."""
+        found = []
+        for name, kind in self._fields_:
+            value = getattr(self, name)
+            if kind is ArrayView:
+                value = value.ptr
+            elif issubclass(kind, _Struct):
+                found += value.pointers()
+                continue
+            elif kind is not _ptr:
+                continue
+            if value:
+                found.append(value)
+        return found
+
+
+class Params(_Struct):
     _fields_ = [
         ("q", ArrayView), ("k", ArrayView), ("v", ArrayView), ("o", ArrayView),
         ("dout", ArrayView), ("dq", ArrayView), ("dk", ArrayView), ("dv", ArrayView),
@@ -29,12 +48,48 @@ class Params(ctypes.Structure):
         ("tile_group", ctypes.c_int),
     ]
 
-    def pointers(self) -> list[int]:
-        """Every array this call touches, in field order (for zero-copy checks)."""
-        found = []
-        for name, kind in self._fields_:
-            value = getattr(self, name)
-            ptr = value.ptr if kind is ArrayView else (value if kind is _ptr else None)
-            if ptr:
-                found.append(ptr)
-        return found
+
+class MergeParams(_Struct):
+    """``cuflash::MergeParams`` (cuda/decode/decode_params.cuh)."""
+    _fields_ = [
+        ("parts", _ptr), ("lses", _ptr), ("out", _ptr), ("out_lse", _ptr),
+        ("part_stride", _i64), ("batch_stride", _i64), ("row_stride", _i64), ("head_stride", _i64),
+        ("lse_part_stride", _i64), ("lse_batch_stride", _i64), ("lse_head_stride", _i64),
+        ("out_batch_stride", _i64), ("out_row_stride", _i64), ("out_head_stride", _i64),
+        ("count", ctypes.c_int), ("batch", ctypes.c_int), ("seqlen_q", ctypes.c_int), ("nheads", ctypes.c_int),
+        ("headdim", ctypes.c_int),
+    ]
+
+
+class DecodeParams(_Struct):
+    """``cuflash::DecodeParams`` (cuda/decode/decode_params.cuh)."""
+    _fields_ = [
+        ("q", ArrayView), ("o", ArrayView), ("k_cache", ArrayView), ("v_cache", ArrayView),
+        ("k_new", ArrayView), ("v_new", ArrayView),
+        ("lse", _ptr), ("partial_o", _ptr), ("partial_lse", _ptr),
+        ("cache_seqlens", _ptr), ("cache_batch_idx", _ptr), ("cache_leftpad", _ptr),
+        ("block_table", _ptr), ("block_table_stride", _i64),
+        ("rotary_cos", _ptr), ("rotary_sin", _ptr),
+        ("alibi_slopes", _ptr), ("alibi_batch_stride", _i64),
+        ("seqlen_cache_all", ctypes.c_int), ("caches", ctypes.c_int), ("page_size", ctypes.c_int),
+        ("capacity", ctypes.c_int),
+        ("seqlen_q", ctypes.c_int), ("seqlen_new", ctypes.c_int), ("nheads", ctypes.c_int),
+        ("heads_per_kv", ctypes.c_int), ("headdim", ctypes.c_int),
+        ("rotary_dim", ctypes.c_int), ("rotary_rows", ctypes.c_int), ("rotary_interleaved", ctypes.c_int),
+        ("rotary_float32", ctypes.c_int),
+        ("window_left", ctypes.c_int), ("window_right", ctypes.c_int),
+        ("scale", ctypes.c_float), ("scale_log2", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("num_splits", ctypes.c_int),
+        ("merge", MergeParams),
+    ]
+
+
+def field_offset(struct: type, name: str) -> int:
+    """Byte offset of a field, or of a nested one ("merge.out"; an ArrayView's pointer
+    is its first field)."""
+    offset = 0
+    for part in name.split("."):
+        field = getattr(struct, part)
+        offset += field.offset
+        struct = dict(struct._fields_)[part]
+    return offset

@@ -14,11 +14,11 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from ._params import ArrayView, Params
+from ._params import ArrayView, DecodeParams, MergeParams, Params, field_offset
 
 if TYPE_CHECKING:
     from ._arrays import ArrayInfo
-    from ._options import Options, Varlen
+    from ._options import KVCache, Options, Varlen
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -126,11 +126,26 @@ KINDS = {
         **{d: (_T(64, 32, 4, 2), _T(64, 32, 4, 1), _T(32, 32, 2, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", True,
         "BackwardDqShared"),
+    # The KV-cache call (decode/split_kv.cu): 16 packed query rows + stages x (K tile + V
+    # tile); the warps split each key tile, 16 keys each. Four 32 KB stages in flight
+    # (three at d 256); two where shared memory is short (sm_86, sm_89).
+    "decode": Kind("decode/split_kv.cu", "attention_decode", {
+        **{d: (_T(16, 128, 4, 4), _T(16, 128, 4, 2)) for d in (32, 64)},
+        **{d: (_T(16, 64, 4, 4), _T(16, 64, 4, 2)) for d in (96, 128)},
+        **{d: (_T(16, 64, 4, 3), _T(16, 32, 2, 4), _T(16, 32, 2, 2)) for d in (160, 192, 224, 256)},
+    }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False, "DecodeShared"),
 }
 
 # Untiled helpers of the backward, one instance per dtype.
 ELEMENTWISE = {"backward_preprocess": ("bwd.cu", "attention_backward_preprocess", 256),
                "backward_convert_dq": ("bwd.cu", "attention_backward_convert_dq", 256)}
+
+
+# The merge of partial results (decode/merge.cu): (parts' dtype, output dtype) pairs, the
+# KV-cache call's fp32 splits into its output and merge_states' parts of one dtype.
+MERGE_DTYPES = {"float32": "float", **DTYPES}
+MERGES = (*(("float32", d) for d in DTYPES), *((d, d) for d in MERGE_DTYPES))
+MERGE_WARPS = 4  # rows per CTA (merge.cu, kMergeWarps)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -203,6 +218,19 @@ class Elementwise(NamedTuple):
     shared_bytes = 0
 
 
+class Merge(NamedTuple):
+    """The merge kernel of parts of ``parts_dtype`` into an output of ``out_dtype``."""
+    parts_dtype: str
+    out_dtype: str
+    source = "decode/merge.cu"
+    threads = 32 * MERGE_WARPS
+    shared_bytes = 0
+
+    @property
+    def instance(self) -> str:
+        return f"cuflash::merge_states<{MERGE_DTYPES[self.parts_dtype]}, {MERGE_DTYPES[self.out_dtype]}>"
+
+
 def has_tile(kind: str, head_dim: int, extras: bool, shared_limit: int) -> bool:
     """Does ``kind`` have an instance for this head dim and extras within this much
     shared memory?"""
@@ -220,7 +248,7 @@ def kernel(kind: str, dtype: str, head_dim: int, local: bool, vectorized: bool, 
     raise RuntimeError(f"no {kind} tile for head dim {bucket} fits {shared_limit} bytes of shared memory")
 
 
-def all_kernels(arch: str) -> list[Kernel | Elementwise]:
+def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge]:
     """Every variant cuflash can launch on ``arch``."""
     limit = shared_memory_limit(arch)
     flags = (False, True)
@@ -228,17 +256,18 @@ def all_kernels(arch: str) -> list[Kernel | Elementwise]:
              for kind, dtype, bucket, local, vec, extras in
              itertools.product(KINDS, DTYPES, HEAD_DIM_BUCKETS, flags, flags, flags)
              if has_tile(kind, bucket, extras, limit)]
-    return tiled + [Elementwise(kind, dtype) for kind, dtype in itertools.product(ELEMENTWISE, DTYPES)]
+    return (tiled + [Elementwise(kind, dtype) for kind, dtype in itertools.product(ELEMENTWISE, DTYPES)]
+            + [Merge(*pair) for pair in MERGES])
 
 
-def covering_sample(archs: tuple[str, ...]) -> list[tuple[str, Kernel | Elementwise]]:
+def covering_sample(archs: tuple[str, ...]) -> list[tuple[str, Kernel | Elementwise | Merge]]:
     """A few (arch, variant) pairs that between them reach every template branch of
     ``all_kernels``: each kind with every head-dim bucket and tile, every combination
     of its flags (band, vectorized, extras), each dtype, each arch with each (band,
     extras) pair, and every elementwise instance. A compile of these catches what a
     compile of everything would, in a tenth of the time (44 of 968 for sm_80 + sm_90)."""
-    def reaches(arch: str, k: Kernel | Elementwise) -> set:
-        if isinstance(k, Elementwise):
+    def reaches(arch: str, k: Kernel | Elementwise | Merge) -> set:
+        if not isinstance(k, Kernel):
             return {(arch, k)}
         return {("tile", k.kind, k.head_dim, k.tile), ("flags", k.kind, k.local, k.vectorized, k.extras),
                 ("dtype", k.kind, k.dtype), ("arch", arch, k.kind, k.local, k.extras)}
@@ -256,21 +285,26 @@ def covering_sample(archs: tuple[str, ...]) -> list[tuple[str, Kernel | Elementw
 # -- plans ---------------------------------------------------------------------------------
 
 class Step(NamedTuple):
-    """One kernel launch: the variant, its grid, its int arguments after the Params, and
-    the (head, batch) pairs its tile-major grid groups (``_kernels.tile_group``; 0: none)."""
-    kernel: Kernel | Elementwise
+    """One kernel launch: the variant, its grid, its int arguments after the Params, the
+    (head, batch) pairs its tile-major grid groups (``_kernels.tile_group``; 0: none), and
+    the field of the plan's struct that is its argument ("": the whole struct)."""
+    kernel: Kernel | Elementwise | Merge
     grid: tuple[int, int, int]
     args: tuple[int, ...] = ()
     grouped_heads: int = 0
+    argument: str = ""
 
 
 class Plan(NamedTuple):
-    """What a call launches, all but its array pointers: the Params (bytes) with the
-    pointers left to fill in at ``pointers`` (field names, in the order the launcher is
-    given them), then each step."""
+    """What a call launches, all but its array pointers: the kernels' argument struct
+    (``struct``, as bytes) with the pointers left to fill in at ``pointers`` (field names,
+    in the order the launcher is given them), then each step. ``workspace``: the scratch
+    buffers the caller allocates, (name, shape, dtype) each."""
     params: bytes
     pointers: tuple[str, ...]
     steps: tuple[Step, ...]
+    struct: type = Params
+    workspace: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
 
 FORWARD_POINTERS = ("q", "k", "v", "o", "lse")
@@ -323,6 +357,93 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     # dq_accum stays unset without the one-pass kernel: nothing reads it then.
     pointers = BACKWARD_POINTERS if one_pass else BACKWARD_POINTERS[:-1]
     return Plan(bytes(p), pointers, tuple(steps))
+
+
+DECODE_POINTERS = ("q", "o", "k_cache", "v_cache", "k_new", "v_new", "lse", "partial_o", "partial_lse",
+                   "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "rotary_cos", "rotary_sin",
+                   "alibi_slopes", "merge.parts", "merge.lses", "merge.out", "merge.out_lse")
+MAX_SPLITS = 256
+
+
+def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | None, v: ArrayInfo | None,
+           out: ArrayInfo, cache: KVCache, options: Options, shared_limit: int, multiprocessors: int) -> Plan:
+    """The KV-cache call: the split kernel, then, with more than one split, the merge of
+    their results (the workspace's partial_o and partial_lse) into ``out``. The launch is
+    given DECODE_POINTERS: the merge's parts and lses are the workspace, its out and
+    out_lse the call's."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k_cache.shape[2]
+    p = DecodeParams()
+    for name, a in dict(q=q, o=out, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v).items():
+        setattr(p, name, _view(a))
+    p.seqlen_cache_all = cache.cache_seqlens if isinstance(cache.cache_seqlens, int) else 0
+    p.caches, p.capacity = k_cache.shape[0], cache.capacity
+    p.page_size = cache.page_size or cache.capacity
+    if cache.block_table is not None:
+        p.block_table_stride = cache.block_table.strides[0]
+    p.seqlen_q, p.seqlen_new, p.nheads, p.headdim = seqlen_q, cache.seqlen_new, nheads, head_dim
+    p.heads_per_kv = nheads // max(nheads_k, 1)
+    if cache.rotary_cos is not None:
+        p.rotary_rows, p.rotary_dim = cache.rotary_cos.shape[0], 2 * cache.rotary_cos.shape[1]
+        p.rotary_interleaved, p.rotary_float32 = cache.rotary_interleaved, cache.rotary_cos.dtype == "float32"
+    if options.alibi is not None:
+        p.alibi_batch_stride = options.alibi.strides[0] if len(options.alibi.shape) == 2 else 0
+    p.window_left, p.window_right = options.window
+    p.scale, p.scale_log2, p.softcap = options.scale, scale_log2(options.scale), options.softcap
+    extras = options.softcap > 0 or options.alibi is not None
+    vectorized = vectorizable(*(a for a in (q, k_cache, v_cache, k, v, out) if a is not None))
+    kernel = globals()["kernel"]("decode", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
+    row_blocks = -(-p.heads_per_kv * seqlen_q // kernel.tile.block_m)
+    tiles = -(-cache.capacity // kernel.tile.block_n)
+    p.num_splits = splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors)
+    if not (batch and seqlen_q and nheads):
+        return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
+    steps = [Step(kernel, (splits * row_blocks, nheads_k, batch))]
+    workspace = ()
+    if splits > 1:
+        m = p.merge
+        m.count, m.batch, m.seqlen_q, m.nheads, m.headdim = splits, batch, seqlen_q, nheads, head_dim
+        m.head_stride, m.row_stride = head_dim, nheads * head_dim
+        m.batch_stride = seqlen_q * m.row_stride
+        m.part_stride = batch * m.batch_stride
+        m.lse_head_stride, m.lse_batch_stride = seqlen_q, nheads * seqlen_q
+        m.lse_part_stride = batch * m.lse_batch_stride
+        m.out_batch_stride, m.out_row_stride, m.out_head_stride = out.strides[:3]
+        workspace = (("partial_o", (splits, batch, seqlen_q, nheads, head_dim), "float32"),
+                     ("partial_lse", (splits, batch, nheads, seqlen_q), "float32"))
+        steps.append(Step(Merge("float32", q.dtype), _merge_grid(batch * seqlen_q * nheads), argument="merge"))
+    return Plan(bytes(p), DECODE_POINTERS, tuple(steps), DecodeParams, workspace)
+
+
+def decode_splits(ctas: int, tiles: int, multiprocessors: int) -> int:
+    """Splits of the keys for a KV-cache call whose unsplit grid has ``ctas`` CTAs, over a
+    cache of ``tiles`` key tiles, from the shapes alone (no sequence's length: those stay on
+    the device): enough splits to give every multiprocessor a CTA, no more than the tiles."""
+    if ctas >= multiprocessors:
+        return 1
+    return max(1, min(-(-multiprocessors // ctas), tiles, MAX_SPLITS))
+
+
+MERGE_POINTERS = ("parts", "lses", "out", "out_lse")
+
+
+def merge(parts: ArrayInfo, lses: ArrayInfo, out: ArrayInfo) -> Plan:
+    """merge_states of stacked parts (parts, batch, seqlen_q, nheads, d) with their LSEs
+    (parts, batch, nheads, seqlen_q) into ``out`` (batch, seqlen_q, nheads, d) and a
+    contiguous LSE (batch, nheads, seqlen_q)."""
+    count, batch, seqlen_q, nheads, head_dim = parts.shape
+    m = MergeParams()
+    m.count, m.batch, m.seqlen_q, m.nheads, m.headdim = count, batch, seqlen_q, nheads, head_dim
+    m.part_stride, m.batch_stride, m.row_stride, m.head_stride = parts.strides[:4]
+    m.lse_part_stride, m.lse_batch_stride, m.lse_head_stride = lses.strides[:3]
+    m.out_batch_stride, m.out_row_stride, m.out_head_stride = out.strides[:3]
+    rows = batch * seqlen_q * nheads
+    steps = (Step(Merge(parts.dtype, out.dtype), _merge_grid(rows)),) if rows and head_dim else ()
+    return Plan(bytes(m), MERGE_POINTERS, steps, MergeParams)
+
+
+def _merge_grid(rows: int) -> tuple[int, int, int]:
+    return (-(-rows // MERGE_WARPS), 1, 1)
 
 
 def backward_workspace(q_shape, deterministic: bool = False,
@@ -395,6 +516,6 @@ def _params(q, k, v, options: Options, varlen: Varlen | None, **arrays) -> tuple
     return p, batch
 
 
-def pointer_offsets(names: tuple[str, ...]) -> tuple[int, ...]:
-    """Where each named pointer lies in Params (an ArrayView's pointer is its first field)."""
-    return tuple(getattr(Params, name).offset for name in names)
+def pointer_offsets(struct: type, names: tuple[str, ...]) -> tuple[int, ...]:
+    """Where each named pointer lies in the struct (an ArrayView's pointer is its first field)."""
+    return tuple(field_offset(struct, name) for name in names)

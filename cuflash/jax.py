@@ -137,17 +137,21 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                       window_size=window_size, softcap=softcap)
     if alibi_slopes is not None:
         optional["alibi_slopes"] = _check_alibi(alibi_slopes, q.shape[-2], q.shape[0])
-    if _platform(q) != "cpu":
-        raise NotImplementedError("cuflash.jax.attention_with_kvcache runs on CPU arrays in this version; GPU "
-                                  "arrays need the decode kernel, which it does not have")
-    config = _KVCacheConfig(options.causal, options.scale, options.window, options.softcap, bool(rotary_interleaved),
-                            cache.num_splits, tuple(optional))
+    config = _KVCacheConfig(np.dtype(q.dtype).name, options.causal, options.scale, options.window, options.softcap,
+                            bool(rotary_interleaved), cache.num_splits, cache.page_size, cache.capacity,
+                            tuple(optional))
     results = (jax.ShapeDtypeStruct(q.shape[:3] + v_cache.shape[-1:], q.dtype),
                jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32),
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
-    call = buffer_callback(_KVCacheCallback(config), results, input_output_aliases={1: 2, 2: 3},
+    workspace = {}
+    if _platform(q) != "cpu":  # the split kernel's partial results: shapes from the plan
+        gpu_options = options._replace(alibi=None if alibi_slopes is None else _describe(optional["alibi_slopes"], q))
+        plan = _plan.decode(*(described.get(n) for n in ("q", "k_cache", "v_cache", "k", "v")), described["q"],
+                            cache, gpu_options, _kernels.shared_limit(0), _kernels.multiprocessors(0))
+        workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in plan.workspace}
+    call = buffer_callback(_KVCacheCallback(config), (*results, workspace), input_output_aliases={1: 2, 2: 3},
                            vmap_method="sequential")
-    out, lse, k_cache, v_cache = call(q, k_cache, v_cache, *optional.values())
+    out, lse, k_cache, v_cache, _ = call(q, k_cache, v_cache, *optional.values())
     return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
 
 
@@ -166,12 +170,15 @@ def merge_states(outs, lses):
 @dataclasses.dataclass(frozen=True)
 class _KVCacheConfig:
     """The static part of a KV-cache call (hashable: eager calls reuse their executable)."""
+    dtype: str
     causal: bool
     scale: float
     window: tuple[int, int]
     softcap: float
     rotary_interleaved: bool
     num_splits: int
+    page_size: int
+    capacity: int
     inputs: tuple[str, ...]  # names of the callback's inputs after q, k_cache, v_cache
 
 
@@ -182,14 +189,37 @@ class _KVCacheCallback:
     def __call__(self, ctx, outputs, q, k_cache, v_cache, *inputs):
         # k_cache and v_cache alias their outputs: the append writes the output buffers,
         # which hold the caches' contents.
-        out, lse, k_out, v_out = outputs
-        host = {name: np.asarray(b) for name, b in zip(self.config.inputs, inputs)}
+        out, lse, k_out, v_out, workspace = outputs
         c = self.config
+        if not _on_cpu(q):
+            return self._gpu(ctx, out, lse, k_out, v_out, workspace, q, dict(zip(c.inputs, inputs)))
+        host = {name: np.asarray(b) for name, b in zip(self.config.inputs, inputs)}
         results = kvcache.attention_with_kvcache(
             np.asarray(q), np.asarray(k_out), np.asarray(v_out), host.pop("k", None), host.pop("v", None), **host,
             rotary_interleaved=c.rotary_interleaved, causal=c.causal, window_size=c.window, softcap=c.softcap,
             softmax_scale=c.scale, num_splits=c.num_splits, return_lse=True)
         _write((out, lse), results)
+
+    def _gpu(self, ctx, out, lse, k_cache, v_cache, workspace: dict, q, inputs: dict) -> None:
+        c = self.config
+        described = {name: _info(b, "int32" if b.dtype == np.int32 else c.dtype) for name, b in inputs.items()}
+        for name in ("rotary_cos", "rotary_sin"):
+            if name in inputs and inputs[name].dtype == np.float32:
+                described[name] = _info(inputs[name], "float32")
+        arrays = {"q": _info(q, c.dtype), "k_cache": _info(k_cache, c.dtype), "v_cache": _info(v_cache, c.dtype),
+                  **{n: described[n] for n in ("k", "v") if n in described}}
+        cache = _options.KVCache(described["cache_seqlens"], None, described.get("cache_batch_idx"),
+                                 described.get("cache_leftpad"), described.get("block_table"), c.page_size,
+                                 c.capacity, arrays["k"].shape[1] if "k" in arrays else 0,
+                                 described.get("rotary_cos"), described.get("rotary_sin"), c.rotary_interleaved,
+                                 c.num_splits)
+        alibi = inputs.get("alibi_slopes")
+        options = _options.Options(c.causal, c.scale, c.window, c.softcap,
+                                   None if alibi is None else _info(alibi, "float32"))
+        out_info = _info(out, c.dtype)
+        launcher = _kernels.decode_launcher(arrays, out_info, cache, options)
+        work = {name: _info(b, "float32") for name, b in workspace.items()}
+        launcher(ctx.stream, *_kernels.decode_pointers(arrays, out_info, _info(lse, "float32"), work, cache, options))
 
 
 @dataclasses.dataclass(frozen=True)

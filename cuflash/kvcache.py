@@ -7,14 +7,16 @@
 The semantics (append, rotary positions, paged caches, left padding, windows) are stated in
 ``cuflash.reference_kvcache``, the float64 oracle. NumPy arrays run the CPU path
 (``cpu.attention_with_kvcache``): the append in place, then the blockwise forward over each
-sequence's keys, computing in float32 as the kernels do. CUDA arrays (CuPy, PyTorch, JAX) raise
-NotImplementedError: the decode kernel that serves them is not part of this version.
+sequence's keys, computing in float32 as the kernels do. CUDA arrays (CuPy, PyTorch, JAX) run
+the split-KV kernel (cuda/decode/split_kv.cu) and its merge (cuda/decode/merge.cu).
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
-from . import _arrays, _options, cpu
+from . import _arrays, _kernels, _options, cpu
 
 __all__ = ["attention_with_kvcache", "merge_states"]
 
@@ -51,11 +53,24 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     options = _options.make_options(arrays["q"], arrays["k_cache"], causal, softmax_scale, window_size, softcap,
                                     alibi_slopes, 0.0, None, 0, backward=False, seqlen_k=cache.capacity)
     _options.check_bool("return_lse", return_lse)
-    if arrays["q"].device is not None:
-        raise NotImplementedError("attention_with_kvcache runs on NumPy arrays (the CPU path) in this version; "
-                                  "CUDA arrays need the decode kernel, which it does not have")
-    out, lse = cpu.attention_with_kvcache(q, k_cache, v_cache, k, v, cache, options)
+    if arrays["q"].device is None:
+        out, lse = cpu.attention_with_kvcache(q, k_cache, v_cache, k, v, cache, options)
+    else:
+        out, lse = _attention_gpu(arrays, cache, options, return_lse)
     return (out, lse) if return_lse else out
+
+
+def _attention_gpu(arrays: dict, cache: _options.KVCache, options: _options.Options, return_lse: bool):
+    """The split kernel (decode/split_kv.cu) and, over several splits, the merge, on the
+    caller's stream; out and lse of the caller's kind."""
+    q = arrays["q"]
+    framework = _arrays.Framework(q)
+    out = framework.empty(q.shape, q.dtype)
+    lse = framework.empty((q.shape[0], q.shape[2], q.shape[1]), "float32") if return_lse else None
+    launcher = _kernels.decode_launcher(arrays, out, cache, options)
+    workspace = {name: framework.empty(shape, dtype) for name, shape, dtype in launcher.plan.workspace}
+    launcher(framework.stream, *_kernels.decode_pointers(arrays, out, lse, workspace, cache, options))
+    return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
 
 
 def merge_states(outs, lses):
@@ -69,10 +84,32 @@ def merge_states(outs, lses):
     parts_out, parts_lse = _parts("outs", outs), _parts("lses", lses)
     infos = [_arrays.inspect(x, f"outs[{i}]") for i, x in enumerate(parts_out)]
     _options.check_merge(infos, [_arrays.inspect(x, f"lses[{i}]") for i, x in enumerate(parts_lse)])
-    if infos[0].device is not None:
-        raise NotImplementedError("merge_states runs on NumPy arrays (the CPU path) in this version; CUDA arrays "
-                                  "need its kernel, which it does not have")
-    return merge_stacked(np.stack(parts_out), np.stack(parts_lse), np)
+    if infos[0].device is None:
+        return merge_stacked(np.stack(parts_out), np.stack(parts_lse), np)
+    return _merge_gpu(parts_out, parts_lse, infos[0])
+
+
+def _merge_gpu(parts_out: list, parts_lse: list, first: _arrays.ArrayInfo):
+    """The merge kernel (decode/merge.cu) over the parts, stacked once (a part list has
+    no common stride)."""
+    if first.dtype == "float64":
+        raise TypeError("merge_states on the GPU takes float16, bfloat16 or float32 parts, got float64")
+    framework = _arrays.Framework(first)
+    if first.framework == "torch":
+        import torch as xp
+    elif first.framework == "jax":
+        import jax.numpy as xp
+    else:
+        import cupy as xp
+    with framework.device if first.framework == "cupy" else contextlib.nullcontext():
+        outs, lses = xp.stack(parts_out), xp.stack(parts_lse)
+    if first.framework == "jax":
+        outs.block_until_ready(), lses.block_until_ready()
+    parts, part_lses = _arrays.inspect(outs, "outs"), _arrays.inspect(lses, "lses")
+    out = framework.empty(first.shape, first.dtype)
+    lse = framework.empty((first.shape[0], first.shape[2], first.shape[1]), "float32")
+    _kernels.merge_launcher(parts, part_lses, out)(framework.stream, parts.ptr, part_lses.ptr, out.ptr, lse.ptr)
+    return framework.finish(out.obj), framework.finish(lse.obj)
 
 
 def merge_stacked(outs, lses, xp):

@@ -102,18 +102,31 @@ def test_tile_table_fits_every_arch():
             assert kernel.shared_bytes <= _plan.shared_memory_limit(arch)
 
 
-def test_params_layout_matches_the_cuda_struct():
-    """cuflash._params.Params must lay out exactly like cuflash::Params. NVRTC has no
+def _leaves(struct, prefix=""):
+    """(dotted name, C member expression) of every scalar field, nested structs walked."""
+    from cuflash._params import ArrayView
+    for name, kind in struct._fields_:
+        if kind is ArrayView:
+            yield prefix + name, f"{prefix}{name}.ptr"
+        elif isinstance(kind, type) and issubclass(kind, ctypes.Structure):
+            yield from _leaves(kind, f"{prefix}{name}.")
+        else:
+            yield prefix + name, prefix + name
+
+
+@pytest.mark.parametrize("struct,header", [("Params", "params.cuh"), ("DecodeParams", "decode/decode_params.cuh"),
+                                           ("MergeParams", "decode/decode_params.cuh")])
+def test_params_layout_matches_the_cuda_struct(struct, header):
+    """cuflash._params' structs must lay out exactly like their CUDA structs. NVRTC has no
     offsetof, so one probe kernel per field reads it and the PTX says from where."""
-    from cuflash._params import ArrayView, Params
-    probes = []
-    for name, kind in Params._fields_:
-        member = f"{name}.ptr" if kind is ArrayView else name
-        probes.append(f"extern \"C\" __global__ void probe_{name}(const cuflash::Params p, long long* out) "
-                      f"{{ out[0] = (long long)p.{member}; }}")
+    from cuflash import _params
+    cls = getattr(_params, struct)
+    leaves = list(_leaves(cls))
+    probes = [f"extern \"C\" __global__ void probe_{i}(const cuflash::{struct} p, long long* out) "
+              f"{{ out[0] = (long long)p.{member}; }}" for i, (_, member) in enumerate(leaves)]
     nvrtc = _compile._nvrtc()
     headers = {n: t for n, t in _compile._sources().items() if n.endswith(".cuh")}
-    source = '#include "params.cuh"\n' + "\n".join(probes) + "\n"
+    source = f'#include "{header}"\n' + "\n".join(probes) + "\n"
     prog = nvrtc.createProgram(source, "layout.cu", list(headers.values()), [n.encode() for n in headers])
     try:
         nvrtc.compileProgram(prog, ["--gpu-architecture=sm_80", "--std=c++17"])
@@ -121,12 +134,12 @@ def test_params_layout_matches_the_cuda_struct():
     finally:
         nvrtc.destroyProgram(prog)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    param_bytes = re.search(r"\.param \.align \d+ \.b8 probe_q_param_0\[(\d+)\]", ptx)
-    assert param_bytes and int(param_bytes[1]) == ctypes.sizeof(Params)
-    for name, _ in Params._fields_:
-        load = re.search(rf"ld\.param\.\w+\s+%\w+, \[probe_{name}_param_0(?:\+(\d+))?\]", ptx)
+    param_bytes = re.search(r"\.param \.align \d+ \.b8 probe_0_param_0\[(\d+)\]", ptx)
+    assert param_bytes and int(param_bytes[1]) == ctypes.sizeof(cls)
+    for i, (name, _) in enumerate(leaves):
+        load = re.search(rf"ld\.param\.\w+\s+%\w+, \[probe_{i}_param_0(?:\+(\d+))?\]", ptx)
         assert load, f"no load of {name} in the PTX"
-        assert int(load[1] or 0) == getattr(Params, name).offset, name
+        assert int(load[1] or 0) == _params.field_offset(cls, name), name
 
 
 def test_cubin_is_the_whole_elf_file():

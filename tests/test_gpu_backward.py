@@ -138,7 +138,7 @@ def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_
 def test_the_tiles_of_smaller_devices(monkeypatch, arch, head_dim):
     """The tiles another arch's shared memory picks (one stage, smaller tiles, or the
     two-kernel backward where the one-pass kernel does not fit) run correctly here."""
-    monkeypatch.setattr(_kernels, "_shared_limit", lambda device: _plan.shared_memory_limit(arch))
+    monkeypatch.setattr(_kernels, "shared_limit", lambda device: _plan.shared_memory_limit(arch))
     forget_warm_calls(monkeypatch)  # (launchers are cached per device, not per limit)
     shape = Shape(2, 333, 301, 4, 2, head_dim, True)
     (dout, q, k, v), grads, _ = run_backward(shape, "bfloat16", head_dim, deterministic=False)

@@ -7,7 +7,7 @@ import pytest
 
 from cuflash import _compile, _options, _plan
 from cuflash._arrays import ArrayInfo, contiguous_strides
-from cuflash._params import Params
+from cuflash._params import DecodeParams, Params
 
 
 def info(shape, dtype="bfloat16", ptr=1 << 20) -> ArrayInfo:
@@ -31,7 +31,7 @@ def no_compiler(monkeypatch):
 
 
 def test_the_planner_imports_no_compiler_driver_or_framework():
-    """What _plan imports when it runs (type hints aside): the Params layout, no more."""
+    """What _plan imports when it runs (type hints aside): the argument layouts, no more."""
     tree = ast.parse(Path(_plan.__file__).read_text())
     typing_only = [node for node in ast.walk(tree)
                    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
@@ -42,7 +42,7 @@ def test_the_planner_imports_no_compiler_driver_or_framework():
             imported |= {f"{'.' * node.level}{node.module or ''}:{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             imported |= {a.name for a in node.names}
-    assert {name for name in imported if name.startswith(".")} == {"._params:ArrayView", "._params:Params"}
+    assert {name.split(":")[0] for name in imported if name.startswith(".")} == {"._params"}
     assert not {"cupy", "torch", "jax"} & {name.split(".")[0] for name in imported}
 
 
@@ -130,3 +130,30 @@ def test_planned_shared_memory_is_the_kernels_own_layout():
             nvrtc.destroyProgram(prog)
         checked += len(asserts)
     assert checked == len({(k.source, k.shared_layout) for k in variants}) > 20
+
+
+@pytest.mark.parametrize("num_splits,batch,splits", [(0, 1, 17), (0, 64, 1), (5, 1, 5)])
+def test_a_decode_plan(no_compiler, num_splits, batch, splits):
+    """The KV-cache call: GQA 32/8 packed four heads a row block, splits from the shapes
+    (132 multiprocessors), a merge step into the call's output with more than one."""
+    q = info((batch, 1, 32, 128))
+    k_cache, v_cache = info((batch, 4096, 8, 128)), info((batch, 4096, 8, 128))
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    cache = _options.kvcache(arrays, 1000, None, None, None, None, None, True, True, (-1, -1), num_splits)
+    options = _options.make_options(q, k_cache, True, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False,
+                                    seqlen_k=cache.capacity)
+    plan = _plan.decode(q, k_cache, v_cache, None, None, info(q.shape), cache, options,
+                        _plan.shared_memory_limit("sm_90"), 132)
+    decode_step, *merge_steps = plan.steps
+    assert decode_step.kernel.kind == "decode" and decode_step.grid == (splits, 8, batch)
+    p = DecodeParams.from_buffer_copy(plan.params)
+    assert (p.num_splits, p.heads_per_kv, p.seqlen_cache_all, p.capacity) == (splits, 4, 1000, 4096)
+    assert (p.window_left, p.window_right) == (-1, 0)
+    if splits == 1:
+        assert not merge_steps and not plan.workspace
+    else:
+        (merge_step,) = merge_steps
+        assert merge_step.argument == "merge" and merge_step.grid == (-(-batch * 32 // 4), 1, 1)
+        assert dict((n, s) for n, s, _ in plan.workspace) == {"partial_o": (splits, batch, 1, 32, 128),
+                                                             "partial_lse": (splits, batch, 32, 1)}
+        assert (p.merge.count, p.merge.part_stride, p.merge.lse_part_stride) == (splits, batch * 32 * 128, batch * 32)

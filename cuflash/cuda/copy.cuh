@@ -81,6 +81,31 @@ __device__ __forceinline__ void load_tile(SharedTile<L> tile, const elem_t* src,
   }
 }
 
+// Rows from anywhere -> the whole shared tile: row r from source(r), a pointer to its
+// first element, or null for a row of zeros (the KV-cache call's paged caches and packed
+// query heads). Threads share the chunks as in load_tile; `any` is a valid global
+// address, the source of the zero-filling copies.
+template <int kRows, int kThreads, bool kVec, typename L, typename Source>
+__device__ __forceinline__ void load_rows(SharedTile<L> tile, Source source, int headdim, const elem_t* any) {
+  using Lanes = ChunkLanes<L::kCols, kThreads>;
+  const int c_first = Lanes::first_chunk(), r_first = Lanes::first_row();
+  const int s_first = L::at(r_first, c_first * kChunkElems);
+  constexpr int kUnroll = kVec ? ceil_div(kRows, Lanes::kRowStep) : 1, kChunkUnroll = kVec ? Lanes::kPerLane : 1;
+#pragma unroll kUnroll
+  for (int it = 0; it < ceil_div(kRows, Lanes::kRowStep); ++it) {
+    const int r = r_first + it * Lanes::kRowStep;
+    if (kRows % Lanes::kRowStep != 0 && r >= kRows) break;
+    const elem_t* row = source(r);
+#pragma unroll kChunkUnroll
+    for (int j = 0; j < Lanes::kPerLane; ++j) {
+      const int c = (c_first + j * Lanes::kLanes) * kChunkElems, dc = j * Lanes::kLanes * kChunkElems;
+      const bool ok = row != nullptr && c < headdim;
+      load_chunk<kVec>(tile.data + L::moved(s_first, dc) + L::fixed(it * Lanes::kRowStep, dc), ok ? row + c : any,
+                       any, ok, headdim - c);
+    }
+  }
+}
+
 // The whole shared tile -> global rows [row0, row0 + kRows), clipped to nrows x headdim;
 // the threads share the chunks as in load_tile. (Addresses from the row index: with
 // pointers advanced as in load_tile, the d 128 causal backward spilled 4 bytes.)

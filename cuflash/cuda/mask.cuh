@@ -21,6 +21,15 @@ struct Mask {
                 right < 0 || right >= seqlen_k ? unbounded : right};
   }
 
+  // The band with the sides as given: negative is unbounded, any other value a bound,
+  // however far (the KV-cache call normalises its window against the cache's length on
+  // the host, as flash-attn does, not against each sequence's).
+  static __device__ __forceinline__ Mask bounded(int seqlen_q, int seqlen_k, int left, int right) {
+    const int unbounded = seqlen_q + seqlen_k + 1;
+    return Mask{seqlen_k, seqlen_k - seqlen_q, left < 0 ? unbounded : min(left, unbounded),
+                right < 0 ? unbounded : min(right, unbounded)};
+  }
+
   __device__ __forceinline__ bool visible(int row, int col) const {
     return col < seqlen_k && (!kLocal || (col >= row + diagonal - left && col <= row + diagonal + right));
   }
@@ -73,6 +82,27 @@ struct Mask {
         const int line = row0 + mt * 16 + g + 8 * h;
         const int2 seen = kTransposed ? queries_seeing(line) : keys_seen_by(line);
         const int lo = seen.x - (col0 + 2 * t), hi = seen.y - (col0 + 2 * t);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            if ((nt * 8 + j < lo) | (nt * 8 + j > hi)) s[mt][nt][2 * h + j] = -kInf;
+      }
+  }
+
+  // As apply, where a lane's lines are not consecutive query rows (the KV-cache call packs
+  // the query heads of a KV head into the tile's lines): line (mt, h) of this lane is
+  // query row rows[mt][h].
+  template <int kMTiles, int kNTiles>
+  __device__ __forceinline__ void apply_to_rows(float (&s)[kMTiles][kNTiles][4], const int (&rows)[kMTiles][2],
+                                                int col0, int lane) const {
+    const int t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int2 seen = keys_seen_by(rows[mt][h]);
+        const int lo = max(seen.x, 0) - (col0 + 2 * t), hi = seen.y - (col0 + 2 * t);
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll

@@ -1,0 +1,37 @@
+// Partial attention results and their merge: the one contract of the split kernel's
+// in-CTA reduction, its merge step and cuflash.merge_states.
+//
+// A part is the attention of a row over a subset of the keys: O_i normalised over that
+// subset and LSE_i = log sum exp(s) over it (natural log); LSE_i = +inf or -inf marks a
+// part that saw no key (its O_i is ignored). Over the union:
+//   top = max of the finite LSE_i;  w_i = exp(LSE_i - top), 0 for an empty part
+//   O = sum_i w_i O_i / sum_i w_i;  LSE = top + log sum_i w_i
+// and a row no part saw gets O = 0 and LSE = +inf, as the forward's fully masked rows.
+// The sums run over the parts in their order, so a merge is bitwise reproducible.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+struct PartialMerge {
+  float top = -kInf;  // the largest finite LSE seen
+  float total = 0.f;  // sum of the weights
+
+  static __device__ __forceinline__ bool empty(float lse) { return fabsf(lse) == kInf; }
+
+  // First pass: every part's LSE.
+  __device__ __forceinline__ void see(float lse) {
+    if (!empty(lse)) top = fmaxf(top, lse);
+  }
+  // Second pass: each part's weight, in order (summed into total).
+  __device__ __forceinline__ float weigh(float lse) {
+    const float w = empty(lse) ? 0.f : fast_exp2((lse - top) * kLog2e);
+    total += w;
+    return w;
+  }
+  // After the second pass: the factor of sum_i w_i O_i, and the merged LSE.
+  __device__ __forceinline__ float out_scale() const { return total > 0.f ? 1.f / total : 0.f; }
+  __device__ __forceinline__ float lse() const { return total > 0.f ? top + fast_log2(total) * kLn2 : kInf; }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,280 @@
+"""The KV-cache call and merge_states on the GPU (decode/split_kv.cu, decode/merge.cu)
+against the float64 oracle (cuflash.reference_kvcache): the output, the LSE and the cache
+rows the call writes; paged against contiguous, every split count, rows that must never
+be read filled with NaN, CUDA-graph replay with growing lengths."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash.reference_kvcache import attention_kvcache_reference, merge_states_reference
+
+from .strategies import assert_close, assert_lse_close, kvcache_calls, paged_caches
+from .test_gpu_forward import cupy_dtype, poisoned_allocations
+
+pytestmark = pytest.mark.gpu
+
+# Relative to the output's scale: the kernels compute in fp32 from 16-bit inputs (and round
+# rotated queries to them, as flash-attn does).
+TOLERANCE = {"float16": 4e-3, "bfloat16": 3e-2}
+
+
+@st.composite
+def long_calls(draw):
+    """kvcache_calls' options at sizes of several key tiles and splits: head dims of every
+    bucket (and unaligned ones), GQA groups that fill a row block and more."""
+    c = draw(kvcache_calls(paged=draw(st.booleans())))
+    c["d"] = draw(st.sampled_from([32, 59, 64, 96, 128, 160, 256]))
+    c["nheads"] = c["nheads_k"] * draw(st.sampled_from([1, 4, 8]))
+    c["capacity"] = draw(st.integers(max(c["seqlen_new"], 1), 700))
+    c["lengths"] = [draw(st.integers(0, c["capacity"] - c["seqlen_new"])) for _ in range(c["batch"])]
+    c["leftpads"] = [draw(st.integers(0, n)) if draw(st.booleans()) else 0 for n in c["lengths"]]
+    if c["rotary_dim"]:
+        c["rotary_dim"] = draw(st.sampled_from([2, 16, c["d"] // 2 * 2]))
+    if c["page_size"]:
+        c["page_size"] = draw(st.sampled_from([1, 3, 16, 17, 63, 65, 256]))
+    c["num_splits"] = draw(st.sampled_from([0, 1, 2, 3]))
+    return c
+
+
+def make_call(c: dict, dtype: str, rng, nan_outside=False):
+    """(q, k_cache, v_cache, k, v, keywords) of the drawn call ``c`` as NumPy arrays of
+    ``dtype`` (the oracle's inputs); with ``nan_outside`` every cache row the call must not
+    read holds NaN."""
+    np_dtype = cupy_dtype(dtype)
+    batch, nheads_k, d = c["batch"], c["nheads_k"], c["d"]
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np_dtype)
+
+    q = normal(batch, c["seqlen_q"], c["nheads"], d)
+    kw = dict(cache_seqlens=np.array(c["lengths"], np.int32), causal=c["causal"], window_size=c["window"],
+              softcap=c["softcap"], num_splits=c.get("num_splits", 0))
+    if c["page_size"]:
+        table, k_cache, v_cache, _, _ = paged_caches(rng, batch, c["capacity"], c["page_size"], nheads_k, d,
+                                                     np.float32, spare=2)
+        k_cache, v_cache = k_cache.astype(np_dtype), v_cache.astype(np_dtype)
+        kw["block_table"] = table
+    else:
+        caches = batch + 2 if c["batch_idx"] else batch
+        k_cache, v_cache = normal(caches, c["capacity"], nheads_k, d), normal(caches, c["capacity"], nheads_k, d)
+        if c["batch_idx"]:
+            kw["cache_batch_idx"] = rng.permutation(caches)[:batch].astype(np.int32)
+    k = v = None
+    if c["seqlen_new"]:
+        k, v = normal(batch, c["seqlen_new"], nheads_k, d), normal(batch, c["seqlen_new"], nheads_k, d)
+    if any(c["leftpads"]):
+        kw["cache_leftpad"] = np.array(c["leftpads"], np.int32)
+    if c["rotary_dim"]:
+        angle = rng.uniform(0, 2 * np.pi, (c["capacity"] + c["seqlen_q"], c["rotary_dim"] // 2))
+        table_dtype = np.float32 if rng.random() < 0.5 else np_dtype
+        kw.update(rotary_cos=np.cos(angle).astype(table_dtype), rotary_sin=np.sin(angle).astype(table_dtype),
+                  rotary_interleaved=c["interleaved"])
+    if c["alibi"]:
+        kw["alibi_slopes"] = rng.uniform(0, 0.5, (batch, c["nheads"])).astype(np.float32)
+    if nan_outside:
+        for b in range(batch):
+            for cache in (k_cache, v_cache):
+                keep = cache_rows_of(kw, b, c["leftpads"][b], c["lengths"][b], cache.shape[1])
+                saved = cache[keep].copy()
+                if "block_table" in kw:
+                    cache[kw["block_table"][b]] = np.nan
+                else:
+                    cache[kw.get("cache_batch_idx", np.arange(batch))[b]] = np.nan
+                cache[keep] = saved
+    return q, k_cache, v_cache, k, v, kw
+
+
+def cache_rows_of(kw, b, begin, end, page_size):
+    """Index of rows [begin, end) of sequence b's cache (contiguous or paged)."""
+    from cuflash.reference_kvcache import cache_rows
+    return cache_rows(b, np.arange(begin, end), kw.get("cache_batch_idx"), kw.get("block_table"), page_size)
+
+
+def on_gpu(x):
+    import cupy
+    return cupy.asarray(x) if isinstance(x, np.ndarray) else x
+
+
+def run(q, k_cache, v_cache, k, v, kw):
+    """The GPU call on CuPy copies: (out, lse, k_cache, v_cache) back on the host."""
+    import cupy
+    args = [on_gpu(x) for x in (q, k_cache, v_cache, k, v)]
+    with poisoned_allocations():
+        out, lse = cuflash.attention_with_kvcache(*args, return_lse=True,
+                                                  **{n: on_gpu(x) for n, x in kw.items()})
+    assert type(out) is cupy.ndarray and out.dtype == args[0].dtype and out.shape == q.shape
+    return out.get(), lse.get(), args[1].get(), args[2].get()
+
+
+def check(c: dict, dtype: str, nan_outside=False):
+    rng = np.random.default_rng(c["seed"])
+    q, k_cache, v_cache, k, v, kw = make_call(c, dtype, rng, nan_outside)
+    reference_kw = {n: x for n, x in kw.items() if n != "num_splits"}
+    want_out, want_lse, want_k, want_v = attention_kvcache_reference(q, k_cache, v_cache, k, v, **reference_kw)
+    out, lse, got_k, got_v = run(q, k_cache, v_cache, k, v, kw)
+    tol = TOLERANCE[dtype]
+    assert_close(out.astype(np.float64), want_out, atol=tol * (1 + np.abs(want_out).max(initial=0)), name="out")
+    assert_lse_close(lse, want_lse, atol=4 * tol)
+    # The append: values bitwise, rotated keys within one rounding of the float64 rotation;
+    # every other row untouched (NaN included).
+    np.testing.assert_array_equal(got_v.view(np.uint16), want_v.view(np.uint16))
+    want_k64, got_k64 = want_k.astype(np.float64), got_k.astype(np.float64)
+    ulp = np.spacing(np.abs(want_k).astype(np.float32)) * (2.0**13 if dtype == "float16" else 2.0**16)
+    same = (got_k.view(np.uint16) == want_k.view(np.uint16)) | (np.abs(got_k64 - want_k64) <= ulp)
+    assert same.all(), "k_cache"
+
+
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(call=kvcache_calls(paged=False) | kvcache_calls(paged=True), dtype=st.sampled_from(["float16", "bfloat16"]))
+def test_small_calls_match_the_oracle(call, dtype):
+    check(call, dtype)
+
+
+@settings(deadline=None, max_examples=120, suppress_health_check=[HealthCheck.too_slow])
+@given(call=long_calls(), dtype=st.sampled_from(["float16", "bfloat16"]))
+def test_long_calls_match_the_oracle(call, dtype):
+    check(call, dtype)
+
+
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+@given(call=long_calls(), dtype=st.sampled_from(["float16", "bfloat16"]))
+def test_rows_outside_the_sequences_are_never_read(call, dtype):
+    """Cache rows past a sequence's length, before its left padding and in the unused rows
+    of its pages hold NaN (as freshly allocated caches may): nothing of it reaches out."""
+    check(call, dtype, nan_outside=True)
+
+
+def decode_case(rng, dtype="bfloat16", batch=3, capacity=1000, nheads=8, nheads_k=2, d=128, seqlen_q=1):
+    import cupy
+    np_dtype = cupy_dtype(dtype)
+    q = cupy.asarray(rng.standard_normal((batch, seqlen_q, nheads, d)).astype(np_dtype))
+    k_cache, v_cache = (cupy.asarray(rng.standard_normal((batch, capacity, nheads_k, d)).astype(np_dtype))
+                        for _ in "kv")
+    lengths = cupy.asarray(rng.integers(1, capacity - seqlen_q, batch).astype(np.int32))
+    return q, k_cache, v_cache, lengths
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 17, 63, 65, 256])
+def test_paged_is_bitwise_the_contiguous_call(page_size):
+    import cupy
+    rng = np.random.default_rng(page_size)
+    batch, capacity, nheads_k, d = 2, 600, 2, 64
+    table, k_pages, v_pages, k_dense, v_dense = paged_caches(rng, batch, capacity, page_size, nheads_k, d, np.float16)
+    q = rng.standard_normal((batch, 3, 8, d)).astype(np.float16)
+    k, v = (rng.standard_normal((batch, 3, nheads_k, d)).astype(np.float16) for _ in "kv")
+    angle = rng.uniform(0, 6, (capacity + 3, 16))
+    kw = dict(cache_seqlens=cupy.asarray(np.array([0, capacity - 3], np.int32)),
+              rotary_cos=cupy.asarray(np.cos(angle).astype(np.float16)),
+              rotary_sin=cupy.asarray(np.sin(angle).astype(np.float16)), causal=True, return_lse=True, num_splits=3)
+    g = [cupy.asarray(x) for x in (q, k_dense, v_dense, k, v, k_pages, v_pages, table)]
+    dense = cuflash.attention_with_kvcache(g[0], g[1], g[2], g[3], g[4], **kw)
+    paged = cuflash.attention_with_kvcache(g[0], g[5], g[6], g[3], g[4], block_table=g[7], **kw)
+    assert (dense[0] == paged[0]).all() and (dense[1] == paged[1]).all()
+    for pool, cache in ((g[5], g[1]), (g[6], g[2])):
+        assert (pool[g[7]].reshape(batch, -1, nheads_k, d)[:, :capacity] == cache).all()
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_every_split_count_agrees_and_each_is_reproducible(seqlen_q):
+    rng = np.random.default_rng(seqlen_q)
+    q, k_cache, v_cache, lengths = decode_case(rng, seqlen_q=seqlen_q)
+    results = {}
+    for splits in (1, 2, 7, 0, 40):
+        runs = [cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                               num_splits=splits, return_lse=True) for _ in range(2)]
+        assert (runs[0][0] == runs[1][0]).all() and (runs[0][1] == runs[1][1]).all(), splits
+        results[splits] = runs[0]
+    for splits, (out, lse) in results.items():
+        assert_close(out.get().astype(np.float64), results[1][0].get().astype(np.float64), atol=2e-2, name=str(splits))
+        assert_close(lse.get(), results[1][1].get(), atol=1e-4, name=f"lse {splits}")
+    want, want_lse, _, _ = attention_kvcache_reference(q.get(), k_cache.get(), v_cache.get(),
+                                                       cache_seqlens=lengths.get(), causal=True)
+    assert_close(results[0][0].get().astype(np.float64), want, atol=2e-2)
+    assert_close(results[0][1].get(), want_lse, atol=1e-3)
+
+
+@pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 999, 1000])
+def test_lengths_at_the_edges(length):
+    """Empty, one key, a tile +- 1, a full cache (capacity 1000)."""
+    import cupy
+    rng = np.random.default_rng(length)
+    q, k_cache, v_cache, _ = decode_case(rng, batch=2)
+    lengths = cupy.asarray(np.array([length, 1000 - length], np.int32))
+    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True)
+    want, want_lse, _, _ = attention_kvcache_reference(q.get(), k_cache.get(), v_cache.get(),
+                                                       cache_seqlens=lengths.get())
+    assert_close(out.get().astype(np.float64), want, atol=2e-2)
+    assert_lse_close(lse.get(), want_lse, atol=1e-3)
+
+
+def test_a_cuda_graph_replays_with_growing_lengths():
+    """One captured decode step (append one token, attend), replayed while cache_seqlens
+    grows on the device: each replay is the eager call at that length."""
+    torch = pytest.importorskip("torch")
+    import cuflash.torch
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batch, capacity, nheads, nheads_k, d = 2, 300, 8, 2, 64
+
+    def normal(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    k_cache, v_cache = normal(batch, capacity, nheads_k, d), normal(batch, capacity, nheads_k, d)
+    angle = torch.rand(capacity + 1, d // 4, device="cuda", generator=gen) * 6
+    cos, sin = angle.cos(), angle.sin()
+    q, k, v = normal(batch, 1, nheads, d), normal(batch, 1, nheads_k, d), normal(batch, 1, nheads_k, d)
+    lengths = torch.tensor([5, 100], device="cuda", dtype=torch.int32)
+    caches0 = (k_cache.clone(), v_cache.clone())
+
+    def step():
+        return cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                                    rotary_cos=cos, rotary_sin=sin, causal=True)
+
+    step()  # compile and load outside the capture
+    k_cache.copy_(caches0[0]), v_cache.copy_(caches0[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    k_eager, v_eager = caches0[0].clone(), caches0[1].clone()
+    k_cache.copy_(caches0[0]), v_cache.copy_(caches0[1])
+    for _ in range(6):
+        graph.replay()
+        want = cuflash.torch.attention_with_kvcache(q, k_eager, v_eager, k, v, cache_seqlens=lengths,
+                                                    rotary_cos=cos, rotary_sin=sin, causal=True)
+        assert torch.equal(out, want) and torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
+        lengths += 1
+
+
+def test_torch_and_flash_attn_interface_on_the_gpu():
+    torch = pytest.importorskip("torch")
+    from cuflash.flash_attn_interface import flash_attn_with_kvcache
+    rng = np.random.default_rng(5)
+    q, k_cache, v_cache, lengths = decode_case(rng, dtype="float16", seqlen_q=2)
+    t = [torch.as_tensor(x, device="cuda") for x in (q, k_cache, v_cache, lengths)]
+    out, lse = flash_attn_with_kvcache(t[0], t[1], t[2], cache_seqlens=t[3], causal=True, return_softmax_lse=True)
+    want, want_lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                    return_lse=True)
+    assert torch.equal(out, torch.as_tensor(want, device="cuda")) and torch.equal(lse, torch.as_tensor(want_lse))
+
+
+@settings(deadline=None, max_examples=60)
+@given(parts=st.integers(1, 9), dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+       d=st.sampled_from([1, 8, 59, 128, 256]), seed=st.integers(0, 2**32 - 1))
+def test_merge_states_matches_the_oracle(parts, dtype, d, seed):
+    import cupy
+    rng = np.random.default_rng(seed)
+    np_dtype = np.float32 if dtype == "float32" else cupy_dtype(dtype)
+    outs = rng.standard_normal((parts, 2, 3, 4, d)).astype(np_dtype)
+    lses = rng.normal(0, 3, (parts, 2, 4, 3)).astype(np.float32)
+    lses[rng.random(lses.shape) < 0.3] = np.inf  # empty parts
+    lses[rng.random(lses.shape) < 0.1] = -np.inf
+    lses[:, 0, 0, 0] = np.inf  # a row no part saw
+    want, want_lse = merge_states_reference(outs, lses)
+    outs_gpu, lses_gpu = cupy.asarray(outs), cupy.asarray(lses)
+    for given_parts in (outs_gpu, [outs_gpu[i] for i in range(parts)]):
+        out, lse = cuflash.merge_states(given_parts, lses_gpu if given_parts is outs_gpu else list(lses_gpu))
+        assert type(out) is cupy.ndarray and out.dtype == outs.dtype and lse.dtype == np.float32
+        assert_close(out.get().astype(np.float64), want, atol=TOLERANCE.get(dtype, 1e-5) * (1 + np.abs(want).max()))
+        assert_lse_close(lse.get(), want_lse, atol=1e-4)
+        assert (out.get()[0, 0, 0] == 0).all() and np.isposinf(lse.get()[0, 0, 0])
