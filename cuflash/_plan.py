@@ -127,12 +127,14 @@ KINDS = {
     }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", True,
         "BackwardDqShared"),
     # The KV-cache call (decode/split_kv.cu): 16 packed query rows + stages x (K tile + V
-    # tile); the warps split each key tile, 16 keys each. Four 32 KB stages in flight
-    # (three at d 256); two where shared memory is short (sm_86, sm_89).
+    # tile); the warps split each key tile, 16 keys each. Two stages of about 32 KB: three
+    # CTAs share a multiprocessor (at d 128), so that their warps hide each other's
+    # latencies while about 100 KB of loads are in flight. (One CTA of four warps with four
+    # stages kept 96 KB in flight but issued one instruction at a time: 1.3 TB/s.)
     "decode": Kind("decode/split_kv.cu", "attention_decode", {
-        **{d: (_T(16, 128, 4, 4), _T(16, 128, 4, 2)) for d in (32, 64)},
-        **{d: (_T(16, 64, 4, 4), _T(16, 64, 4, 2)) for d in (96, 128)},
-        **{d: (_T(16, 64, 4, 3), _T(16, 32, 2, 4), _T(16, 32, 2, 2)) for d in (160, 192, 224, 256)},
+        **{d: (_T(16, 128, 4, 2),) for d in (32, 64)},
+        **{d: (_T(16, 64, 4, 2),) for d in (96, 128)},
+        **{d: (_T(16, 32, 2, 2),) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False, "DecodeShared"),
 }
 
@@ -395,7 +397,9 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     kernel = globals()["kernel"]("decode", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
     row_blocks = -(-p.heads_per_kv * seqlen_q // kernel.tile.block_m)
     tiles = -(-cache.capacity // kernel.tile.block_n)
-    p.num_splits = splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors)
+    resident = max(1, (shared_limit + 1024) // (kernel.shared_bytes + 1024))  # CTAs a multiprocessor holds
+    p.num_splits = splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles,
+                                                              multiprocessors * min(resident, 4))
     if not (batch and seqlen_q and nheads):
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
     steps = [Step(kernel, (splits * row_blocks, nheads_k, batch))]
@@ -415,13 +419,14 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     return Plan(bytes(p), DECODE_POINTERS, tuple(steps), DecodeParams, workspace)
 
 
-def decode_splits(ctas: int, tiles: int, multiprocessors: int) -> int:
+def decode_splits(ctas: int, tiles: int, slots: int) -> int:
     """Splits of the keys for a KV-cache call whose unsplit grid has ``ctas`` CTAs, over a
     cache of ``tiles`` key tiles, from the shapes alone (no sequence's length: those stay on
-    the device): enough splits to give every multiprocessor a CTA, no more than the tiles."""
-    if ctas >= multiprocessors:
+    the device): enough splits to fill the ``slots`` CTAs the GPU runs at once, no more than
+    the tiles."""
+    if ctas >= slots:
         return 1
-    return max(1, min(-(-multiprocessors // ctas), tiles, MAX_SPLITS))
+    return max(1, min(-(-slots // ctas), tiles, MAX_SPLITS))
 
 
 MERGE_POINTERS = ("parts", "lses", "out", "out_lse")

@@ -42,6 +42,13 @@ struct CachedSequence {
     if (page < 0 || page >= pages_total) return -1;
     return int64(page) * a.batch_stride + int64(t % page_size) * a.row_stride;
   }
+
+  // Are rows [t, t + rows) all cached rows of this call (past the left padding, before
+  // the new ones) lying one row stride apart: in a contiguous cache, or in one page?
+  // Then a tile of them is one strided copy from the first (most tiles of a long cache).
+  __device__ __forceinline__ bool strided(int t, int rows) const {
+    return t >= leftpad && t + rows <= length && (pages == nullptr || t / page_size == (t + rows - 1) / page_size);
+  }
 };
 
 }  // namespace cuflash

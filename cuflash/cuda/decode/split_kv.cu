@@ -121,11 +121,23 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_decode(const DecodeP
     const int64 at = seq.offset(cache, t);
     return at < 0 ? nullptr : cache.ptr + at + int64(kv_head) * cache.head_stride;
   };
+  // Key tile n's K and V into a stage: one strided copy where its rows allow (cache.cuh),
+  // else row by row.
   auto issue = [&](int n, int stage) {
-    load_rows<kBlockN, kThreads, kVec>(
-        k_tiles[stage], [&](int r) { return key_row(p.k_cache, p.k_new, n * kBlockN + r); }, p.headdim, p.q.ptr);
-    load_rows<kBlockN, kThreads, kVec>(
-        v_tiles[stage], [&](int r) { return key_row(p.v_cache, p.v_new, n * kBlockN + r); }, p.headdim, p.q.ptr);
+    const int t0 = n * kBlockN;
+    const int64 k_at = seq.strided(t0, kBlockN) ? seq.offset(p.k_cache, t0) : -1;
+    if (k_at >= 0) {
+      const int64 v_at = seq.offset(p.v_cache, t0);
+      load_tile<kBlockN, kThreads, kVec>(k_tiles[stage], p.k_cache.ptr + k_at + int64(kv_head) * p.k_cache.head_stride,
+                                         p.k_cache.row_stride, 0, kBlockN, p.headdim);
+      load_tile<kBlockN, kThreads, kVec>(v_tiles[stage], p.v_cache.ptr + v_at + int64(kv_head) * p.v_cache.head_stride,
+                                         p.v_cache.row_stride, 0, kBlockN, p.headdim);
+    } else {
+      load_rows<kBlockN, kThreads, kVec>(
+          k_tiles[stage], [&](int r) { return key_row(p.k_cache, p.k_new, t0 + r); }, p.headdim, p.q.ptr);
+      load_rows<kBlockN, kThreads, kVec>(
+          v_tiles[stage], [&](int r) { return key_row(p.v_cache, p.v_new, t0 + r); }, p.headdim, p.q.ptr);
+    }
   };
 
   // Q with the first tile, then one tile a group, kStages - 1 ahead.
