@@ -83,16 +83,20 @@ def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Optio
     return launcher
 
 
-def decode_pointers(arrays: dict, out: ArrayInfo, lse: ArrayInfo | None, workspace: dict, cache: KVCache,
-                    options: Options) -> tuple[int, ...]:
-    """The pointers of a KV-cache launch, in _plan.DECODE_POINTERS' order."""
-    def ptr(a):
-        return a.ptr if isinstance(a, ArrayInfo) else 0
-    partial_o, partial_lse = ptr(workspace.get("partial_o")), ptr(workspace.get("partial_lse"))
-    return (arrays["q"].ptr, out.ptr, arrays["k_cache"].ptr, arrays["v_cache"].ptr, ptr(arrays.get("k")),
-            ptr(arrays.get("v")), ptr(lse), partial_o, partial_lse, ptr(cache.cache_seqlens), ptr(cache.batch_idx),
-            ptr(cache.leftpad), ptr(cache.block_table), ptr(cache.rotary_cos), ptr(cache.rotary_sin),
-            ptr(options.alibi), partial_o, partial_lse, out.ptr, ptr(lse))
+def decode_pointers(infos: dict, out: ArrayInfo, lse: ArrayInfo | None, partial_o: int,
+                    partial_lse: int) -> tuple[int, ...]:
+    """The pointers of a KV-cache launch, in _plan.DECODE_POINTERS' order: ``infos`` holds
+    the call's arrays by argument name (q, k_cache, ..., alibi_slopes), those given."""
+    get = infos.get
+    return (infos["q"].ptr, out.ptr, infos["k_cache"].ptr, infos["v_cache"].ptr, *_pointers(get("k"), get("v"), lse),
+            partial_o, partial_lse, *_pointers(get("cache_seqlens"), get("cache_batch_idx"), get("cache_leftpad"),
+                                               get("block_table"), get("rotary_cos"), get("rotary_sin"),
+                                               get("alibi_slopes")),
+            partial_o, partial_lse, out.ptr, 0 if lse is None else lse.ptr)
+
+
+def _pointers(*arrays) -> list[int]:
+    return [0 if a is None else a.ptr for a in arrays]
 
 
 def _decode_key(arrays: dict, out: ArrayInfo, cache: KVCache, options: Options):

@@ -218,8 +218,10 @@ class _KVCacheCallback:
                                    None if alibi is None else _info(alibi, "float32"))
         out_info = _info(out, c.dtype)
         launcher = _kernels.decode_launcher(arrays, out_info, cache, options)
-        work = {name: _info(b, "float32") for name, b in workspace.items()}
-        launcher(ctx.stream, *_kernels.decode_pointers(arrays, out_info, _info(lse, "float32"), work, cache, options))
+        work = [_info(workspace[name], "float32").ptr if name in workspace else 0
+                for name in ("partial_o", "partial_lse")]
+        infos = {**described, **arrays, **({} if options.alibi is None else {"alibi_slopes": options.alibi})}
+        launcher(ctx.stream, *_kernels.decode_pointers(infos, out_info, _info(lse, "float32"), *work))
 
 
 @dataclasses.dataclass(frozen=True)

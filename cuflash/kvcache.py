@@ -13,6 +13,7 @@ the split-KV kernel (cuda/decode/split_kv.cu) and its merge (cuda/decode/merge.c
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
@@ -46,30 +47,77 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     depend on it beyond rounding. Returns out like q, or (out, lse) with ``return_lse``,
     lse float32 (batch, nheads, seqlen_q) (+inf for a row that sees no key).
     """
-    arrays = {name: _arrays.inspect(x, name) for name, x in
-              (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)) if x is not None}
-    cache = _options.kvcache(arrays, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-                             rotary_sin, rotary_interleaved, causal, window_size, num_splits)
-    options = _options.make_options(arrays["q"], arrays["k_cache"], causal, softmax_scale, window_size, softcap,
-                                    alibi_slopes, 0.0, None, 0, backward=False, seqlen_k=cache.capacity)
-    _options.check_bool("return_lse", return_lse)
-    if arrays["q"].device is None:
-        out, lse = cpu.attention_with_kvcache(q, k_cache, v_cache, k, v, cache, options)
+    given = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+                 rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    infos = {name: _arrays.inspect(x, name) for name, x in given.items() if x is not None and _is_array(x)}
+    key = _signature(infos, cache_seqlens, rotary_interleaved, causal, window_size, softcap, softmax_scale,
+                     num_splits, return_lse)
+    warm = _warm.get(key)
+    if warm is None:
+        arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
+        cache = _options.kvcache(arrays, infos.get("cache_seqlens", cache_seqlens), infos.get("cache_batch_idx"),
+                                 infos.get("cache_leftpad"), infos.get("block_table"), infos.get("rotary_cos"),
+                                 infos.get("rotary_sin"), rotary_interleaved, causal, window_size, num_splits)
+        options = _options.make_options(arrays["q"], arrays["k_cache"], causal, softmax_scale, window_size, softcap,
+                                        alibi_slopes, 0.0, None, 0, backward=False, seqlen_k=cache.capacity)
+        _options.check_bool("return_lse", return_lse)
+        warm = _Warm(cache, options)
+        if key is not None:
+            _warm[key] = warm
+    if infos["q"].device is None:
+        out, lse = cpu.attention_with_kvcache(q, k_cache, v_cache, k, v, warm.cache, warm.options)
     else:
-        out, lse = _attention_gpu(arrays, cache, options, return_lse)
+        out, lse = _attention_gpu(infos, warm, return_lse)
     return (out, lse) if return_lse else out
 
 
-def _attention_gpu(arrays: dict, cache: _options.KVCache, options: _options.Options, return_lse: bool):
+# Warm calls on the GPU: a call signature (every array's kind, device, shape, strides,
+# dtype and alignment, every other argument) that passed the checks once passes them
+# again, and launches what it launched. (On a GPU no check reads an array's values; on
+# the CPU they are read, so every call is checked.)
+class _Warm:
+    __slots__ = ("cache", "options", "launcher")
+
+    def __init__(self, cache: _options.KVCache, options: _options.Options):
+        self.cache, self.options, self.launcher = cache, options, None
+
+
+_warm: dict = {}
+
+
+def _signature(infos: dict, cache_seqlens, *scalars):
+    q = infos["q"]
+    if q.device is None or len(_warm) > 4096:
+        return None
+    layouts = tuple([(name, a.framework, a.device, a.shape, a.strides, a.dtype, a.ptr % 16 == 0)
+                     for name, a in infos.items()])
+    # repr tells apart what == would not (True / 1 / 1.0, a list from a tuple)
+    return layouts, repr((None if "cache_seqlens" in infos else cache_seqlens, *scalars))
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and not isinstance(x, np.generic)
+
+
+def _attention_gpu(infos: dict, warm: _Warm, return_lse: bool):
     """The split kernel (decode/split_kv.cu) and, over several splits, the merge, on the
     caller's stream; out and lse of the caller's kind."""
-    q = arrays["q"]
+    q = infos["q"]
     framework = _arrays.Framework(q)
     out = framework.empty(q.shape, q.dtype)
     lse = framework.empty((q.shape[0], q.shape[2], q.shape[1]), "float32") if return_lse else None
-    launcher = _kernels.decode_launcher(arrays, out, cache, options)
-    workspace = {name: framework.empty(shape, dtype) for name, shape, dtype in launcher.plan.workspace}
-    launcher(framework.stream, *_kernels.decode_pointers(arrays, out, lse, workspace, cache, options))
+    launcher = warm.launcher
+    if launcher is None:
+        arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
+        launcher = warm.launcher = _kernels.decode_launcher(arrays, out, warm.cache, warm.options)
+    partial_o = partial_lse = 0
+    if launcher.plan.workspace:  # the splits' results, in one allocation
+        (_, o_shape, _), (_, lse_shape, _) = launcher.plan.workspace
+        o_size = math.prod(o_shape)
+        work = framework.empty((o_size + math.prod(lse_shape),), "float32")
+        partial_o, partial_lse = work.ptr, work.ptr + 4 * o_size
+    launcher(framework.stream, *_kernels.decode_pointers(infos, out, lse, partial_o, partial_lse))
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
 
 

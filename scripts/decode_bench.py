@@ -79,6 +79,48 @@ def case(batch: int, length: int, quick: bool) -> dict:
     return {name: (kv_bytes / (g * 1e3), kv_bytes / (p * 1e3), g, p) for name, (g, p) in results.items()}
 
 
+def host_times() -> None:
+    """Host time per call (perf_counter over 1000 calls issued back to back; their GPU work
+    is shorter), batch 1, L 4096, one new token appended with rotary."""
+    import time
+
+    import cupy
+    batch, length = 1, 4096
+    k_cache, v_cache = (torch.randn(batch, length, NHEADS_K, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    q = torch.randn(batch, 1, NHEADS, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, 1, NHEADS_K, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    lengths = torch.full((batch,), length - 1, device="cuda", dtype=torch.int32)
+    angle = torch.rand(length, D // 2, device="cuda")
+    cos, sin = angle.cos(), angle.sin()
+    c = {name: cupy.asarray(x) for name, x in dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, lengths=lengths,
+                                                    cos=cos, sin=sin).items()}
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    calls = {
+        "cuflash.torch, append + rotary": lambda: cuflash.torch.attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=lengths, rotary_cos=cos, rotary_sin=sin, causal=True),
+        "cuflash.torch, read only": lambda: cuflash.torch.attention_with_kvcache(q, k_cache, v_cache,
+                                                                                 cache_seqlens=lengths),
+        "cuflash on CuPy, append + rotary": lambda: cuflash.attention_with_kvcache(
+            c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], cache_seqlens=c["lengths"], rotary_cos=c["cos"],
+            rotary_sin=c["sin"], causal=True),
+        "SDPA cuDNN": lambda: sdpa(qt, kt, vt, enable_gqa=True),
+    }
+    print("host time per call, batch 1, L 4096 (median of 5 x 1000 calls)")
+    for name, call in calls.items():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            for _ in range(50):
+                call()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(1000):
+                    call()
+                times.append((time.perf_counter() - start) * 1e3)
+                torch.cuda.synchronize()
+        print(f"{name:>34}: {statistics.median(times):6.1f} us")
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     grid = [(1, 4096), (1, 16384), (1, 65536), (16, 4096), (16, 16384), (64, 4096), (64, 16384)]
@@ -93,6 +135,7 @@ def main() -> None:
         cells = "  ".join(f"{name} {g:6.0f} ({gu:6.1f}) | {p:6.0f} ({pu:6.1f})"
                           for name, (g, p, gu, pu) in r.items())
         print(f"batch {batch:3d} L {length:6d}: {cells}", flush=True)
+    host_times()
     print("ratio cuflash / cuDNN (graph | plain):")
     for batch, length, r in rows:
         if "cuflash" in r and "cuDNN" in r:

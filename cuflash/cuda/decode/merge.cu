@@ -35,24 +35,39 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_states(const MergePara
   const float* lses = p.lses + batch * p.lse_batch_stride + head * p.lse_head_stride + query;
   const int64 row = batch * p.batch_stride + query * p.row_stride + head * p.head_stride;
 
+  // The LSEs, lane j taking parts j, j + 32, ...: the top and the total over the warp.
   PartialMerge merge;
-  for (int i = 0; i < p.count; ++i) merge.see(lses[i * p.lse_part_stride]);
+  for (int i = lane; i < p.count; i += 32) merge.see(lses[i * p.lse_part_stride]);
+  merge.top_of_warp();
+  for (int i = lane; i < p.count; i += 32) merge.weigh(lses[i * p.lse_part_stride]);
+  merge.total_of_warp();
+  // O = sum_i w_i O_i in part order, each part's weight passed round from its lane. The
+  // loads do not wait on the weights (several parts in flight); an empty part's O, read
+  // but weighted by a select, adds nothing, whatever it holds.
   float acc[kMergeColumns] = {};
-  for (int i = 0; i < p.count; ++i) {
-    const float weight = merge.weigh(lses[i * p.lse_part_stride]);
-    if (weight == 0.f) continue;  // an empty part: its O is not read
+  for (int first = 0; first < p.count; first += 32) {
+    const float mine = first + lane < p.count ? merge.weight(lses[(first + lane) * p.lse_part_stride]) : 0.f;
+    const int parts = min(32, p.count - first);
+#pragma unroll 4
+    for (int j = 0; j < parts; ++j) {
+      const float weight = __shfl_sync(0xffffffffu, mine, j);
+      const int64 part = (first + j) * p.part_stride + row;
 #pragma unroll
-    for (int j = 0; j < kMergeColumns; ++j) {
-      const int c = lane + 32 * j;
-      if (c < p.headdim) acc[j] += weight * Storage<TIn>::load(p.parts, i * p.part_stride + row + c);
+      for (int c = 0; c < kMergeColumns; ++c) {
+        const int col = lane + 32 * c;
+        if (col < p.headdim) {
+          const float x = Storage<TIn>::load(p.parts, part + col);
+          acc[c] += weight != 0.f ? weight * x : 0.f;
+        }
+      }
     }
   }
   const float scale = merge.out_scale();
   const int64 out = batch * p.out_batch_stride + query * p.out_row_stride + head * p.out_head_stride;
 #pragma unroll
-  for (int j = 0; j < kMergeColumns; ++j) {
-    const int c = lane + 32 * j;
-    if (c < p.headdim) Storage<TOut>::store(p.out, out + c, acc[j] * scale);
+  for (int c = 0; c < kMergeColumns; ++c) {
+    const int col = lane + 32 * c;
+    if (col < p.headdim) Storage<TOut>::store(p.out, out + col, acc[c] * scale);
   }
   if (lane == 0 && p.out_lse != nullptr) p.out_lse[(int64(batch) * p.nheads + head) * p.seqlen_q + query] = merge.lse();
 }

@@ -7,7 +7,7 @@
 //   top = max of the finite LSE_i;  w_i = exp(LSE_i - top), 0 for an empty part
 //   O = sum_i w_i O_i / sum_i w_i;  LSE = top + log sum_i w_i
 // and a row no part saw gets O = 0 and LSE = +inf, as the forward's fully masked rows.
-// The sums run over the parts in their order, so a merge is bitwise reproducible.
+// Every sum runs in a fixed order, so a merge is bitwise reproducible.
 #pragma once
 #include "common.cuh"
 
@@ -24,10 +24,21 @@ struct PartialMerge {
     if (!empty(lse)) top = fmaxf(top, lse);
   }
   // Second pass: each part's weight, in order (summed into total).
+  __device__ __forceinline__ float weight(float lse) const { return empty(lse) ? 0.f : fast_exp2((lse - top) * kLog2e); }
   __device__ __forceinline__ float weigh(float lse) {
-    const float w = empty(lse) ? 0.f : fast_exp2((lse - top) * kLog2e);
+    const float w = weight(lse);
     total += w;
     return w;
+  }
+  // The passes split among a warp's lanes, each lane seeing some of the parts: after the
+  // first, every lane takes the warp's top; after the second, the warp's total.
+  __device__ __forceinline__ void top_of_warp() {
+#pragma unroll
+    for (int lane = 16; lane > 0; lane /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, lane));
+  }
+  __device__ __forceinline__ void total_of_warp() {
+#pragma unroll
+    for (int lane = 16; lane > 0; lane /= 2) total += __shfl_xor_sync(0xffffffffu, total, lane);
   }
   // After the second pass: the factor of sum_i w_i O_i, and the merged LSE.
   __device__ __forceinline__ float out_scale() const { return total > 0.f ? 1.f / total : 0.f; }
