@@ -147,7 +147,7 @@ ELEMENTWISE = {"backward_preprocess": ("bwd.cu", "attention_backward_preprocess"
 # KV-cache call's fp32 splits into its output and merge_states' parts of one dtype.
 MERGE_DTYPES = {"float32": "float", **DTYPES}
 MERGES = (*(("float32", d) for d in DTYPES), *((d, d) for d in MERGE_DTYPES))
-MERGE_WARPS = 4  # rows per CTA (merge.cu, kMergeWarps)
+MERGE_WARPS = 4  # warps per output row, one row a CTA (merge.cu, kMergeWarps)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -365,6 +365,9 @@ DECODE_POINTERS = ("q", "o", "k_cache", "v_cache", "k_new", "v_new", "lse", "par
                    "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "rotary_cos", "rotary_sin",
                    "alibi_slopes", "merge.parts", "merge.lses", "merge.out", "merge.out_lse")
 MAX_SPLITS = 256
+# Key tiles a split takes at least: a split's fixed costs (its lengths, Q, the first load's
+# latency, its partial result and its share of the merge) are those of a few tiles.
+MIN_SPLIT_TILES = 2
 
 
 def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | None, v: ArrayInfo | None,
@@ -422,11 +425,11 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
 def decode_splits(ctas: int, tiles: int, slots: int) -> int:
     """Splits of the keys for a KV-cache call whose unsplit grid has ``ctas`` CTAs, over a
     cache of ``tiles`` key tiles, from the shapes alone (no sequence's length: those stay on
-    the device): enough splits to fill the ``slots`` CTAs the GPU runs at once, no more than
-    the tiles."""
+    the device): enough splits to fill the ``slots`` CTAs the GPU runs at once, each with
+    MIN_SPLIT_TILES tiles or more."""
     if ctas >= slots:
         return 1
-    return max(1, min(-(-slots // ctas), tiles, MAX_SPLITS))
+    return max(1, min(-(-slots // ctas), -(-tiles // MIN_SPLIT_TILES), MAX_SPLITS))
 
 
 MERGE_POINTERS = ("parts", "lses", "out", "out_lse")
@@ -448,7 +451,7 @@ def merge(parts: ArrayInfo, lses: ArrayInfo, out: ArrayInfo) -> Plan:
 
 
 def _merge_grid(rows: int) -> tuple[int, int, int]:
-    return (-(-rows // MERGE_WARPS), 1, 1)
+    return (rows, 1, 1)
 
 
 def backward_workspace(q_shape, deterministic: bool = False,

@@ -92,8 +92,9 @@ def host_times() -> None:
     lengths = torch.full((batch,), length - 1, device="cuda", dtype=torch.int32)
     angle = torch.rand(length, D // 2, device="cuda")
     cos, sin = angle.cos(), angle.sin()
-    c = {name: cupy.asarray(x) for name, x in dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, lengths=lengths,
-                                                    cos=cos, sin=sin).items()}
+    # (CuPy has no bfloat16: its arrays are float16 copies)
+    c = {name: cupy.asarray(x.half() if x.dtype == torch.bfloat16 else x) for name, x in dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, lengths=lengths, cos=cos, sin=sin).items()}
     qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     calls = {
         "cuflash.torch, append + rotary": lambda: cuflash.torch.attention_with_kvcache(
@@ -119,6 +120,17 @@ def host_times() -> None:
                 times.append((time.perf_counter() - start) * 1e3)
                 torch.cuda.synchronize()
         print(f"{name:>34}: {statistics.median(times):6.1f} us")
+    if "--profile" in sys.argv:
+        import cProfile
+        import pstats
+        call = calls["cuflash.torch, read only"]
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(2000):
+            call()
+        profile.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(22)
 
 
 def main() -> None:

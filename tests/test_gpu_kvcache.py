@@ -121,7 +121,9 @@ def check(c: dict, dtype: str, nan_outside=False):
     # every other row untouched (NaN included).
     np.testing.assert_array_equal(got_v.view(np.uint16), want_v.view(np.uint16))
     want_k64, got_k64 = want_k.astype(np.float64), got_k.astype(np.float64)
-    ulp = np.spacing(np.abs(want_k).astype(np.float32)) * (2.0**13 if dtype == "float16" else 2.0**16)
+    # (one unit in the last place of the dtype; fp16's subnormals are 2**-24 apart)
+    ulp = np.maximum(np.spacing(np.abs(want_k).astype(np.float32)) * (2.0**13 if dtype == "float16" else 2.0**16),
+                     2.0**-24)
     same = (got_k.view(np.uint16) == want_k.view(np.uint16)) | (np.abs(got_k64 - want_k64) <= ulp)
     assert same.all(), "k_cache"
 
