@@ -133,6 +133,28 @@ def host_times() -> None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(22)
 
 
+def split_sweep() -> None:
+    """Graph-replay time of batch 1 (L 4k and 16k) by num_splits: the splits' trade-off
+    (more CTAs at once against more partial results to merge)."""
+    for length in (4096, 16384):
+        copies = 12 if length == 4096 else 3
+        caches = [(torch.randn(1, length, NHEADS_K, D, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(1, length, NHEADS_K, D, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
+        q = torch.randn(1, 1, NHEADS, D, device="cuda", dtype=torch.bfloat16)
+        lengths = torch.full((1,), length, device="cuda", dtype=torch.int32)
+        cells = []
+        for splits in (0, 1, 4, 8, 16, 24, 32, 48, 64):
+            def plain():
+                for k, v in caches:
+                    cuflash.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths, num_splits=splits)
+            plain()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                plain()
+            cells.append(f"{splits}: {median_us(graph.replay, copies):5.1f}")
+        print(f"batch 1 L {length} us by num_splits (graph replay): " + "  ".join(cells))
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     grid = [(1, 4096), (1, 16384), (1, 65536), (16, 4096), (16, 16384), (64, 4096), (64, 16384)]
@@ -148,6 +170,8 @@ def main() -> None:
                           for name, (g, p, gu, pu) in r.items())
         print(f"batch {batch:3d} L {length:6d}: {cells}", flush=True)
     host_times()
+    if "--splits" in sys.argv:
+        split_sweep()
     print("ratio cuflash / cuDNN (graph | plain):")
     for batch, length, r in rows:
         if "cuflash" in r and "cuDNN" in r:
