@@ -138,8 +138,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if alibi_slopes is not None:
         optional["alibi_slopes"] = _check_alibi(alibi_slopes, q.shape[-2], q.shape[0])
     config = _KVCacheConfig(np.dtype(q.dtype).name, options.causal, options.scale, options.window, options.softcap,
-                            bool(rotary_interleaved), cache.num_splits, cache.page_size, cache.capacity,
-                            tuple(optional))
+                            bool(rotary_interleaved), None if cache.rotary_cos is None else cache.rotary_cos.dtype,
+                            cache.num_splits, cache.page_size, cache.capacity, tuple(optional))
     results = (jax.ShapeDtypeStruct(q.shape[:3] + v_cache.shape[-1:], q.dtype),
                jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32),
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
@@ -176,6 +176,7 @@ class _KVCacheConfig:
     window: tuple[int, int]
     softcap: float
     rotary_interleaved: bool
+    rotary_dtype: str | None
     num_splits: int
     page_size: int
     capacity: int
@@ -202,10 +203,9 @@ class _KVCacheCallback:
 
     def _gpu(self, ctx, out, lse, k_cache, v_cache, workspace: dict, q, inputs: dict) -> None:
         c = self.config
-        described = {name: _info(b, "int32" if b.dtype == np.int32 else c.dtype) for name, b in inputs.items()}
-        for name in ("rotary_cos", "rotary_sin"):
-            if name in inputs and inputs[name].dtype == np.float32:
-                described[name] = _info(inputs[name], "float32")
+        dtypes = dict(cache_seqlens="int32", cache_batch_idx="int32", cache_leftpad="int32", block_table="int32",
+                      rotary_cos=c.rotary_dtype, rotary_sin=c.rotary_dtype, alibi_slopes="float32")
+        described = {name: _info(b, dtypes.get(name, c.dtype)) for name, b in inputs.items()}
         arrays = {"q": _info(q, c.dtype), "k_cache": _info(k_cache, c.dtype), "v_cache": _info(v_cache, c.dtype),
                   **{n: described[n] for n in ("k", "v") if n in described}}
         cache = _options.KVCache(described["cache_seqlens"], None, described.get("cache_batch_idx"),
@@ -213,15 +213,13 @@ class _KVCacheCallback:
                                  c.capacity, arrays["k"].shape[1] if "k" in arrays else 0,
                                  described.get("rotary_cos"), described.get("rotary_sin"), c.rotary_interleaved,
                                  c.num_splits)
-        alibi = inputs.get("alibi_slopes")
-        options = _options.Options(c.causal, c.scale, c.window, c.softcap,
-                                   None if alibi is None else _info(alibi, "float32"))
+        options = _options.Options(c.causal, c.scale, c.window, c.softcap, described.get("alibi_slopes"))
         out_info = _info(out, c.dtype)
         launcher = _kernels.decode_launcher(arrays, out_info, cache, options)
         work = [_info(workspace[name], "float32").ptr if name in workspace else 0
                 for name in ("partial_o", "partial_lse")]
-        infos = {**described, **arrays, **({} if options.alibi is None else {"alibi_slopes": options.alibi})}
-        launcher(ctx.stream, *_kernels.decode_pointers(infos, out_info, _info(lse, "float32"), *work))
+        launcher(ctx.stream, *_kernels.decode_pointers({**described, **arrays}, out_info, _info(lse, "float32"),
+                                                       *work))
 
 
 @dataclasses.dataclass(frozen=True)

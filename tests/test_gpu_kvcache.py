@@ -280,3 +280,35 @@ def test_merge_states_matches_the_oracle(parts, dtype, d, seed):
         assert_close(out.get().astype(np.float64), want, atol=TOLERANCE.get(dtype, 1e-5) * (1 + np.abs(want).max()))
         assert_lse_close(lse.get(), want_lse, atol=1e-4)
         assert (out.get()[0, 0, 0] == 0).all() and np.isposinf(lse.get()[0, 0, 0])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_jax_on_the_gpu(jit):
+    """cuflash.jax's KV-cache call on GPU arrays: the CuPy call's results bit for bit, the
+    caches returned with the append (and, donated under jit, written in place)."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuflash.jax
+    gpu = jax.devices("gpu")[0]
+    rng = np.random.default_rng(9)
+    c = dict(batch=2, nheads=8, nheads_k=2, d=64, seqlen_q=2, seqlen_new=2, capacity=300, lengths=[10, 250],
+             leftpads=[0, 3], rotary_dim=32, interleaved=False, causal=True, window=(-1, -1), softcap=0.0,
+             alibi=True, batch_idx=False, page_size=17, seed=9, num_splits=3)
+    q, k_cache, v_cache, k, v, kw = make_call(c, "float16", rng)
+    want_out, want_lse, want_k, want_v = run(q, k_cache, v_cache, k, v, kw)
+    arrays = {name: jax.device_put(x, gpu) for name, x in kw.items() if isinstance(x, np.ndarray)}
+    static = {name: x for name, x in kw.items() if name not in arrays}
+
+    def step(q, k_cache, v_cache, k, v, arrays):
+        return cuflash.jax.attention_with_kvcache(q, k_cache, v_cache, k, v, return_lse=True, **arrays, **static)
+
+    caches = [jnp.asarray(x, device=gpu) for x in (k_cache, v_cache)]
+    pointers = [x.unsafe_buffer_pointer() for x in caches]
+    call = jax.jit(step, donate_argnums=(1, 2)) if jit else step
+    out, lse, new_k, new_v = call(jax.device_put(q, gpu), *caches, jax.device_put(k, gpu), jax.device_put(v, gpu),
+                                  arrays)
+    assert (np.asarray(out) == want_out).all() and (np.asarray(lse) == want_lse).all()
+    assert (np.asarray(new_k) == want_k).all() and (np.asarray(new_v) == want_v).all()
+    if jit:
+        assert [x.unsafe_buffer_pointer() for x in (new_k, new_v)] == pointers
