@@ -136,6 +136,13 @@ KINDS = {
         **{d: (_T(16, 64, 4, 2),) for d in (96, 128)},
         **{d: (_T(16, 32, 2, 2),) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False, "DecodeShared"),
+    # The same with four stages, for calls of fewer CTAs than multiprocessors (a small batch,
+    # its keys split): one CTA a multiprocessor, three tiles in flight instead of one.
+    "decode_deep": Kind("decode/split_kv.cu", "attention_decode", {
+        **{d: (_T(16, 128, 4, 4),) for d in (32, 64)},
+        **{d: (_T(16, 64, 4, 4),) for d in (96, 128)},
+        **{d: (_T(16, 32, 2, 4),) for d in (160, 192, 224, 256)},
+    }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False, "DecodeShared"),
 }
 
 # Untiled helpers of the backward, one instance per dtype.
@@ -397,13 +404,17 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     p.scale, p.scale_log2, p.softcap = options.scale, scale_log2(options.scale), options.softcap
     extras = options.softcap > 0 or options.alibi is not None
     vectorized = vectorizable(*(a for a in (q, k_cache, v_cache, k, v, out) if a is not None))
-    kernel = globals()["kernel"]("decode", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
-    row_blocks = -(-p.heads_per_kv * seqlen_q // kernel.tile.block_m)
-    tiles = -(-cache.capacity // kernel.tile.block_n)
+    variant = functools.partial(kernel, dtype=q.dtype, head_dim=head_dim, local=options.local, vectorized=vectorized,
+                                extras=extras, shared_limit=shared_limit)
+    chosen = variant("decode")
+    row_blocks = -(-p.heads_per_kv * seqlen_q // chosen.tile.block_m)
+    if batch * nheads_k * row_blocks < multiprocessors and has_tile("decode_deep", head_dim, extras, shared_limit):
+        chosen = variant("decode_deep")
+    tiles = -(-cache.capacity // chosen.tile.block_n)
     p.num_splits = splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors)
     if not (batch and seqlen_q and nheads):
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
-    steps = [Step(kernel, (splits * row_blocks, nheads_k, batch))]
+    steps = [Step(chosen, (splits * row_blocks, nheads_k, batch))]
     workspace = ()
     if splits > 1:
         m = p.merge
