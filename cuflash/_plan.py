@@ -130,18 +130,12 @@ KINDS = {
     # tile); the warps split each key tile, 16 keys each. Two stages of about 32 KB: three
     # CTAs share a multiprocessor (at d 128), so that their warps hide each other's
     # latencies while about 100 KB of loads are in flight. (One CTA of four warps with four
-    # stages kept 96 KB in flight but issued one instruction at a time: 1.3 TB/s.)
+    # stages kept 96 KB in flight but issued one instruction at a time: 1.3 TB/s at batch
+    # 64; with the strided copies, at batch 1 and 64k keys, 2.1 TB/s against 3.3.)
     "decode": Kind("decode/split_kv.cu", "attention_decode", {
         **{d: (_T(16, 128, 4, 2),) for d in (32, 64)},
         **{d: (_T(16, 64, 4, 2),) for d in (96, 128)},
         **{d: (_T(16, 32, 2, 2),) for d in (160, 192, 224, 256)},
-    }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False, "DecodeShared"),
-    # The same with four stages, for calls of fewer CTAs than multiprocessors (a small batch,
-    # its keys split): one CTA a multiprocessor, three tiles in flight instead of one.
-    "decode_deep": Kind("decode/split_kv.cu", "attention_decode", {
-        **{d: (_T(16, 128, 4, 4),) for d in (32, 64)},
-        **{d: (_T(16, 64, 4, 4),) for d in (96, 128)},
-        **{d: (_T(16, 32, 2, 4),) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False, "DecodeShared"),
 }
 
@@ -404,12 +398,8 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     p.scale, p.scale_log2, p.softcap = options.scale, scale_log2(options.scale), options.softcap
     extras = options.softcap > 0 or options.alibi is not None
     vectorized = vectorizable(*(a for a in (q, k_cache, v_cache, k, v, out) if a is not None))
-    variant = functools.partial(kernel, dtype=q.dtype, head_dim=head_dim, local=options.local, vectorized=vectorized,
-                                extras=extras, shared_limit=shared_limit)
-    chosen = variant("decode")
+    chosen = kernel("decode", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
     row_blocks = -(-p.heads_per_kv * seqlen_q // chosen.tile.block_m)
-    if batch * nheads_k * row_blocks < multiprocessors and has_tile("decode_deep", head_dim, extras, shared_limit):
-        chosen = variant("decode_deep")
     tiles = -(-cache.capacity // chosen.tile.block_n)
     p.num_splits = splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors)
     if not (batch and seqlen_q and nheads):

@@ -134,10 +134,9 @@ def host_times() -> None:
 
 
 def split_sweep() -> None:
-    """Graph-replay time of batch 1 (L 4k and 16k) by num_splits: the splits' trade-off
+    """Graph-replay time of batch 1 (L 4k, 16k, 64k) by num_splits: the splits' trade-off
     (more CTAs at once against more partial results to merge)."""
-    for length in (4096, 16384):
-        copies = 12 if length == 4096 else 3
+    for length, copies in ((4096, 12), (16384, 3), (65536, 2)):
         caches = [(torch.randn(1, length, NHEADS_K, D, device="cuda", dtype=torch.bfloat16),
                    torch.randn(1, length, NHEADS_K, D, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
         q = torch.randn(1, 1, NHEADS, D, device="cuda", dtype=torch.bfloat16)

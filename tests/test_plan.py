@@ -145,9 +145,7 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
     plan = _plan.decode(q, k_cache, v_cache, None, None, info(q.shape), cache, options,
                         _plan.shared_memory_limit("sm_90"), 132)
     decode_step, *merge_steps = plan.steps
-    # (fewer CTAs than multiprocessors: the four-stage tile)
-    assert decode_step.kernel.kind == ("decode_deep" if batch * 8 < 132 else "decode")
-    assert decode_step.grid == (splits, 8, batch)
+    assert decode_step.kernel.kind == "decode" and decode_step.grid == (splits, 8, batch)
     p = DecodeParams.from_buffer_copy(plan.params)
     assert (p.num_splits, p.heads_per_kv, p.seqlen_cache_all, p.capacity) == (splits, 4, 1000, 4096)
     assert (p.window_left, p.window_right) == (-1, 0)
