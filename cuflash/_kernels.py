@@ -70,15 +70,17 @@ def backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options: Options
     return Launcher(plan, q.device)
 
 
-def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Options) -> Launcher:
+def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Options,
+                    varlen: Varlen | None = None) -> Launcher:
     """The KV-cache call of this signature (``arrays``: q, k_cache, v_cache and k, v when
-    given); its plan's workspace names the scratch buffers ``decode_pointers`` takes."""
+    given), or with ``varlen`` the varlen call over a paged cache; its plan's workspace
+    names the scratch buffers ``decode_pointers`` takes."""
     q = arrays["q"]
-    key = _decode_key(arrays, out, cache, options)
+    key = _decode_key(arrays, out, cache, options) if varlen is None else None
     launcher = _launchers.get(key) if key else None
     if launcher is None:
         plan = _plan.decode(q, arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"), out, cache,
-                            options, shared_limit(q.device), multiprocessors(q.device))
+                            options, shared_limit(q.device), multiprocessors(q.device), varlen)
         launcher = _remember(key, Launcher(plan, q.device))
     return launcher
 
@@ -86,12 +88,13 @@ def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Optio
 def decode_pointers(infos: dict, out: ArrayInfo, lse: ArrayInfo | None, partial_o: int,
                     partial_lse: int) -> tuple[int, ...]:
     """The pointers of a KV-cache launch, in _plan.DECODE_POINTERS' order: ``infos`` holds
-    the call's arrays by argument name (q, k_cache, ..., alibi_slopes), those given."""
+    the call's arrays by argument name (q, k_cache, ..., alibi_slopes, and for the varlen
+    call cu_seqlens_q and cu_seqlens_k), those given."""
     get = infos.get
     return (infos["q"].ptr, out.ptr, infos["k_cache"].ptr, infos["v_cache"].ptr, *_pointers(get("k"), get("v"), lse),
             partial_o, partial_lse, *_pointers(get("cache_seqlens"), get("cache_batch_idx"), get("cache_leftpad"),
                                                get("block_table"), get("rotary_cos"), get("rotary_sin"),
-                                               get("alibi_slopes")),
+                                               get("alibi_slopes"), get("cu_seqlens_q"), get("cu_seqlens_k")),
             partial_o, partial_lse, out.ptr, 0 if lse is None else lse.ptr)
 
 

@@ -405,6 +405,42 @@ def kvcache(arrays: dict, cache_seqlens, cache_batch_idx, cache_leftpad, block_t
                    bool(rotary_interleaved), int(num_splits))
 
 
+def paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 block_table) -> tuple[Varlen, KVCache]:
+    """Check the varlen call over a paged cache: q packed (total_q, nheads, d), k and v page
+    pools (num_pages, page_size, nheads_k, d) with ``block_table`` (batch, max_blocks), and
+    sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages. The
+    offsets are read (as every varlen call reads them) where they can be."""
+    if len(q.shape) != 3:
+        raise ValueError(f"q must be packed (total_q, nheads, headdim), got shape {q.shape}")
+    if len(k.shape) != 4:
+        raise ValueError(f"k must be a page pool (num_pages, page_size, nheads_k, headdim) with block_table, "
+                         f"got shape {k.shape}")
+    check_qkv(_arrays.ArrayInfo(q.obj, q.framework, q.ptr, (1, *q.shape), (0, *q.strides), q.dtype, q.device), k, v,
+              packed=False, names=("q", "k", "v"), same_batch=False)
+    table = _int32_array("block_table", block_table, q, ndim=2)
+    infos = {}
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        infos[name] = _int32_array(name, cu, q, ndim=1)
+    values_q, values_k = (host_values(infos[name]) for name in ("cu_seqlens_q", "cu_seqlens_k"))
+    check_cu_seqlens("cu_seqlens_q", infos["cu_seqlens_q"].shape, "int32", values_q, q.shape[0], max_seqlen_q)
+    check_cu_seqlens("cu_seqlens_k", infos["cu_seqlens_k"].shape, "int32", values_k,
+                     None if values_k is None else int(values_k[-1]), max_seqlen_k)
+    check_batches(infos["cu_seqlens_q"].shape, infos["cu_seqlens_k"].shape)
+    batch = infos["cu_seqlens_q"].shape[0] - 1
+    if table.shape[0] != batch or table.shape[1] < 1:
+        raise ValueError(f"block_table must have shape (batch {batch}, max_blocks >= 1), got {table.shape}")
+    page_size, capacity = k.shape[1], table.shape[1] * k.shape[1]
+    lengths = None if values_k is None else np.diff(values_k)
+    if lengths is not None and (lengths > capacity).any():
+        b = int(np.argmax(lengths > capacity))
+        raise ValueError(f"block_table holds {capacity} rows a sequence (max_blocks * page_size), but sequence {b} "
+                         f"has {int(lengths[b])} keys (cu_seqlens_k)")
+    _check_positions(lengths, 0, 0, capacity, False, None, page_size, table, k.shape[0], None, None)
+    varlen = Varlen(infos["cu_seqlens_q"], infos["cu_seqlens_k"], int(max_seqlen_q), int(max_seqlen_k))
+    return varlen, KVCache(0, lengths, None, None, table, page_size, capacity, 0, None, None, True, 0)
+
+
 def check_beside(name: str, a: ArrayInfo, q: ArrayInfo) -> None:
     """``a`` is the same kind of array as q, on q's device."""
     if a.framework != q.framework or a.where != q.where:

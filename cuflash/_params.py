@@ -66,7 +66,9 @@ class DecodeParams(_Struct):
     _fields_ = [
         ("q", ArrayView), ("o", ArrayView), ("k_cache", ArrayView), ("v_cache", ArrayView),
         ("k_new", ArrayView), ("v_new", ArrayView),
-        ("lse", _ptr), ("partial_o", _ptr), ("partial_lse", _ptr),
+        ("lse", _ptr), ("lse_batch_stride", _i64), ("lse_head_stride", _i64),
+        ("partial_o", _ptr), ("partial_lse", _ptr), ("query_rows", ctypes.c_int),
+        ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr),
         ("cache_seqlens", _ptr), ("cache_batch_idx", _ptr), ("cache_leftpad", _ptr),
         ("block_table", _ptr), ("block_table_stride", _i64),
         ("rotary_cos", _ptr), ("rotary_sin", _ptr),

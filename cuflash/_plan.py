@@ -364,7 +364,8 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
 
 DECODE_POINTERS = ("q", "o", "k_cache", "v_cache", "k_new", "v_new", "lse", "partial_o", "partial_lse",
                    "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "rotary_cos", "rotary_sin",
-                   "alibi_slopes", "merge.parts", "merge.lses", "merge.out", "merge.out_lse")
+                   "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "merge.parts", "merge.lses", "merge.out",
+                   "merge.out_lse")
 MAX_SPLITS = 256
 # Key tiles a split takes at least: a split's fixed costs (its lengths, Q, the first load's
 # latency, its partial result and its share of the merge) are those of a few tiles.
@@ -372,12 +373,19 @@ MIN_SPLIT_TILES = 4
 
 
 def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | None, v: ArrayInfo | None,
-           out: ArrayInfo, cache: KVCache, options: Options, shared_limit: int, multiprocessors: int) -> Plan:
+           out: ArrayInfo, cache: KVCache, options: Options, shared_limit: int, multiprocessors: int,
+           varlen: Varlen | None = None) -> Plan:
     """The KV-cache call: the split kernel, then, with more than one split, the merge of
     their results (the workspace's partial_o and partial_lse) into ``out``. The launch is
     given DECODE_POINTERS: the merge's parts and lses are the workspace, its out and
-    out_lse the call's."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+    out_lse the call's. With ``varlen``, the varlen call over a paged cache: q and out
+    packed (total_q, nheads, d), sequence b's keys the first cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] rows of its pages (cu_seqlens_q and cu_seqlens_k given at launch)."""
+    if varlen is None:
+        batch, seqlen_q, nheads, head_dim = q.shape
+        query_rows = batch * seqlen_q
+    else:
+        (query_rows, nheads, head_dim), batch, seqlen_q = q.shape, varlen.batch, varlen.max_seqlen_q
     nheads_k = k_cache.shape[2]
     p = DecodeParams()
     for name, a in dict(q=q, o=out, k_cache=k_cache, v_cache=v_cache, k_new=k, v_new=v).items():
@@ -388,6 +396,9 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     if cache.block_table is not None:
         p.block_table_stride = cache.block_table.strides[0]
     p.seqlen_q, p.seqlen_new, p.nheads, p.headdim = seqlen_q, cache.seqlen_new, nheads, head_dim
+    p.query_rows = query_rows
+    # The LSE: (batch, nheads, seqlen_q), or (nheads, total_q) packed
+    p.lse_batch_stride, p.lse_head_stride = (nheads * seqlen_q, seqlen_q) if varlen is None else (0, query_rows)
     p.heads_per_kv = nheads // max(nheads_k, 1)
     if cache.rotary_cos is not None:
         p.rotary_rows, p.rotary_dim = cache.rotary_cos.shape[0], 2 * cache.rotary_cos.shape[1]
@@ -402,22 +413,25 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     row_blocks = -(-p.heads_per_kv * seqlen_q // chosen.tile.block_m)
     tiles = -(-cache.capacity // chosen.tile.block_n)
     p.num_splits = splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors)
-    if not (batch and seqlen_q and nheads):
+    if not (batch and seqlen_q and nheads and query_rows):
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
     steps = [Step(chosen, (splits * row_blocks, nheads_k, batch))]
     workspace = ()
     if splits > 1:
+        # Parts (splits, query rows, nheads, d) and LSEs (splits, nheads, query rows), the
+        # query rows of a dense call being (batch, seqlen_q), of a packed one q's rows (a
+        # batch of one sequence of total_q, whose LSE layout is the packed call's).
         m = p.merge
-        m.count, m.batch, m.seqlen_q, m.nheads, m.headdim = splits, batch, seqlen_q, nheads, head_dim
+        m_batch, m_seqlen = (batch, seqlen_q) if varlen is None else (1, query_rows)
+        m.count, m.batch, m.seqlen_q, m.nheads, m.headdim = splits, m_batch, m_seqlen, nheads, head_dim
         m.head_stride, m.row_stride = head_dim, nheads * head_dim
-        m.batch_stride = seqlen_q * m.row_stride
-        m.part_stride = batch * m.batch_stride
-        m.lse_head_stride, m.lse_batch_stride = seqlen_q, nheads * seqlen_q
-        m.lse_part_stride = batch * m.lse_batch_stride
-        m.out_batch_stride, m.out_row_stride, m.out_head_stride = out.strides[:3]
-        workspace = (("partial_o", (splits, batch, seqlen_q, nheads, head_dim), "float32"),
-                     ("partial_lse", (splits, batch, nheads, seqlen_q), "float32"))
-        steps.append(Step(Merge("float32", q.dtype), _merge_grid(batch * seqlen_q * nheads), argument="merge"))
+        m.batch_stride, m.part_stride = m_seqlen * m.row_stride, query_rows * m.row_stride
+        m.lse_head_stride, m.lse_batch_stride, m.lse_part_stride = query_rows, m_seqlen, nheads * query_rows
+        out_strides = out.strides if len(out.shape) == 4 else (0, *out.strides)
+        m.out_batch_stride, m.out_row_stride, m.out_head_stride = out_strides[:3]
+        workspace = (("partial_o", (splits, query_rows, nheads, head_dim), "float32"),
+                     ("partial_lse", (splits, nheads, query_rows), "float32"))
+        steps.append(Step(Merge("float32", q.dtype), _merge_grid(query_rows * nheads), argument="merge"))
     return Plan(bytes(p), DECODE_POINTERS, tuple(steps), DecodeParams, workspace)
 
 

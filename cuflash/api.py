@@ -51,7 +51,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     seed=None, rng_offset=0, return_lse=False):
+                     seed=None, rng_offset=0, return_lse=False, block_table=None):
     """``attention`` over packed sequences of different lengths, with no padding.
 
     q: (total_q, nheads, headdim), k and v: (total_k, nheads_kv, headdim); sequence b
@@ -60,7 +60,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     max_seqlen_q/k bound the lengths. Every option applies per sequence (causal and
     windows use that sequence's own lengths; ALiBi slopes of shape (batch, nheads)
     and the dropout stream use its index b). lse is float32 (nheads, total_q).
+
+    ``block_table`` int32 (batch, max_blocks): k and v are page pools (num_pages,
+    page_size, nheads_kv, headdim) instead, and sequence b's keys are the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (flash-attn 2.8's paged varlen
+    call; forward only, no dropout; ``cuflash.kvcache.attention_varlen_paged``).
     """
+    if block_table is not None:
+        if dropout_p != 0:
+            raise ValueError(f"dropout_p must be 0 with block_table (the paged call is for inference), got {dropout_p}")
+        from . import kvcache
+        return kvcache.attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              block_table, causal=causal, softmax_scale=softmax_scale,
+                                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                              return_lse=return_lse)
     arrays = _inspect(q=q, k=k, v=v)
     _options.check_qkv(*arrays.values(), packed=True)
     varlen = _options.varlen(arrays["q"], arrays["k"], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

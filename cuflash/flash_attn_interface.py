@@ -26,7 +26,7 @@ softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. Wha
 - Head dims need no padding to a multiple of 8, and CPU tensors run the NumPy path.
 - The packed variants pass strided views of qkv / kv to the kernel (no copy); their
   gradients reach qkv / kv through those views.
-- ``flash_attn_varlen_func``'s ``block_table`` (a paged KV cache) raises NotImplementedError.
+- ``flash_attn_varlen_func``'s ``block_table`` (k and v in pages) runs forward only.
 - ``flash_attn_with_kvcache`` runs on CPU tensors in this version (CUDA tensors raise
   NotImplementedError); its page size may be anything, not only multiples of 256.
 """
@@ -97,9 +97,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     nheads, headdim) or, with return_attn_probs, (out, softmax_lse, S_dmask), softmax_lse
     float32 (nheads, total_q), differentiable.
     """
-    if block_table is not None:
-        raise NotImplementedError("block_table (a paged KV cache) is not implemented in cuflash; "
-                                  "pass contiguous packed k and v")
+    if block_table is not None:  # k and v are page pools; forward only (flash-attn's paged varlen call)
+        out = cuflash_torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                             softmax_scale, window_size=window_size, softcap=softcap,
+                                             alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                             return_lse=return_attn_probs, block_table=block_table)
+        return (*out, None) if return_attn_probs else out
     q, k, v = _unit_stride(q, k, v)
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
     out, softmax_lse, rng_state = cuflash_torch._varlen_forward(

@@ -88,15 +88,21 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False,
                      window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                     seed=None, return_lse: bool = False):
+                     seed=None, return_lse: bool = False, block_table=None):
     """Differentiable ``cuflash.attention_varlen`` for JAX arrays: returns out, or (out, lse)
     with ``return_lse`` (lse float32 (nheads, total_q), differentiable too).
 
     q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim) packed; sequence
     b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
     of k and v (int32 (batch + 1,) arrays); max_seqlen_q/k (Python ints, static) bound
-    the lengths. Options as ``attention``.
+    the lengths. Options as ``attention``. With ``block_table``, k and v are page pools
+    (``cuflash.attention_varlen``): forward only, no dropout.
     """
+    if block_table is not None:
+        if dropout_p != 0:
+            raise ValueError(f"dropout_p must be 0 with block_table (the paged call is for inference), got {dropout_p}")
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                             softmax_scale, window_size, softcap, alibi_slopes, return_lse)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     config, extras = _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size, softcap,
                               alibi_slopes, dropout_p, seed)
@@ -153,6 +159,82 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            vmap_method="sequential")
     out, lse, k_cache, v_cache, _ = call(q, k_cache, v_cache, *optional.values())
     return (out, lse, k_cache, v_cache) if return_lse else (out, k_cache, v_cache)
+
+
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
+                  softmax_scale, window_size, softcap, alibi_slopes, return_lse):
+    """The varlen call over a paged cache: one buffer_callback, forward only (it has no
+    differentiation rule: jax.grad through it fails)."""
+    if buffer_callback is None:
+        raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or newer); "
+                          f"this is JAX {jax.__version__}: pip install -U jax")
+    _options.check_bool("return_lse", return_lse)
+    inputs = {name: jnp.asarray(x) for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                                                    ("block_table", block_table))}
+    described = {name: _describe(x, q) for name, x in (("q", q), ("k", k), ("v", v), *inputs.items())}
+    varlen, cache = _options.paged_varlen(described["q"], described["k"], described["v"],
+                                          described["cu_seqlens_q"], described["cu_seqlens_k"], max_seqlen_q,
+                                          max_seqlen_k, described["block_table"])
+    options = _options.scalar_options(q.shape[-1], varlen.max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                      window_size=window_size, softcap=softcap)
+    if alibi_slopes is not None:
+        inputs["alibi_slopes"] = _check_alibi(alibi_slopes, q.shape[-2], varlen.batch)
+    config = _PagedVarlenConfig(np.dtype(q.dtype).name, options.causal, options.scale, options.window,
+                                options.softcap, cache.page_size, cache.capacity,
+                                (varlen.max_seqlen_q, varlen.max_seqlen_k), tuple(inputs))
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
+    workspace = {}
+    if _platform(q) != "cpu":
+        gpu_options = options._replace(alibi=None if alibi_slopes is None else _describe(inputs["alibi_slopes"], q))
+        plan = _plan.decode(described["q"], described["k"], described["v"], None, None, described["q"], cache,
+                            gpu_options, _kernels.shared_limit(0), _kernels.multiprocessors(0), varlen)
+        workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in plan.workspace}
+    call = buffer_callback(_PagedVarlenCallback(config), (*results, workspace), vmap_method="sequential")
+    out, lse, _ = call(q, k, v, *inputs.values())
+    return (out, lse) if return_lse else out
+
+
+@dataclasses.dataclass(frozen=True)
+class _PagedVarlenConfig:
+    """The static part of a paged varlen call."""
+    dtype: str
+    causal: bool
+    scale: float
+    window: tuple[int, int]
+    softcap: float
+    page_size: int
+    capacity: int
+    max_seqlens: tuple[int, int]
+    inputs: tuple[str, ...]  # names of the callback's inputs after q, k, v
+
+
+@dataclasses.dataclass(frozen=True)
+class _PagedVarlenCallback:
+    config: _PagedVarlenConfig
+
+    def __call__(self, ctx, outputs, q, k, v, *inputs):
+        out, lse, workspace = outputs
+        c = self.config
+        inputs = dict(zip(c.inputs, inputs))
+        if _on_cpu(q):
+            host = {name: np.asarray(b) for name, b in inputs.items()}
+            results = kvcache.attention_varlen_paged(
+                np.asarray(q), np.asarray(k), np.asarray(v), host["cu_seqlens_q"], host["cu_seqlens_k"],
+                *c.max_seqlens, host["block_table"], causal=c.causal, softmax_scale=c.scale, window_size=c.window,
+                softcap=c.softcap, alibi_slopes=host.get("alibi_slopes"), return_lse=True)
+            return _write((out, lse), results)
+        described = {name: _info(b, "float32" if name == "alibi_slopes" else "int32") for name, b in inputs.items()}
+        arrays = {"q": _info(q, c.dtype), "k_cache": _info(k, c.dtype), "v_cache": _info(v, c.dtype)}
+        cache = _options.KVCache(0, None, None, None, described["block_table"], c.page_size, c.capacity, 0, None,
+                                 None, True, 0)
+        varlen = _options.Varlen(described["cu_seqlens_q"], described["cu_seqlens_k"], *c.max_seqlens)
+        options = _options.Options(c.causal, c.scale, c.window, c.softcap, described.get("alibi_slopes"))
+        out_info = _info(out, c.dtype)
+        launcher = _kernels.decode_launcher(arrays, out_info, cache, options, varlen)
+        work = [_info(workspace[name], "float32").ptr if name in workspace else 0
+                for name in ("partial_o", "partial_lse")]
+        launcher(ctx.stream, *_kernels.decode_pointers({**described, **arrays}, out_info, _info(lse, "float32"),
+                                                       *work))
 
 
 def merge_states(outs, lses):

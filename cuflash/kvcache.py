@@ -121,6 +121,52 @@ def _attention_gpu(infos: dict, warm: _Warm, return_lse: bool):
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
 
 
+def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, *,
+                           causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           return_lse=False):
+    """``cuflash.attention_varlen`` with ``block_table``: packed queries over keys and values
+    in pages (flash-attn 2.8's ``flash_attn_varlen_func(..., block_table=...)``). k and v
+    are page pools (num_pages, page_size, nheads_k, d); sequence b's keys are the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages block_table[b]. Forward only.
+    On the GPU it runs the KV-cache call's split kernel, whose tiles hold 16 query rows
+    (a KV head's query heads packed): made for short runs of queries (decoding, speculation,
+    chunks of a prompt); a long prompt is better served by the contiguous call."""
+    infos = {name: _arrays.inspect(x, name) for name, x in (("q", q), ("k_cache", k), ("v_cache", v))}
+    varlen, cache = _options.paged_varlen(infos["q"], infos["k_cache"], infos["v_cache"], cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k, block_table)
+    options = _options.make_options(infos["q"], infos["k_cache"], causal, softmax_scale, window_size, softcap,
+                                    alibi_slopes, 0.0, None, 0, backward=False, batch=varlen.batch,
+                                    seqlen_k=varlen.max_seqlen_k)
+    _options.check_bool("return_lse", return_lse)
+    if infos["q"].device is None:  # the pages gathered into packed k and v, then the varlen call
+        table, lengths = np.asarray(cache.block_table.obj), cache.lengths
+        pages = [table[b, :-(-int(n) // cache.page_size)] for b, n in enumerate(lengths)]
+        k_packed, v_packed = (np.concatenate([x[p].reshape(-1, *x.shape[2:])[:n] for p, n in zip(pages, lengths)])
+                              for x in (k, v))
+        cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        out, lse = cpu.attention_varlen_forward(q, k_packed, v_packed, np.asarray(cu_seqlens_q), cu_k, max_seqlen_q,
+                                                max_seqlen_k, causal=options.causal, softmax_scale=options.scale,
+                                                window_size=options.window, softcap=options.softcap,
+                                                alibi_slopes=alibi_slopes)
+        return (out, lse) if return_lse else out
+    infos.update(block_table=cache.block_table, cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k)
+    if options.alibi is not None:
+        infos["alibi_slopes"] = options.alibi
+    framework = _arrays.Framework(infos["q"])
+    out = framework.empty(q.shape, infos["q"].dtype)
+    lse = framework.empty((q.shape[1], q.shape[0]), "float32") if return_lse else None
+    arrays = {"q": infos["q"], "k_cache": infos["k_cache"], "v_cache": infos["v_cache"]}
+    launcher = _kernels.decode_launcher(arrays, out, cache, options, varlen)
+    partial_o = partial_lse = 0
+    if launcher.plan.workspace:
+        (_, o_shape, _), (_, lse_shape, _) = launcher.plan.workspace
+        work = framework.empty((math.prod(o_shape) + math.prod(lse_shape),), "float32")
+        partial_o, partial_lse = work.ptr, work.ptr + 4 * math.prod(o_shape)
+    launcher(framework.stream, *_kernels.decode_pointers(infos, out, lse, partial_o, partial_lse))
+    out = framework.finish(out.obj)
+    return (out, framework.finish(lse.obj)) if return_lse else out
+
+
 def merge_states(outs, lses):
     """Combine attention results over disjoint sets of keys: the result of attention over
     their union. ``outs``: a sequence of parts (batch, seqlen_q, nheads, d), or one array

@@ -90,14 +90,21 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      softmax_scale: Optional[float] = None, deterministic: bool = False, *,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                     seed: Optional[int] = None, return_lse: bool = False):
+                     seed: Optional[int] = None, return_lse: bool = False,
+                     block_table: Optional[torch.Tensor] = None):
     """Differentiable ``cuflash.attention_varlen`` for torch tensors: returns out, or
     (out, lse) with ``return_lse`` (lse float32 (nheads, total_q), differentiable too).
 
     q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim) packed; sequence
     b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
     of k and v (int32 tensors (batch + 1,) on q's device). Gradients reach q, k and v.
+    With ``block_table``, k and v are page pools (``cuflash.attention_varlen``): forward
+    only, inputs that need no gradient (or under torch.no_grad()).
     """
+    if block_table is not None:
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                             causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=return_lse)
     _options.check_bool("return_lse", return_lse)
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_op_options(
@@ -109,6 +116,27 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     else:
         out, lse, _ = _run_varlen_forward(*args, return_lse=return_lse)
     return (out, lse) if return_lse else out
+
+
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, **options):
+    """The varlen call over a paged cache, forward only: on CUDA tensors the kernels, on
+    CPU tensors NumPy views."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        raise ValueError("block_table: the varlen call over a paged cache is forward only; call it under "
+                         "torch.no_grad() or on tensors that do not require grad")
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+                   alibi_slopes=options.get("alibi_slopes"))
+    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors.values()):
+        _refuse(tensors)
+    if q.is_cuda:
+        return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    block_table=block_table, **options)
+    arrays = dict(zip(tensors, _numpy(**tensors)))
+    options["alibi_slopes"] = arrays.pop("alibi_slopes")
+    result = api.attention_varlen(arrays["q"], arrays["k"], arrays["v"], arrays["cu_seqlens_q"],
+                                  arrays["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
+                                  block_table=arrays["block_table"], **options)
+    return tuple(map(_tensor, result)) if options["return_lse"] else _tensor(result)
 
 
 def _tracked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -312,3 +312,70 @@ def test_jax_on_the_gpu(jit):
     assert (np.asarray(new_k) == want_k).all() and (np.asarray(new_v) == want_v).all()
     if jit:
         assert [x.unsafe_buffer_pointer() for x in (new_k, new_v)] == pointers
+
+
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.tuples(st.integers(0, 24), st.integers(0, 400)), min_size=1, max_size=4),
+       page_size=st.sampled_from([1, 16, 17, 256]), causal=st.booleans(), window=st.sampled_from([(-1, -1), (40, 3)]),
+       group=st.sampled_from([1, 4]), d=st.sampled_from([59, 64, 128]), dtype=st.sampled_from(["float16", "bfloat16"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_paged_varlen_matches_the_packed_call(lengths, page_size, causal, window, group, d, dtype, seed):
+    """attention_varlen(block_table=...) on the GPU (the split kernel over pages) against
+    the packed varlen call (the forward kernel) on the same keys, and against the oracle."""
+    import cupy
+
+    from cuflash.reference import attention_reference
+    rng = np.random.default_rng(seed)
+    np_dtype, nheads_k = cupy_dtype(dtype), 2
+    seqlens_q, seqlens_k = (np.array(x, np.int32) for x in zip(*lengths))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (seqlens_q, seqlens_k))
+    q = rng.standard_normal((cu_q[-1], nheads_k * group, d)).astype(np_dtype)
+    k, v = (rng.standard_normal((cu_k[-1], nheads_k, d)).astype(np_dtype) for _ in "kv")
+    max_blocks = max(1, -(-int(seqlens_k.max()) // page_size))
+    pages = len(lengths) * max_blocks + 2
+    table = rng.permutation(pages)[:len(lengths) * max_blocks].reshape(len(lengths), max_blocks).astype(np.int32)
+    k_pages, v_pages = (np.full((pages, page_size, nheads_k, d), np.nan, np.float32).astype(np_dtype) for _ in "kv")
+    for b, n in enumerate(seqlens_k):
+        for pool, x in ((k_pages, k), (v_pages, v)):
+            rows = pool[table[b]].reshape(-1, nheads_k, d)
+            rows[:n] = x[cu_k[b]:cu_k[b + 1]]
+            pool[table[b]] = rows.reshape(max_blocks, page_size, nheads_k, d)
+    g = {name: cupy.asarray(x) for name, x in dict(q=q, k=k, v=v, k_pages=k_pages, v_pages=v_pages, cu_q=cu_q,
+                                                   cu_k=cu_k, table=table).items()}
+    kw = dict(causal=causal, window_size=window, return_lse=True)
+    max_q, max_k = int(seqlens_q.max()), int(seqlens_k.max())
+    with poisoned_allocations():
+        out, lse = cuflash.attention_varlen(g["q"], g["k_pages"], g["v_pages"], g["cu_q"], g["cu_k"], max_q, max_k,
+                                            block_table=g["table"], **kw)
+    want, want_lse = cuflash.attention_varlen(g["q"], g["k"], g["v"], g["cu_q"], g["cu_k"], max_q, max_k, **kw)
+    tol = TOLERANCE[dtype]
+    assert_close(out.get().astype(np.float64), want.get().astype(np.float64), atol=tol * 4, name="out")
+    assert_lse_close(lse.get(), want_lse.get(), atol=1e-3)
+    for b in range(len(lengths)):  # and the oracle, sequence by sequence
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ref, ref_lse = attention_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal,
+                                           window_size=window)
+        assert_close(out.get()[rows_q].astype(np.float64), ref[0], atol=tol * (1 + np.abs(ref).max(initial=0)))
+
+
+def test_paged_varlen_through_torch_and_jax():
+    torch = pytest.importorskip("torch")
+    from cuflash.flash_attn_interface import flash_attn_varlen_func
+    rng = np.random.default_rng(4)
+    cu_q, cu_k = np.array([0, 1, 5, 6], np.int32), np.array([0, 300, 301, 700], np.int32)
+    q = rng.standard_normal((6, 8, 64)).astype(np.float16)
+    pools = [rng.standard_normal((12, 64, 2, 64)).astype(np.float16) for _ in "kv"]
+    table = rng.permutation(12).reshape(3, 4).astype(np.int32)
+    want, want_lse = cuflash.attention_varlen(*[on_gpu(x) for x in (q, *pools, cu_q, cu_k)], 4, 400,
+                                              block_table=on_gpu(table), causal=True, return_lse=True)
+    t = [torch.as_tensor(x, device="cuda") for x in (q, *pools, cu_q, cu_k, table)]
+    with torch.no_grad():
+        out, lse, _ = flash_attn_varlen_func(*t[:5], 4, 400, causal=True, block_table=t[5], return_attn_probs=True)
+    assert torch.equal(out, torch.as_tensor(want, device="cuda")) and torch.equal(lse, torch.as_tensor(want_lse))
+    jax = pytest.importorskip("jax")
+    import cuflash.jax
+    gpu = jax.devices("gpu")[0]
+    j = [jax.device_put(x, gpu) for x in (q, *pools, cu_q, cu_k, table)]
+    out, lse = jax.jit(lambda *a: cuflash.jax.attention_varlen(*a[:5], 4, 400, causal=True, block_table=a[5],
+                                                               return_lse=True))(*j)
+    assert (np.asarray(out) == want.get()).all() and (np.asarray(lse) == want_lse.get()).all()

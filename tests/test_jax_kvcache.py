@@ -83,3 +83,20 @@ def test_merged_halves_train_like_the_whole():
     assert np.allclose(merged(q, k, v), whole(q, k, v), atol=1e-5)
     for got, want in zip(jax.jit(jax.grad(merged, (0, 1, 2)))(q, k, v), jax.grad(whole, (0, 1, 2))(q, k, v)):
         assert np.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_paged_varlen_is_the_numpy_call(jit):
+    rng = np.random.default_rng(3)
+    cu_q, cu_k = np.array([0, 2, 3, 6], np.int32), np.array([0, 7, 7, 19], np.int32)
+    q = rng.standard_normal((6, 4, 8)).astype(np.float32)
+    k_pages, v_pages = (rng.standard_normal((9, 5, 2, 8)).astype(np.float32) for _ in "kv")
+    table = rng.permutation(9)[:9].reshape(3, 3).astype(np.int32)
+    kw = dict(causal=True, return_lse=True)
+    want = cuflash.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, 3, 12, block_table=table, **kw)
+
+    def step(*arrays):
+        return cuflash.jax.attention_varlen(*arrays[:5], 3, 12, block_table=arrays[5], **kw)
+
+    got = (jax.jit(step) if jit else step)(*(jax.device_put(x, CPU) for x in (q, k_pages, v_pages, cu_q, cu_k, table)))
+    assert (np.asarray(got[0]) == want[0]).all() and (np.asarray(got[1]) == want[1]).all()

@@ -149,3 +149,49 @@ def test_merging_the_halves_of_a_kvcache_call():
     out, lse = cuflash.merge_states([first[0], second[0]], [first[1], second[1]])
     assert_close(out, whole[0], atol=1e-5)
     assert_close(lse, whole[1], atol=1e-5)
+
+
+@settings(deadline=None, max_examples=60)
+@given(lengths=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 40)), min_size=1, max_size=4),
+       page_size=st.sampled_from([1, 3, 16, 17]), causal=st.booleans(), window=st.sampled_from([(-1, -1), (3, 1)]),
+       group=st.sampled_from([1, 3]), seed=st.integers(0, 2**32 - 1))
+def test_paged_varlen_is_the_packed_varlen_call(lengths, page_size, causal, window, group, seed):
+    """attention_varlen(block_table=...): each sequence's keys read from its pages give the
+    packed call's output and LSE, on the rows of the pages it uses."""
+    rng = np.random.default_rng(seed)
+    nheads_k, d = 2, 8
+    seqlens_q, seqlens_k = (np.array(x, np.int32) for x in zip(*lengths))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (seqlens_q, seqlens_k))
+    q = rng.standard_normal((cu_q[-1], nheads_k * group, d)).astype(np.float32)
+    k, v = (rng.standard_normal((cu_k[-1], nheads_k, d)).astype(np.float32) for _ in "kv")
+    max_blocks = max(1, -(-int(seqlens_k.max()) // page_size))
+    pages = len(lengths) * max_blocks + 2
+    table = rng.permutation(pages)[:len(lengths) * max_blocks].reshape(len(lengths), max_blocks).astype(np.int32)
+    k_pages, v_pages = (np.full((pages, page_size, nheads_k, d), np.nan, np.float32) for _ in "kv")
+    for b, n in enumerate(seqlens_k):
+        for pool, x in ((k_pages, k), (v_pages, v)):
+            rows = pool[table[b]].reshape(-1, nheads_k, d)
+            rows[:n] = x[cu_k[b]:cu_k[b + 1]]
+            pool[table[b]] = rows.reshape(max_blocks, page_size, nheads_k, d)
+    kw = dict(causal=causal, window_size=window, return_lse=True)
+    max_q, max_k = int(seqlens_q.max()), int(seqlens_k.max())
+    want = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    got = cuflash.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, block_table=table, **kw)
+    assert (got[0] == want[0]).all() and (got[1] == want[1]).all()
+
+
+def test_paged_varlen_checks():
+    q = np.ones((3, 2, 8), np.float32)
+    pool = np.ones((4, 2, 1, 8), np.float32)
+    cu_q, cu_k = np.array([0, 1, 3], np.int32), np.array([0, 2, 7], np.int32)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    with pytest.raises(ValueError, match="sequence 1 has 5 keys"):
+        cuflash.attention_varlen(q, pool, pool, cu_q, cu_k, 2, 5, block_table=table)  # (4 rows a sequence)
+    with pytest.raises(ValueError, match="block_table must have shape"):
+        cuflash.attention_varlen(q, pool, pool, cu_q, np.array([0, 2, 3], np.int32), 2, 3, block_table=table[:1])
+    with pytest.raises(ValueError, match="must name pages"):
+        cuflash.attention_varlen(q, pool, pool, cu_q, np.array([0, 2, 3], np.int32), 2, 3, block_table=table + 2)
+    with pytest.raises(ValueError, match="k must be a page pool"):
+        cuflash.attention_varlen(q, q, q, cu_q, cu_k, 2, 3, block_table=table)
+    with pytest.raises(ValueError, match="dropout_p must be 0"):
+        cuflash.attention_varlen(q, pool, pool, cu_q, cu_k, 2, 3, block_table=table, dropout_p=0.1)

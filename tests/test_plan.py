@@ -154,6 +154,6 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
     else:
         (merge_step,) = merge_steps
         assert merge_step.argument == "merge" and merge_step.grid == (batch * 32, 1, 1)
-        assert dict((n, s) for n, s, _ in plan.workspace) == {"partial_o": (splits, batch, 1, 32, 128),
-                                                             "partial_lse": (splits, batch, 32, 1)}
+        assert dict((n, s) for n, s, _ in plan.workspace) == {"partial_o": (splits, batch, 32, 128),
+                                                             "partial_lse": (splits, 32, batch)}
         assert (p.merge.count, p.merge.part_stride, p.merge.lse_part_stride) == (splits, batch * 32 * 128, batch * 32)

@@ -450,8 +450,24 @@ def test_flash_attn_varlen_functions():
     (dkv,) = torch.autograd.grad(out, kv, dout)
     torch.testing.assert_close(dkv, torch.stack(torch.autograd.grad(want, (k, v), dout), dim=1), rtol=0, atol=0)
 
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flash_attn_varlen_func(q, k, v, cu_q, cu_q, 19, 19, block_table=torch.zeros(4, 1, dtype=torch.int32))
+    # k and v in pages of 4 rows, handed out in reverse: forward only, the packed call's result
+    rows = [(int(a), int(b)) for a, b in zip(cu_q[:-1], cu_q[1:])]
+    table = torch.arange(len(rows) * 5, dtype=torch.int32).flip(0).reshape(len(rows), 5)
+    pools = [torch.zeros(len(rows) * 5, 4, *x.shape[1:], dtype=x.dtype) for x in (k, v)]
+    for b, (start, end) in enumerate(rows):
+        for pool, x in zip(pools, (k, v)):
+            seq = torch.zeros(20, *x.shape[1:], dtype=x.dtype)
+            seq[:end - start] = x.detach()[start:end]
+            pool[table[b].long()] = seq.reshape(5, 4, *x.shape[1:])
+    with pytest.raises(ValueError, match="forward only"):
+        flash_attn_varlen_func(q, *pools, cu_q, cu_q, 19, 19, block_table=table)
+    with torch.no_grad():
+        paged, lse, mask = flash_attn_varlen_func(q, *pools, cu_q, cu_q, 19, 19, causal=True, block_table=table,
+                                                  return_attn_probs=True)
+        want, want_lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_q, 19, 19, causal=True, return_attn_probs=True)
+    assert mask is None
+    torch.testing.assert_close(paged, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
 
 
 # --- CPU: the gradient of the LSE --------------------------------------------------------

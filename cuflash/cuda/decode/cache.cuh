@@ -27,7 +27,9 @@ struct CachedSequence {
     s.cache_row = min(max(row, 0), p.caches - 1);
     s.page_size = p.page_size;
     s.pages_total = p.caches;
-    const int length = p.cache_seqlens ? p.cache_seqlens[batch] : p.seqlen_cache_all;
+    const int length = p.cu_seqlens_k    ? p.cu_seqlens_k[batch + 1] - p.cu_seqlens_k[batch]
+                       : p.cache_seqlens ? p.cache_seqlens[batch]
+                                         : p.seqlen_cache_all;
     s.length = min(max(length, 0), p.capacity - p.seqlen_new);
     s.leftpad = p.cache_leftpad ? min(max(p.cache_leftpad[batch], 0), s.length) : 0;
     s.end = s.length + p.seqlen_new;

@@ -25,11 +25,21 @@ struct DecodeParams {
   ArrayView q, o;                 // (batch, seqlen_q, nheads, headdim)
   ArrayView k_cache, v_cache;     // batch_stride: between caches, or between pages when paged
   ArrayView k_new, v_new;         // (batch, seqlen_new, nheads_k, headdim); null when nothing is appended
-  float* lse;                     // (batch, nheads, seqlen_q); null: not written
-  // Split results, merged by the merge step: (splits, batch, seqlen_q, nheads, headdim) and
-  // (splits, batch, nheads, seqlen_q), float32, contiguous; null with one split.
+  // LSE of row i of (b, h) at b * lse_batch_stride + h * lse_head_stride + first row of b + i:
+  // (batch, nheads, seqlen_q), or (nheads, total_q) for packed queries; null: not written.
+  float* lse;
+  int64 lse_batch_stride, lse_head_stride;
+  // Split results, merged by the merge step: (splits, query rows, nheads, headdim) and
+  // (splits, nheads, query rows), float32, contiguous, the query rows numbered b * seqlen_q + i
+  // (or, packed, as q's); null with one split.
   float* partial_o;
   float* partial_lse;
+  int query_rows;
+  // Packed queries (the varlen call over a paged cache): sequence b is rows cu_seqlens_q[b] ..
+  // cu_seqlens_q[b + 1] - 1 of q and o (batch_stride 0; seqlen_q the longest) and the first
+  // cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages; null: dense.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
   const int* cache_seqlens;       // (batch,); null: every sequence has seqlen_cache_all rows
   const int* cache_batch_idx;     // (batch,): the cache of each sequence; null: its own
   const int* cache_leftpad;       // (batch,): rows before it are padding; null: none

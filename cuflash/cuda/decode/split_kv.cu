@@ -95,11 +95,19 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_decode(const DecodeP
   const Rotary rotary = Rotary::of(p);
   if (split == 0 && m_block == 0 && p.seqlen_new > 0) append_to_cache<T>(p, seq, rotary, batch, kv_head, kThreads);
 
+  // This sequence's queries: dense, or packed (rows q_start .. of q; the grid covers the longest).
+  const int q_start = p.cu_seqlens_q ? p.cu_seqlens_q[batch] : 0;
+  const int seqlen_q = p.cu_seqlens_q ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
   // Packed rows: row r is query r / group of head kv_head * group + r % group.
-  const int group = p.heads_per_kv, rows = group * p.seqlen_q, row0 = m_block * kBlockM;
+  const int group = p.heads_per_kv, rows = group * seqlen_q, row0 = m_block * kBlockM;
+  if (row0 >= rows) return;
   const int q_first = row0 / group, q_end = (min(row0 + kBlockM, rows) - 1) / group + 1;
   // Key columns count from leftpad; the tiles from the cache's row 0 (t = leftpad + column).
-  const auto mask = Mask<kLocal>::bounded(p.seqlen_q, seq.end - seq.leftpad, p.window_left, p.window_right);
+  // The KV-cache call's window is normalised against the cache's length on the host; the
+  // varlen call's, as everywhere in varlen, against each sequence's keys.
+  const int seqlen_k = seq.end - seq.leftpad;
+  const auto mask = p.cu_seqlens_q ? Mask<kLocal>::of(seqlen_q, seqlen_k, p.window_left, p.window_right)
+                                   : Mask<kLocal>::bounded(seqlen_q, seqlen_k, p.window_left, p.window_right);
   const int t_begin = seq.leftpad + mask.key_begin(q_first), t_end = seq.leftpad + mask.key_end(q_end);
   const int tile_first = t_begin / kBlockN, tiles = t_end > t_begin ? ceil_div(t_end, kBlockN) - tile_first : 0;
   const int per_split = ceil_div(tiles, p.num_splits);
@@ -109,7 +117,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_decode(const DecodeP
   auto query_row = [&](int r) -> const elem_t* {
     const int row = row0 + r;
     if (row >= rows) return nullptr;
-    return p.q.ptr + batch * p.q.batch_stride + int64(row / group) * p.q.row_stride +
+    return p.q.ptr + batch * p.q.batch_stride + int64(q_start + row / group) * p.q.row_stride +
            int64(kv_head * group + row % group) * p.q.head_stride;
   };
   // Key (or value) t: from the cache below length, from the new rows above.
@@ -241,13 +249,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_decode(const DecodeP
     o *= merge.out_scale();
     const int query = row / group, head = kv_head * group + row % group;
     if (split_result) {
-      const int64 at = int64(split) * gridDim.z + batch;  // (split, batch) of (splits, batch, ...)
-      p.partial_o[((at * p.seqlen_q + query) * p.nheads + head) * p.headdim + c] = o;
-      if (c == 0) p.partial_lse[(at * p.nheads + head) * p.seqlen_q + query] = merge.lse();
+      // query row (b, i): b * seqlen_q + i, or packed, q_start + i
+      const int64 query_row = (p.cu_seqlens_q ? 0 : int64(batch) * p.seqlen_q) + q_start + query;
+      p.partial_o[((int64(split) * p.query_rows + query_row) * p.nheads + head) * p.headdim + c] = o;
+      if (c == 0) p.partial_lse[(int64(split) * p.nheads + head) * p.query_rows + query_row] = merge.lse();
     } else {
-      p.o.ptr[batch * p.o.batch_stride + int64(query) * p.o.row_stride + int64(head) * p.o.head_stride + c] =
-          DType<T>::from_float(o);
-      if (c == 0 && p.lse != nullptr) p.lse[(int64(batch) * p.nheads + head) * p.seqlen_q + query] = merge.lse();
+      p.o.ptr[batch * p.o.batch_stride + int64(q_start + query) * p.o.row_stride + int64(head) * p.o.head_stride +
+              c] = DType<T>::from_float(o);
+      if (c == 0 && p.lse != nullptr)
+        p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + q_start + query] = merge.lse();
     }
   }
 }
