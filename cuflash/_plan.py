@@ -442,7 +442,7 @@ def decode_splits(ctas: int, tiles: int, multiprocessors: int) -> int:
     (Batch 1, GQA 32/8, d 128 on the H200, graph replay by splits: at 4k keys 16.0 us with
     16 splits, 18.4 with 32, 27.8 with 64; at 16k 30.2 with 16, 32.2 with 32: more splits
     put more CTAs at work, and more partial results through the merge.)"""
-    if ctas >= multiprocessors:
+    if ctas >= multiprocessors or ctas == 0:
         return 1
     return max(1, min(-(-multiprocessors // ctas), -(-tiles // MIN_SPLIT_TILES), MAX_SPLITS))
 

@@ -360,6 +360,8 @@ def test_paged_varlen_matches_the_packed_call(lengths, page_size, causal, window
 
 def test_paged_varlen_through_torch_and_jax():
     torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    import cuflash.jax
     from cuflash.flash_attn_interface import flash_attn_varlen_func
     rng = np.random.default_rng(4)
     cu_q, cu_k = np.array([0, 1, 5, 6], np.int32), np.array([0, 300, 301, 700], np.int32)
@@ -372,8 +374,6 @@ def test_paged_varlen_through_torch_and_jax():
     with torch.no_grad():
         out, lse, _ = flash_attn_varlen_func(*t[:5], 4, 400, causal=True, block_table=t[5], return_attn_probs=True)
     assert torch.equal(out, torch.as_tensor(want, device="cuda")) and torch.equal(lse, torch.as_tensor(want_lse))
-    jax = pytest.importorskip("jax")
-    import cuflash.jax
     gpu = jax.devices("gpu")[0]
     j = [jax.device_put(x, gpu) for x in (q, *pools, cu_q, cu_k, table)]
     out, lse = jax.jit(lambda *a: cuflash.jax.attention_varlen(*a[:5], 4, 400, causal=True, block_table=a[5],

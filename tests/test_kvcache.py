@@ -195,3 +195,12 @@ def test_paged_varlen_checks():
         cuflash.attention_varlen(q, q, q, cu_q, cu_k, 2, 3, block_table=table)
     with pytest.raises(ValueError, match="dropout_p must be 0"):
         cuflash.attention_varlen(q, pool, pool, cu_q, cu_k, 2, 3, block_table=table, dropout_p=0.1)
+
+
+def test_paged_varlen_of_empty_sequences():
+    q = np.ones((0, 2, 8), np.float32)
+    pool = np.ones((2, 4, 1, 8), np.float32)
+    zeros = np.zeros(2, np.int32)
+    out, lse = cuflash.attention_varlen(q, pool, pool, zeros, zeros, 0, 0, block_table=np.zeros((1, 1), np.int32),
+                                        return_lse=True)
+    assert out.shape == (0, 2, 8) and lse.shape == (2, 0)

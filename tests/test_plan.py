@@ -157,3 +157,16 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
         assert dict((n, s) for n, s, _ in plan.workspace) == {"partial_o": (splits, batch, 32, 128),
                                                              "partial_lse": (splits, 32, batch)}
         assert (p.merge.count, p.merge.part_stride, p.merge.lse_part_stride) == (splits, batch * 32 * 128, batch * 32)
+
+
+def test_a_decode_plan_of_no_query_plans_no_launch(no_compiler):
+    """(A packed call whose sequences are all empty: no split to choose, nothing to launch.)"""
+    from cuflash._options import Varlen
+    q, pool = info((0, 8, 64)), info((4, 16, 2, 64))
+    cu = info((2,), "int32")
+    cache = _options.KVCache(0, None, None, None, info((1, 1), "int32"), 16, 16, 0, None, None, True, 0)
+    options = _options.make_options(info((1, 0, 8, 64)), pool, False, None, (-1, -1), 0.0, None, 0.0, None, 0,
+                                    backward=False, seqlen_k=0)
+    plan = _plan.decode(q, pool, pool, None, None, q, cache, options, _plan.shared_memory_limit("sm_90"), 132,
+                        Varlen(cu, cu, 0, 0))
+    assert plan.steps == () and plan.workspace == ()
