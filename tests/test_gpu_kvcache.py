@@ -366,8 +366,8 @@ def test_paged_varlen_through_torch_and_jax():
     rng = np.random.default_rng(4)
     cu_q, cu_k = np.array([0, 1, 5, 6], np.int32), np.array([0, 300, 301, 700], np.int32)
     q = rng.standard_normal((6, 8, 64)).astype(np.float16)
-    pools = [rng.standard_normal((12, 64, 2, 64)).astype(np.float16) for _ in "kv"]
-    table = rng.permutation(12).reshape(3, 4).astype(np.int32)
+    pools = [rng.standard_normal((24, 64, 2, 64)).astype(np.float16) for _ in "kv"]
+    table = rng.permutation(24)[:21].reshape(3, 7).astype(np.int32)  # 448 rows a sequence
     want, want_lse = cuflash.attention_varlen(*[on_gpu(x) for x in (q, *pools, cu_q, cu_k)], 4, 400,
                                               block_table=on_gpu(table), causal=True, return_lse=True)
     t = [torch.as_tensor(x, device="cuda") for x in (q, *pools, cu_q, cu_k, table)]
