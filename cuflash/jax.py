@@ -229,12 +229,8 @@ class _PagedVarlenCallback:
                                  None, True, 0)
         varlen = _options.Varlen(described["cu_seqlens_q"], described["cu_seqlens_k"], *c.max_seqlens)
         options = _options.Options(c.causal, c.scale, c.window, c.softcap, described.get("alibi_slopes"))
-        out_info = _info(out, c.dtype)
-        launcher = _kernels.decode_launcher(arrays, out_info, cache, options, varlen)
-        work = [_info(workspace[name], "float32").ptr if name in workspace else 0
-                for name in ("partial_o", "partial_lse")]
-        launcher(ctx.stream, *_kernels.decode_pointers({**described, **arrays}, out_info, _info(lse, "float32"),
-                                                       *work))
+        _launch_decode(ctx, {**described, **arrays}, _info(out, c.dtype), _info(lse, "float32"), workspace, cache,
+                       options, varlen)
 
 
 def merge_states(outs, lses):
@@ -296,12 +292,18 @@ class _KVCacheCallback:
                                  described.get("rotary_cos"), described.get("rotary_sin"), c.rotary_interleaved,
                                  c.num_splits)
         options = _options.Options(c.causal, c.scale, c.window, c.softcap, described.get("alibi_slopes"))
-        out_info = _info(out, c.dtype)
-        launcher = _kernels.decode_launcher(arrays, out_info, cache, options)
-        work = [_info(workspace[name], "float32").ptr if name in workspace else 0
-                for name in ("partial_o", "partial_lse")]
-        launcher(ctx.stream, *_kernels.decode_pointers({**described, **arrays}, out_info, _info(lse, "float32"),
-                                                       *work))
+        _launch_decode(ctx, {**described, **arrays}, _info(out, c.dtype), _info(lse, "float32"), workspace, cache,
+                       options)
+
+
+def _launch_decode(ctx, infos: dict, out: _arrays.ArrayInfo, lse: _arrays.ArrayInfo, workspace: dict,
+                   cache: _options.KVCache, options: _options.Options, varlen: _options.Varlen | None = None) -> None:
+    """The split kernel (and its merge) on XLA's buffers: ``infos`` by argument name, the
+    splits' workspace as the plan declared it."""
+    arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
+    launcher = _kernels.decode_launcher(arrays, out, cache, options, varlen)
+    work = [_info(workspace[name], "float32").ptr if name in workspace else 0 for name in ("partial_o", "partial_lse")]
+    launcher(ctx.stream, *_kernels.decode_pointers(infos, out, lse, *work))
 
 
 @dataclasses.dataclass(frozen=True)

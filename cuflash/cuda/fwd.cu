@@ -23,15 +23,6 @@
 
 namespace cuflash {
 
-// Shared memory, byte offsets: the Q tile, then kStages K tiles, then kStages V tiles.
-// _plan.KINDS["forward"] states the same size (tests/test_plan.py holds the two together).
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct ForwardShared {
-  static constexpr int kRow = HeadDimLayout<kHeadDim>::kRowElems * kElemBytes;
-  static constexpr int kQ = 0, kK = kQ + kBlockM * kRow, kV = kK + kStages * kBlockN * kRow;
-  static constexpr int kBytes = kV + kStages * kBlockN * kRow;
-};
-
 // @tparam T         half_t or bfloat16_t
 // @tparam kHeadDim  head-dim bucket, a multiple of 32; the real headdim <= kHeadDim is in Params
 // @tparam kBlockM   query rows per CTA; each of the kWarps warps owns kBlockM / kWarps of them

@@ -33,20 +33,20 @@
 
 namespace cuflash {
 
-// Shared memory, byte offsets: the Q tile, then kStages K tiles, then kStages V tiles.
+// Shared memory: the forward's (the Q tile, then kStages K tiles, then kStages V tiles).
 // After the key loop the K/V buffers hold each warp's normalised O (fp32 rows of
 // kHeadDim + 4, off the banks' period) and LSE. _plan.KINDS["decode"] states the size.
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct DecodeShared {
-  static constexpr int kRow = HeadDimLayout<kHeadDim>::kRowElems * kElemBytes;
-  static constexpr int kQ = 0, kK = kQ + kBlockM * kRow, kV = kK + kStages * kBlockN * kRow;
-  static constexpr int kBytes = kV + kStages * kBlockN * kRow;
+struct DecodeShared : ForwardShared<kHeadDim, kBlockM, kBlockN, kStages> {
+  using Base = ForwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
   static constexpr int kWarpORow = kHeadDim + 4;
-  static constexpr int kWarpO = kK;
+  static constexpr int kWarpO = Base::kK;
   template <int kWarps>
   static __host__ __device__ constexpr int warp_lse() { return kWarpO + kWarps * kBlockM * kWarpORow * 4; }
   template <int kWarps>
-  static __host__ __device__ constexpr bool warps_fit() { return warp_lse<kWarps>() + kWarps * kBlockM * 4 <= kBytes; }
+  static __host__ __device__ constexpr bool warps_fit() {
+    return warp_lse<kWarps>() + kWarps * kBlockM * 4 <= Base::kBytes;
+  }
 };
 
 // The new keys and values of one (sequence, KV head) into the cache, the keys rotated at
