@@ -214,7 +214,7 @@ def test_lengths_at_the_edges(length):
 def test_a_cuda_graph_replays_with_growing_lengths():
     """One captured decode step (append one token, attend), replayed while cache_seqlens
     grows on the device: each replay is the eager call at that length."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
     import cuflash.torch
     gen = torch.Generator(device="cuda").manual_seed(0)
     batch, capacity, nheads, nheads_k, d = 2, 300, 8, 2, 64
@@ -249,7 +249,7 @@ def test_a_cuda_graph_replays_with_growing_lengths():
 
 
 def test_torch_and_flash_attn_interface_on_the_gpu():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
     from cuflash.flash_attn_interface import flash_attn_with_kvcache
     rng = np.random.default_rng(5)
     q, k_cache, v_cache, lengths = decode_case(rng, dtype="float16", seqlen_q=2)
@@ -286,7 +286,7 @@ def test_merge_states_matches_the_oracle(parts, dtype, d, seed):
 def test_jax_on_the_gpu(jit):
     """cuflash.jax's KV-cache call on GPU arrays: the CuPy call's results bit for bit, the
     caches returned with the append (and, donated under jit, written in place)."""
-    jax = pytest.importorskip("jax")
+    jax = pytest.importorskip("jax", reason="JAX is not installed: pip install -e '.[jax]'")
     import jax.numpy as jnp
 
     import cuflash.jax
@@ -359,8 +359,8 @@ def test_paged_varlen_matches_the_packed_call(lengths, page_size, causal, window
 
 
 def test_paged_varlen_through_torch_and_jax():
-    torch = pytest.importorskip("torch")
-    jax = pytest.importorskip("jax")
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    jax = pytest.importorskip("jax", reason="JAX is not installed: pip install -e '.[jax]'")
     import cuflash.jax
     from cuflash.flash_attn_interface import flash_attn_varlen_func
     rng = np.random.default_rng(4)
