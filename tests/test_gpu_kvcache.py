@@ -379,3 +379,36 @@ def test_paged_varlen_through_torch_and_jax():
     out, lse = jax.jit(lambda *a: cuflash.jax.attention_varlen(*a[:5], 4, 400, causal=True, block_table=a[5],
                                                                return_lse=True))(*j)
     assert (np.asarray(out) == want.get()).all() and (np.asarray(lse) == want_lse.get()).all()
+
+
+# flash-attn's test_flash_attn_kvcache grid on the GPU at its own sizes (a subset of its
+# seqlen pairs and head dims), every case of the CPU grid in tests/test_torch_kvcache.py,
+# through flash_attn_with_kvcache on CUDA tensors, bf16 and fp16 in turn.
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (1, 339), (3, 1024), (64, 800), (3, 799), (16, 20000)])
+@pytest.mark.parametrize("d", [59, 128, 256])
+@pytest.mark.parametrize("mha_type", ["mha", "gqa"])
+@pytest.mark.parametrize("case", ["plain", "new_kv", "rotary_half", "rotary_full_interleaved", "local_alibi",
+                                  "leftpad", "batch_idx", "paged", "new_kv_shorter_causal"])
+def test_flash_attn_kvcache_grid_on_the_gpu(seqlen_q, seqlen_k, d, mha_type, case):
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    from cuflash.flash_attn_interface import flash_attn_with_kvcache
+
+    from .test_torch_kvcache import flash_attn_case
+    dtype = "bfloat16" if (seqlen_q + d + len(case)) % 2 else "float16"
+    q, k_cache, v_cache, k, v, kw = flash_attn_case(seqlen_q, seqlen_k, d, mha_type, case, getattr(torch, dtype),
+                                                    device="cuda")
+    host = {name: x.cpu().numpy() if isinstance(x, torch.Tensor) else x for name, x in kw.items()}
+    as_numpy = [None if x is None else x.float().cpu().numpy().astype(cupy_dtype(dtype))
+                for x in (q, k_cache, v_cache, k, v)]
+    want_out, _, want_k, want_v = attention_kvcache_reference(*as_numpy, **host)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=0, **kw)
+    tol = TOLERANCE[dtype]
+    assert_close(out.float().cpu().numpy().astype(np.float64), want_out,
+                 atol=tol * (1 + np.abs(want_out).max(initial=0)))
+    got_k, got_v = (x.cpu().view(torch.int16).numpy() for x in (k_cache, v_cache))
+    assert (got_v == want_v.view(np.int16)).all()
+    ulp = np.maximum(np.spacing(np.abs(want_k).astype(np.float32)) * (2.0**13 if dtype == "float16" else 2.0**16),
+                     2.0**-24)
+    same = (got_k == want_k.view(np.int16)) | \
+        (np.abs(k_cache.float().cpu().numpy() - want_k.astype(np.float64)) <= ulp)
+    assert same.all()

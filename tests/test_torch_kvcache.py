@@ -98,14 +98,15 @@ def test_flash_attn_conventions():
 # flash-attn's test_flash_attn_kvcache grid, scaled to the CPU: its seqlen pairs, head
 # dims, MHA/MQA/GQA, new keys or not (seqlen_new = seqlen_q or fewer), rotary fractions and
 # layouts, causal and local, ALiBi, left padding, batch_idx, paged (page 256) or not.
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (1, 339), (3, 1024), (64, 256), (3, 799)])
-@pytest.mark.parametrize("d", [32, 59, 64])
-@pytest.mark.parametrize("mha_type", ["mha", "mqa", "gqa"])
-@pytest.mark.parametrize("case", ["plain", "new_kv", "rotary_half", "rotary_full_interleaved", "local_alibi",
-                                  "leftpad", "batch_idx", "paged", "new_kv_shorter_causal"])
-def test_flash_attn_kvcache_grid(seqlen_q, seqlen_k, d, mha_type, case):
+CASES = ["plain", "new_kv", "rotary_half", "rotary_full_interleaved", "local_alibi", "leftpad", "batch_idx", "paged",
+         "new_kv_shorter_causal"]
+
+
+def flash_attn_case(seqlen_q, seqlen_k, d, mha_type, case, dtype=torch.float32, device="cpu", batch=2, nheads=6):
+    """(q, k_cache, v_cache, k, v, keywords) of one case of flash-attn's
+    test_flash_attn_kvcache: q, the caches, k and v of ``dtype`` on ``device``, the integer
+    arrays, rotary tables and ALiBi slopes (float32) on ``device`` too."""
     rng = np.random.default_rng(hash((seqlen_q, seqlen_k, d, mha_type, case)) % 2**32)
-    batch, nheads = 2, 6
     nheads_k = {"mha": 6, "mqa": 1, "gqa": 3}[mha_type]
     new_kv = case in ("new_kv", "rotary_half", "rotary_full_interleaved", "paged", "new_kv_shorter_causal")
     seqlen_new = (max(1, seqlen_q // 2) if case == "new_kv_shorter_causal" else seqlen_q) if new_kv else 0
@@ -143,6 +144,16 @@ def test_flash_attn_kvcache_grid(seqlen_q, seqlen_k, d, mha_type, case):
         kw.update(rotary_cos=torch.from_numpy(np.cos(angle).astype(np.float32)),
                   rotary_sin=torch.from_numpy(np.sin(angle).astype(np.float32)),
                   rotary_interleaved=case == "rotary_full_interleaved")
+    kw = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in kw.items()}
+    return (*(None if x is None else x.to(device, dtype) for x in (q, k_cache, v_cache, k, v)), kw)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 128), (1, 339), (3, 1024), (64, 256), (3, 799)])
+@pytest.mark.parametrize("d", [32, 59, 64])
+@pytest.mark.parametrize("mha_type", ["mha", "mqa", "gqa"])
+@pytest.mark.parametrize("case", CASES)
+def test_flash_attn_kvcache_grid(seqlen_q, seqlen_k, d, mha_type, case):
+    q, k_cache, v_cache, k, v, kw = flash_attn_case(seqlen_q, seqlen_k, d, mha_type, case)
     numpy_kw = {name: x.numpy() if isinstance(x, torch.Tensor) else x for name, x in kw.items()}
     want_out, _, want_k, want_v = attention_kvcache_reference(
         q.numpy(), k_cache.numpy(), v_cache.numpy(), None if k is None else k.numpy(),
