@@ -524,7 +524,7 @@ def _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_s
     ends = lengths + seqlen_new
     if (ends > capacity).any():
         b = int(np.argmax(ends > capacity))
-        where = "max_blocks * page_size" if table is not None else "seqlen_cache"
+        where = "block_table's max_blocks * page_size" if table is not None else "seqlen_cache"
         raise ValueError(f"cache_seqlens[{b}] + seqlen_new must be at most the cache's length ({where}) "
                          f"{capacity}, got {int(lengths[b])} + {seqlen_new}")
     if cos is not None:

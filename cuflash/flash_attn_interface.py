@@ -27,9 +27,12 @@ softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. Wha
 - The packed variants pass strided views of qkv / kv to the kernel (no copy); their
   gradients reach qkv / kv through those views.
 - ``flash_attn_varlen_func``'s ``block_table`` (k and v in pages) runs forward only.
-- ``flash_attn_with_kvcache`` runs on CPU tensors in this version (CUDA tensors raise
-  NotImplementedError); its page size may be anything, not only multiples of 256.
+- ``flash_attn_with_kvcache``'s page size may be anything, not only multiples of 256.
+- Bad arguments of ``flash_attn_with_kvcache`` and of the paged ``flash_attn_varlen_func``
+  raise RuntimeError naming the argument, as flash-attn's checks do.
 """
+import contextlib
+
 from . import _philox
 from . import torch as cuflash_torch
 
@@ -98,10 +101,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     float32 (nheads, total_q), differentiable.
     """
     if block_table is not None:  # k and v are page pools; forward only (flash-attn's paged varlen call)
-        out = cuflash_torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                             softmax_scale, window_size=window_size, softcap=softcap,
-                                             alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                             return_lse=return_attn_probs, block_table=block_table)
+        with _as_flash_attn_errors():
+            out = cuflash_torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                 causal, softmax_scale, window_size=window_size, softcap=softcap,
+                                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                                 return_lse=return_attn_probs, block_table=block_table)
         return (*out, None) if return_attn_probs else out
     q, k, v = _unit_stride(q, k, v)
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
@@ -147,12 +151,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_seqlens is None:
         cache_seqlens = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     q, k, v = _unit_stride(q, k, v)
-    return cuflash_torch.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, num_splits=num_splits,
-        return_lse=return_softmax_lse)
+    with _as_flash_attn_errors():
+        return cuflash_torch.attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, num_splits=num_splits,
+            return_lse=return_softmax_lse)
+
+
+@contextlib.contextmanager
+def _as_flash_attn_errors():
+    """flash-attn's inference calls refuse bad arguments with RuntimeError (its C++ checks):
+    cuflash's ValueError and TypeError become one, with the same message naming the
+    argument, so that code written for flash-attn catches what it expects."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise RuntimeError(str(e)) from e
 
 
 def _unit_stride(*tensors):

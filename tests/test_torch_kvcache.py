@@ -161,3 +161,21 @@ def test_flash_attn_kvcache_grid(seqlen_q, seqlen_k, d, mha_type, case):
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=0, **kw)
     assert_close(out.numpy(), want_out, atol=2e-5 * (1 + np.abs(want_out).max()))
     assert np.allclose(k_cache.numpy(), want_k, atol=1e-5) and (v_cache.numpy() == want_v).all()
+
+
+def test_flash_attn_interface_raises_what_flash_attn_raises():
+    """flash-attn's C++ checks raise RuntimeError naming the argument: a sequence outgrowing
+    its pages names block_table (flash-attn #2709), a wrong dtype names the array."""
+    q = torch.ones(2, 1, 2, 8)
+    pages = torch.ones(4, 4, 1, 8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_with_kvcache(q, pages, pages, cache_seqlens=torch.tensor([3, 9], dtype=torch.int32),
+                                block_table=table)
+    with pytest.raises(RuntimeError, match="cache_seqlens must be int32"):
+        flash_attn_with_kvcache(q, pages, pages, cache_seqlens=torch.tensor([3, 4]), block_table=table)
+    from cuflash.flash_attn_interface import flash_attn_varlen_func
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_varlen_func(q[:, 0], pages, pages, cu, torch.tensor([0, 1, 10], dtype=torch.int32), 1, 9,
+                               block_table=table)
