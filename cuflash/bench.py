@@ -104,6 +104,9 @@ def main(args) -> int:
     except ImportError:
         print("python -m cuflash bench needs PyTorch for the side-by-side SDPA comparison: pip install torch")
         return 1
+    if getattr(args, "decode", False):
+        from . import bench_decode
+        return bench_decode.main(args, torch, gpu)
     baseline = _load_baseline(args.baseline) if args.baseline else None
     seqlens = SEQLENS[::2] if args.quick else SEQLENS
     passes = {"fwd": (False,), "fwdbwd": (True,), "all": (False, True)}[args.mode]

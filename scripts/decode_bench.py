@@ -1,12 +1,10 @@
-"""The KV-cache call's speed on decode shapes, beside torch SDPA's cuDNN and flash backends.
+"""The KV-cache call on decode shapes beside torch SDPA's cuDNN and flash backends, with the
+figures kernel work asks for beyond ``python -m cuflash bench --decode`` (its timing rules):
 
-    PYTHONPATH=. python scripts/decode_bench.py [--quick]
+    PYTHONPATH=. python scripts/decode_bench.py [--quick] [--splits] [--profile]
 
-One new token per sequence, GQA 32/8, d 128, bf16; batch 1, 16, 64 and cache lengths 4k,
-16k, 64k (bounded by memory). Caches are cycled through copies of at least 400 MB together
-(L2 holds 50-60 MB), so every call reads them from HBM. Two ways: calls replayed from a
-CUDA graph (kernel time) and plain back-to-back calls (host time included). CUDA events,
-median of 5 rounds after warm-up; GB/s of K and V bytes read.
+The table: GQA 32/8, d 128, contiguous caches, bench --decode's grid; then the host time
+of a warm call; --splits: batch 1 by num_splits; --profile: cProfile of a warm call.
 """
 import statistics
 import sys
@@ -16,67 +14,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import cuflash.torch
+from cuflash import bench_decode
 
 NHEADS, NHEADS_K, D = 32, 8, 128
-CYCLE_BYTES = 400e6
 
 
-def median_us(run, calls: int, rounds: int = 5) -> float:
-    """Median over rounds of one call's time, a round being `run()` (calls calls)."""
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def case(batch: int, length: int, quick: bool) -> dict:
-    kv_bytes = 2 * batch * length * NHEADS_K * D * 2
-    copies = max(2, min(16, int(-(-CYCLE_BYTES // kv_bytes))))
-    if quick:
-        copies = 2
-    caches = [(torch.randn(batch, length, NHEADS_K, D, device="cuda", dtype=torch.bfloat16),
-               torch.randn(batch, length, NHEADS_K, D, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
-    q = torch.randn(batch, 1, NHEADS, D, device="cuda", dtype=torch.bfloat16)
-    lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-    # SDPA's layout: (batch, heads, seqlen, d) views of the same caches
-    qt = q.transpose(1, 2)
-    views = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in caches]
-
-    def cuflash_call(i):
-        k, v = caches[i]
-        return cuflash.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths)
-
-    def sdpa_call(i):
-        k, v = views[i]
-        return sdpa(qt, k, v, enable_gqa=True)
-
-    results = {}
-    for name, call, backend in (("cuflash", cuflash_call, None), ("cuDNN", sdpa_call, SDPBackend.CUDNN_ATTENTION),
-                                ("SDPA-flash", sdpa_call, SDPBackend.FLASH_ATTENTION)):
-        try:
-            with sdpa_kernel(backend) if backend is not None else torch.no_grad():
-                def plain():
-                    for i in range(copies):
-                        call(i)
-                plain()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for i in range(copies):
-                        call(i)
-                results[name] = (median_us(graph.replay, copies), median_us(plain, copies))
-        except Exception as e:  # a backend that does not take this shape
-            print(f"  {name} batch {batch} L {length}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-    caches.clear(), views.clear()
-    torch.cuda.empty_cache()
-    return {name: (kv_bytes / (g * 1e3), kv_bytes / (p * 1e3), g, p) for name, (g, p) in results.items()}
+def median_us(run, calls: int) -> float:
+    return bench_decode.median_us(torch, run, calls)
 
 
 def host_times() -> None:
@@ -156,26 +100,24 @@ def split_sweep() -> None:
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    grid = [(1, 4096), (1, 16384), (1, 65536), (16, 4096), (16, 16384), (64, 4096), (64, 16384)]
-    if quick:
-        grid = grid[:2]
+    grid = bench_decode.QUICK_GRID if quick else bench_decode.GRID
     print(f"KV-cache decode, {torch.cuda.get_device_name()}, bf16, GQA {NHEADS}/{NHEADS_K}, d {D}, seqlen_q 1")
-    print("GB/s of K+V read (us per call): graph replay | plain calls")
+    print("GB/s of K+V read: graph replay | plain calls")
     rows = []
     for batch, length in grid:
-        r = case(batch, length, quick)
+        r = bench_decode.cell(torch, batch, length, NHEADS_K, D, "contiguous")
         rows.append((batch, length, r))
-        cells = "  ".join(f"{name} {g:6.0f} ({gu:6.1f}) | {p:6.0f} ({pu:6.1f})"
-                          for name, (g, p, gu, pu) in r.items())
-        print(f"batch {batch:3d} L {length:6d}: {cells}", flush=True)
+        cells = "  ".join(f"{name} {r[name]:6.0f} | {r[name + '-plain']:6.0f}" for name in
+                          ("cuflash", "sdpa-cudnn", "sdpa-flash") if name in r)
+        print(f"batch {batch:3d} L {length:6d}: {cells}  append {r['append']:6.0f}", flush=True)
     host_times()
     if "--splits" in sys.argv:
         split_sweep()
     print("ratio cuflash / cuDNN (graph | plain):")
     for batch, length, r in rows:
-        if "cuflash" in r and "cuDNN" in r:
-            print(f"  batch {batch:3d} L {length:6d}: {r['cuflash'][0] / r['cuDNN'][0]:5.2f} | "
-                  f"{r['cuflash'][1] / r['cuDNN'][1]:5.2f}")
+        if "sdpa-cudnn" in r:
+            print(f"  batch {batch:3d} L {length:6d}: {r['cuflash'] / r['sdpa-cudnn']:5.2f} | "
+                  f"{r['cuflash-plain'] / r['sdpa-cudnn-plain']:5.2f}")
 
 
 if __name__ == "__main__":

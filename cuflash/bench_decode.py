@@ -1,0 +1,176 @@
+"""The KV-cache call's speed on decode shapes (``python -m cuflash bench --decode``), beside
+torch SDPA's cuDNN and flash backends on the same caches.
+
+One new query token per sequence, bf16, GQA 32/8 and MHA 32/32, head dims 64 and 128; batch
+1 with L = 4k, 16k, 64k keys cached and batch 16 and 64 with 4k and 16k (``--quick``: batch 1
+and 16 at 4k and 16k). The cache is contiguous, or paged with pages of 16 and 256 rows
+(shuffled pages; SDPA has no paged call, so its columns come from the contiguous layout).
+Caches are cycled through copies of at least ``CYCLE_BYTES`` together (L2 holds 50-60 MB),
+so every call reads them from HBM. Two ways: calls replayed from a CUDA graph (the GPU's
+time) and plain back-to-back calls (the host's time included); CUDA events, median of
+``ROUNDS`` rounds. Figures are GB/s of K and V bytes read. ``append`` is cuflash's call with
+a new key and value appended and rotated (the decode step of a serving loop), graph replay.
+"""
+from __future__ import annotations
+
+import csv
+import statistics
+
+NHEADS = 32
+CYCLE_BYTES = 400e6
+ROUNDS = 5
+GRID = ((1, 4096), (1, 16384), (1, 65536), (16, 4096), (16, 16384), (64, 4096), (64, 16384))
+QUICK_GRID = ((1, 4096), (1, 16384), (16, 4096), (16, 16384))
+LAYOUTS = ("contiguous", "paged16", "paged256")
+COLUMNS = ("cuflash", "cuflash-plain", "append", "sdpa-cudnn", "sdpa-cudnn-plain", "sdpa-flash", "sdpa-flash-plain")
+
+
+def median_us(torch, run, calls: int) -> float:
+    """One call's time: the median over ROUNDS of ``run()`` (``calls`` calls) by CUDA events."""
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def graph_and_plain(torch, calls: list) -> tuple[float, float]:
+    """(graph replay, plain) microseconds per call of the zero-argument ``calls``, run in turn."""
+    def plain():
+        for call in calls:
+            call()
+    plain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plain()
+    return median_us(torch, graph.replay, len(calls)), median_us(torch, plain, len(calls))
+
+
+def paged(torch, cache, page_size: int, order):
+    """A contiguous cache (batch, L, h, d) as pages: page j of sequence b in slot
+    order[b * pages a sequence + j] (``order`` a permutation; the block table is it, reshaped)."""
+    batch, length = cache.shape[:2]
+    per_seq = -(-length // page_size)
+    pages = torch.empty(batch * per_seq, page_size, *cache.shape[2:], device=cache.device, dtype=cache.dtype)
+    padded = torch.zeros(batch, per_seq * page_size, *cache.shape[2:], device=cache.device, dtype=cache.dtype)
+    padded[:, :length] = cache
+    pages[order] = padded.reshape(batch * per_seq, page_size, *cache.shape[2:])
+    return pages
+
+
+def cell(torch, batch: int, length: int, nheads_k: int, d: int, layout: str) -> dict:
+    """GB/s of every column for one shape (the SDPA columns with the contiguous layout only)."""
+    import cuflash.torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    kv_bytes = 2 * batch * length * nheads_k * d * 2
+    copies = max(2, min(16, int(-(-CYCLE_BYTES // kv_bytes))))
+    dense = [tuple(torch.randn(batch, length, nheads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+             for _ in range(copies)]
+    q = torch.randn(batch, 1, NHEADS, d, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    caches, table = dense, None
+    if layout != "contiguous":  # every copy in the same shuffled pages: one block table
+        page_size = int(layout.removeprefix("paged"))
+        per_seq = -(-length // page_size)
+        order = torch.randperm(batch * per_seq, device="cuda")
+        table = order.reshape(batch, per_seq).to(torch.int32)
+        caches = [(paged(torch, k, page_size, order), paged(torch, v, page_size, order)) for k, v in dense]
+        dense.clear()
+    us = {}
+    calls = [lambda k=k, v=v: cuflash.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table)
+             for k, v in caches]
+    us["cuflash"], us["cuflash-plain"] = graph_and_plain(torch, calls)
+    # The decode step: the new token appended (rotated) at length - 1, then attended to.
+    new_k, new_v = (torch.randn(batch, 1, nheads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    before = torch.full((batch,), length - 1, device="cuda", dtype=torch.int32)
+    angle = torch.rand(length, d // 2, device="cuda")
+    cos, sin = angle.cos(), angle.sin()
+    calls = [lambda k=k, v=v: cuflash.torch.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=before,
+                                                                   block_table=table, rotary_cos=cos, rotary_sin=sin,
+                                                                   causal=True) for k, v in caches]
+    us["append"], _ = graph_and_plain(torch, calls)
+    if layout == "contiguous":
+        qt = q.transpose(1, 2)
+        views = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in caches]
+        for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    calls = [lambda k=k, v=v: sdpa(qt, k, v, enable_gqa=nheads_k != NHEADS) for k, v in views]
+                    us[name], us[name + "-plain"] = graph_and_plain(torch, calls)
+            except RuntimeError:  # a backend that does not take this shape or build
+                pass
+    caches.clear()
+    torch.cuda.empty_cache()
+    return {name: kv_bytes / (t * 1e3) for name, t in us.items()}
+
+
+def main(args, torch, gpu: str) -> int:
+    grid = QUICK_GRID if args.quick else GRID
+    dims = args.head_dims or (64, 128)
+    rows = []
+    print(f"KV-cache decode, {gpu}, bf16, one query token, torch {torch.__version__}: GB/s of K+V read "
+          f"(graph replay; -plain: back-to-back calls), median of {ROUNDS}")
+    print(f"{'layout':>10} {'heads':>6} {'d':>4} {'batch':>5} {'L':>6} " + " ".join(f"{c:>16}" for c in COLUMNS)
+          + f" {'cuflash/cudnn':>13}")
+    for layout in LAYOUTS:
+        for nheads_k in (8, NHEADS):
+            for d in dims:
+                for batch, length in grid:
+                    gbs = cell(torch, batch, length, nheads_k, d, layout)
+                    row = {"layout": layout, "heads": f"{NHEADS}/{nheads_k}", "d": d, "batch": batch,
+                           "L": length, **gbs}
+                    rows.append(row)
+                    ratio = f"{gbs['cuflash'] / gbs['sdpa-cudnn']:13.2f}" if "sdpa-cudnn" in gbs else f"{'-':>13}"
+                    print(f"{layout:>10} {row['heads']:>6} {d:4d} {batch:5d} {length:6d} "
+                          + " ".join(f"{gbs[c]:16.0f}" if c in gbs else f"{'-':>16}" for c in COLUMNS) + " "
+                          + ratio, flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["layout", "heads", "d", "batch", "L", *COLUMNS])
+            writer.writeheader()
+            writer.writerows(rows)
+    if args.plot:
+        plot(rows, args.plot, f"{gpu}, bf16, KV-cache decode (graph replay)")
+    return 0
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """GB/s against L, one panel per (heads, d, batch), one line per implementation and
+    cuflash layout (graph replay)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(r["heads"], r["d"], r["batch"]) for r in rows})
+    columns = 3
+    fig, axes = plt.subplots(-(-len(panels) // columns), columns, figsize=(4.2 * columns, 3 * -(-len(panels) //
+                                                                                                columns)),
+                             squeeze=False)
+    for (heads, d, batch), ax in zip(panels, axes.flat):
+        cells = [r for r in rows if (r["heads"], r["d"], r["batch"]) == (heads, d, batch)]
+        lines = [(f"cuflash {layout}", layout, "cuflash") for layout in LAYOUTS] + \
+            [(name, "contiguous", name) for name in ("sdpa-cudnn", "sdpa-flash")]
+        for label, layout, column in lines:
+            points = sorted((r["L"], r[column]) for r in cells if r["layout"] == layout and r.get(column))
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"GQA {heads}, d {d}, batch {batch}", fontsize=9)
+        ax.set_xlabel("keys cached (L)")
+        ax.set_ylabel("GB/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
