@@ -66,3 +66,24 @@ def test_timed_implementations_take_turns():
     timed = calls[3 * bench.WARMUP:]
     assert len(timed) == 3 * bench.REPEATS
     assert timed[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_decode_pages_hold_the_contiguous_cache():
+    """bench --decode's paged layout: the block table reads back every row of the cache."""
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    from cuflash import bench_decode
+    cache = torch.randn(3, 50, 2, 4)
+    order = torch.randperm(3 * 4)
+    pages = bench_decode.paged(torch, cache, 16, order)
+    assert torch.equal(pages[order.reshape(3, 4)].reshape(3, 64, 2, 4)[:, :50], cache)
+
+
+def test_decode_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (only the bench plots need it)")
+    from cuflash import bench_decode
+    rows = [dict(layout=layout, heads=heads, d=d, batch=b, L=length, cuflash=1000.0 + length / 100,
+                 **({"sdpa-cudnn": 1500.0} if layout == "contiguous" else {}))
+            for layout in bench_decode.LAYOUTS for heads in ("32/8", "32/32") for d in (64, 128)
+            for b, length in bench_decode.QUICK_GRID]
+    bench_decode.plot(rows, str(tmp_path / "d.png"), "test")
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
