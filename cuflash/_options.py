@@ -416,6 +416,8 @@ def paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_seqlens_q, cu_seql
     if len(k.shape) != 4:
         raise ValueError(f"k must be a page pool (num_pages, page_size, nheads_k, headdim) with block_table, "
                          f"got shape {k.shape}")
+    # (q as a batch of one sequence, so that the dense checks apply: kinds, devices, dtypes,
+    # head dims, GQA, the last dimension contiguous)
     check_qkv(_arrays.ArrayInfo(q.obj, q.framework, q.ptr, (1, *q.shape), (0, *q.strides), q.dtype, q.device), k, v,
               packed=False, names=("q", "k", "v"), same_batch=False)
     table = _int32_array("block_table", block_table, q, ndim=2)
