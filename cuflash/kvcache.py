@@ -101,21 +101,30 @@ def _is_array(x) -> bool:
 
 
 def _attention_gpu(infos: dict, warm: _Warm, return_lse: bool):
+    """The KV-cache call on the GPU, its launcher bound once per warm signature."""
+    def launcher(out):
+        if warm.launcher is None:
+            arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
+            warm.launcher = _kernels.decode_launcher(arrays, out, warm.cache, warm.options)
+        return warm.launcher
+    q = infos["q"]
+    return _decode_gpu(infos, (q.shape[0], q.shape[2], q.shape[1]), return_lse, launcher)
+
+
+def _decode_gpu(infos: dict, lse_shape: tuple, return_lse: bool, launcher_for):
     """The split kernel (decode/split_kv.cu) and, over several splits, the merge, on the
-    caller's stream; out and lse of the caller's kind."""
+    caller's stream: out (like q), lse and the splits' workspace allocated by the caller's
+    library, ``launcher_for(out)`` the launcher. Returns (out, lse or None), the caller's kind."""
     q = infos["q"]
     framework = _arrays.Framework(q)
     out = framework.empty(q.shape, q.dtype)
-    lse = framework.empty((q.shape[0], q.shape[2], q.shape[1]), "float32") if return_lse else None
-    launcher = warm.launcher
-    if launcher is None:
-        arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
-        launcher = warm.launcher = _kernels.decode_launcher(arrays, out, warm.cache, warm.options)
+    lse = framework.empty(lse_shape, "float32") if return_lse else None
+    launcher = launcher_for(out)
     partial_o = partial_lse = 0
     if launcher.plan.workspace:  # the splits' results, in one allocation
-        (_, o_shape, _), (_, lse_shape, _) = launcher.plan.workspace
+        (_, o_shape, _), (_, partial_lse_shape, _) = launcher.plan.workspace
         o_size = math.prod(o_shape)
-        work = framework.empty((o_size + math.prod(lse_shape),), "float32")
+        work = framework.empty((o_size + math.prod(partial_lse_shape),), "float32")
         partial_o, partial_lse = work.ptr, work.ptr + 4 * o_size
     launcher(framework.stream, *_kernels.decode_pointers(infos, out, lse, partial_o, partial_lse))
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
@@ -152,19 +161,10 @@ def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     infos.update(block_table=cache.block_table, cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k)
     if options.alibi is not None:
         infos["alibi_slopes"] = options.alibi
-    framework = _arrays.Framework(infos["q"])
-    out = framework.empty(q.shape, infos["q"].dtype)
-    lse = framework.empty((q.shape[1], q.shape[0]), "float32") if return_lse else None
-    arrays = {"q": infos["q"], "k_cache": infos["k_cache"], "v_cache": infos["v_cache"]}
-    launcher = _kernels.decode_launcher(arrays, out, cache, options, varlen)
-    partial_o = partial_lse = 0
-    if launcher.plan.workspace:
-        (_, o_shape, _), (_, lse_shape, _) = launcher.plan.workspace
-        work = framework.empty((math.prod(o_shape) + math.prod(lse_shape),), "float32")
-        partial_o, partial_lse = work.ptr, work.ptr + 4 * math.prod(o_shape)
-    launcher(framework.stream, *_kernels.decode_pointers(infos, out, lse, partial_o, partial_lse))
-    out = framework.finish(out.obj)
-    return (out, framework.finish(lse.obj)) if return_lse else out
+    arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache")}
+    out, lse = _decode_gpu(infos, (q.shape[1], q.shape[0]), return_lse,
+                           lambda out: _kernels.decode_launcher(arrays, out, cache, options, varlen))
+    return (out, lse) if return_lse else out
 
 
 def merge_states(outs, lses):
