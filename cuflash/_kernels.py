@@ -112,7 +112,7 @@ def _decode_key(arrays: dict, out: ArrayInfo, cache: KVCache, options: Options):
     layouts = tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in described)
     return ("decode", layouts, tuple(arrays), options._replace(alibi=None), options.alibi is None,
             cache.cache_seqlens if isinstance(cache.cache_seqlens, int) else None, cache.capacity,
-            cache.rotary_interleaved, cache.num_splits)
+            cache.rotary_interleaved, cache.num_splits, cache.deterministic)
 
 
 def merge_launcher(parts: ArrayInfo, lses: ArrayInfo, out: ArrayInfo) -> Launcher:

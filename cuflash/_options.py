@@ -343,10 +343,11 @@ class KVCache(NamedTuple):
     rotary_sin: ArrayInfo | None
     rotary_interleaved: bool
     num_splits: int
+    deterministic: bool = False  # parts fixed by each sequence's keys (_plan.decode)
 
 
 def kvcache(arrays: dict, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
-            rotary_interleaved, causal, window_size, num_splits) -> KVCache:
+            rotary_interleaved, causal, window_size, num_splits, deterministic=False) -> KVCache:
     """Check a KV-cache call's arrays (``arrays``: q, k_cache, v_cache and, when given, k and
     v, described) and cache arguments; the values of the small integer arrays where they
     can be read: every position, page and cache row in range before anything runs."""
@@ -396,13 +397,14 @@ def kvcache(arrays: dict, cache_seqlens, cache_batch_idx, cache_leftpad, block_t
             not 0 <= num_splits < 2**16:
         raise TypeError(f"num_splits must be an integer in [0, 65536) (0: chosen for the shapes), got {num_splits!r}")
     check_bool("rotary_interleaved", rotary_interleaved)
+    check_bool("deterministic", deterministic)
     cos, sin = _rotary(rotary_cos, rotary_sin, q, k)
     if lengths is None and isinstance(seqlens, ArrayInfo):
         lengths = _values_on_host(seqlens)
     _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_size, table, k_cache.shape[0],
                      batch_idx, leftpad)
     return KVCache(seqlens, lengths, batch_idx, leftpad, table, page_size, capacity, seqlen_new, cos, sin,
-                   bool(rotary_interleaved), int(num_splits))
+                   bool(rotary_interleaved), int(num_splits), bool(deterministic))
 
 
 def paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -81,7 +81,8 @@ class DecodeParams(_Struct):
         ("rotary_float32", ctypes.c_int),
         ("window_left", ctypes.c_int), ("window_right", ctypes.c_int),
         ("scale", ctypes.c_float), ("scale_log2", ctypes.c_float), ("softcap", ctypes.c_float),
-        ("num_splits", ctypes.c_int),
+        ("num_splits", ctypes.c_int), ("parts", ctypes.c_int), ("deterministic", ctypes.c_int),
+        ("max_parts", ctypes.c_int), ("min_part_tiles", ctypes.c_int),
         ("merge", MergeParams),
     ]
 

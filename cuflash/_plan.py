@@ -367,16 +367,22 @@ DECODE_POINTERS = ("q", "o", "k_cache", "v_cache", "k_new", "v_new", "lse", "par
                    "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "merge.parts", "merge.lses", "merge.out",
                    "merge.out_lse")
 MAX_SPLITS = 256
+# Parts of a sequence's keys in a deterministic call: each sequence's tiles cut into
+# min(DETERMINISTIC_PARTS, tiles / MIN_SPLIT_TILES) parts (as many as a batch of one needs to
+# fill the GPU), whatever the batch and the splits.
+DETERMINISTIC_PARTS = 16
 # Key tiles a split takes at least: a split's fixed costs (its lengths, Q, the first load's
-# latency, its partial result and its share of the merge) are those of a few tiles.
+# latency, its partial result and its share of the merge) are those of a few tiles; with
+# two CTAs a multiprocessor, of more.
 MIN_SPLIT_TILES = 4
+SPLIT_TILES_TWO_PER_SM = 8
 
 
 def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | None, v: ArrayInfo | None,
            out: ArrayInfo, cache: KVCache, options: Options, shared_limit: int, multiprocessors: int,
            varlen: Varlen | None = None) -> Plan:
-    """The KV-cache call: the split kernel, then, with more than one split, the merge of
-    their results (the workspace's partial_o and partial_lse) into ``out``. The launch is
+    """The KV-cache call: the split kernel, then, with more than one part of the keys, the
+    merge of their results (the workspace's partial_o and partial_lse) into ``out``. The launch is
     given DECODE_POINTERS: the merge's parts and lses are the workspace, its out and
     out_lse the call's. With ``varlen``, the varlen call over a paged cache: q and out
     packed (total_q, nheads, d), sequence b's keys the first cu_seqlens_k[b + 1] -
@@ -412,25 +418,32 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     chosen = kernel("decode", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
     row_blocks = -(-p.heads_per_kv * seqlen_q // chosen.tile.block_m)
     tiles = -(-cache.capacity // chosen.tile.block_n)
-    p.num_splits = splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors)
+    splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors)
+    parts = splits
+    p.max_parts, p.min_part_tiles = DETERMINISTIC_PARTS, MIN_SPLIT_TILES
+    if cache.deterministic:  # each sequence's parts from its own tiles; the workspace holds the most
+        p.deterministic = 1
+        parts = min(DETERMINISTIC_PARTS, -(-tiles // MIN_SPLIT_TILES))
+        splits = min(splits, parts)
+    p.num_splits, p.parts = splits, parts
     if not (batch and seqlen_q and nheads and query_rows):
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
     steps = [Step(chosen, (splits * row_blocks, nheads_k, batch))]
     workspace = ()
-    if splits > 1:
-        # Parts (splits, query rows, nheads, d) and LSEs (splits, nheads, query rows), the
+    if parts > 1:
+        # Parts (parts, query rows, nheads, d) and LSEs (parts, nheads, query rows), the
         # query rows of a dense call being (batch, seqlen_q), of a packed one q's rows (a
         # batch of one sequence of total_q, whose LSE layout is the packed call's).
         m = p.merge
         m_batch, m_seqlen = (batch, seqlen_q) if varlen is None else (1, query_rows)
-        m.count, m.batch, m.seqlen_q, m.nheads, m.headdim = splits, m_batch, m_seqlen, nheads, head_dim
+        m.count, m.batch, m.seqlen_q, m.nheads, m.headdim = parts, m_batch, m_seqlen, nheads, head_dim
         m.head_stride, m.row_stride = head_dim, nheads * head_dim
         m.batch_stride, m.part_stride = m_seqlen * m.row_stride, query_rows * m.row_stride
         m.lse_head_stride, m.lse_batch_stride, m.lse_part_stride = query_rows, m_seqlen, nheads * query_rows
         out_strides = out.strides if len(out.shape) == 4 else (0, *out.strides)
         m.out_batch_stride, m.out_row_stride, m.out_head_stride = out_strides[:3]
-        workspace = (("partial_o", (splits, query_rows, nheads, head_dim), "float32"),
-                     ("partial_lse", (splits, nheads, query_rows), "float32"))
+        workspace = (("partial_o", (parts, query_rows, nheads, head_dim), "float32"),
+                     ("partial_lse", (parts, nheads, query_rows), "float32"))
         steps.append(Step(Merge("float32", q.dtype), _merge_grid(query_rows * nheads), argument="merge"))
     return Plan(bytes(p), DECODE_POINTERS, tuple(steps), DecodeParams, workspace)
 
@@ -438,13 +451,21 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
 def decode_splits(ctas: int, tiles: int, multiprocessors: int) -> int:
     """Splits of the keys for a KV-cache call whose unsplit grid has ``ctas`` CTAs, over a
     cache of ``tiles`` key tiles, from the shapes alone (no sequence's length: those stay on
-    the device): a CTA for every multiprocessor, each with MIN_SPLIT_TILES tiles or more.
-    (Batch 1, GQA 32/8, d 128 on the H200, graph replay by splits: at 4k keys 16.0 us with
-    16 splits, 18.4 with 32, 27.8 with 64; at 16k 30.2 with 16, 32.2 with 32: more splits
-    put more CTAs at work, and more partial results through the merge.)"""
-    if ctas >= multiprocessors or ctas == 0:
+    the device). A grid that fills half the multiprocessors is not split (the merge would
+    cost more than it brings); else two CTAs a multiprocessor where that leaves a split
+    SPLIT_TILES_TWO_PER_SM tiles, or one, each MIN_SPLIT_TILES tiles or more; then as few
+    splits as take the same tiles each (no split left empty). Measured on the H200 (GQA
+    32/8 and MHA, d 128, graph replay, GB/s by splits; docs/tuning.md): batch 1 GQA, 16
+    splits (1 CTA a multiprocessor) beat 8, 24 and 32 at 4k and 16k keys, tie 24-32 at 64k;
+    batch 1 MHA and batch 4 GQA, 8 splits (2 a multiprocessor) beat 5, 12 and 16; batch 16
+    GQA, one split beat two."""
+    if ctas == 0 or 2 * ctas >= multiprocessors:
         return 1
-    return max(1, min(-(-multiprocessors // ctas), -(-tiles // MIN_SPLIT_TILES), MAX_SPLITS))
+    splits = 2 * multiprocessors // ctas
+    if tiles < SPLIT_TILES_TWO_PER_SM * splits:
+        splits = multiprocessors // ctas
+    splits = max(1, min(splits, -(-tiles // MIN_SPLIT_TILES), MAX_SPLITS))
+    return -(-tiles // -(-tiles // splits))
 
 
 MERGE_POINTERS = ("parts", "lses", "out", "out_lse")

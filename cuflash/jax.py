@@ -114,7 +114,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved: bool = True, causal: bool = False, window_size=(-1, -1),
                            softcap: float = 0.0, alibi_slopes=None, softmax_scale: float | None = None,
-                           num_splits: int = 0, return_lse: bool = False):
+                           num_splits: int = 0, deterministic: bool = False, return_lse: bool = False):
     """Functional ``cuflash.attention_with_kvcache`` for JAX arrays: returns (out, k_cache,
     v_cache), the caches with the new keys and values appended, or (out, lse, k_cache,
     v_cache) with ``return_lse``. The returned caches alias the given ones: under jax.jit
@@ -138,14 +138,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                              described.get("cache_seqlens"), described.get("cache_batch_idx"),
                              described.get("cache_leftpad"), described.get("block_table"),
                              described.get("rotary_cos"), described.get("rotary_sin"), rotary_interleaved, causal,
-                             window_size, num_splits)
+                             window_size, num_splits, deterministic)
     options = _options.scalar_options(q.shape[-1], cache.capacity, causal=causal, softmax_scale=softmax_scale,
                                       window_size=window_size, softcap=softcap)
     if alibi_slopes is not None:
         optional["alibi_slopes"] = _check_alibi(alibi_slopes, q.shape[-2], q.shape[0])
     config = _KVCacheConfig(np.dtype(q.dtype).name, options.causal, options.scale, options.window, options.softcap,
                             bool(rotary_interleaved), None if cache.rotary_cos is None else cache.rotary_cos.dtype,
-                            cache.num_splits, cache.page_size, cache.capacity, tuple(optional))
+                            cache.num_splits, cache.deterministic, cache.page_size, cache.capacity,
+                            tuple(optional))
     results = (jax.ShapeDtypeStruct(q.shape[:3] + v_cache.shape[-1:], q.dtype),
                jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32),
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
@@ -256,6 +257,7 @@ class _KVCacheConfig:
     rotary_interleaved: bool
     rotary_dtype: str | None
     num_splits: int
+    deterministic: bool
     page_size: int
     capacity: int
     inputs: tuple[str, ...]  # names of the callback's inputs after q, k_cache, v_cache
@@ -276,7 +278,7 @@ class _KVCacheCallback:
         results = kvcache.attention_with_kvcache(
             np.asarray(q), np.asarray(k_out), np.asarray(v_out), host.pop("k", None), host.pop("v", None), **host,
             rotary_interleaved=c.rotary_interleaved, causal=c.causal, window_size=c.window, softcap=c.softcap,
-            softmax_scale=c.scale, num_splits=c.num_splits, return_lse=True)
+            softmax_scale=c.scale, num_splits=c.num_splits, deterministic=c.deterministic, return_lse=True)
         _write((out, lse), results)
 
     def _gpu(self, ctx, out, lse, k_cache, v_cache, workspace: dict, q, inputs: dict) -> None:
@@ -290,7 +292,7 @@ class _KVCacheCallback:
                                  described.get("cache_leftpad"), described.get("block_table"), c.page_size,
                                  c.capacity, arrays["k"].shape[1] if "k" in arrays else 0,
                                  described.get("rotary_cos"), described.get("rotary_sin"), c.rotary_interleaved,
-                                 c.num_splits)
+                                 c.num_splits, c.deterministic)
         options = _options.Options(c.causal, c.scale, c.window, c.softcap, described.get("alibi_slopes"))
         _launch_decode(ctx, {**described, **arrays}, _info(out, c.dtype), _info(lse, "float32"), workspace, cache,
                        options)

@@ -25,7 +25,8 @@ __all__ = ["attention_with_kvcache", "merge_states"]
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, cache_batch_idx=None,
                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, softmax_scale=None, num_splits=0, return_lse=False):
+                           alibi_slopes=None, softmax_scale=None, num_splits=0, deterministic=False,
+                           return_lse=False):
     """Attention of q over each sequence's cached keys and values, after appending k and v
     (when given) to the caches in place: flash-attn 2.8's ``flash_attn_with_kvcache``.
 
@@ -44,7 +45,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     softcap, alibi_slopes and softmax_scale as in ``cuflash.attention``; a window side at
     least the cache's length is unbounded. ``num_splits``: how many parts of the keys the
     GPU kernel splits a sequence into (0: chosen from the shapes); the result does not
-    depend on it beyond rounding. Returns out like q, or (out, lse) with ``return_lse``,
+    depend on it beyond rounding. ``deterministic``: on the GPU, the bits of a sequence's
+    result depend neither on num_splits nor on the rest of the batch (each sequence's keys
+    cut into parts by its own length; up to 30% slower at batch 16 and more, see
+    docs/performance.md). Returns out like q, or (out, lse) with ``return_lse``,
     lse float32 (batch, nheads, seqlen_q) (+inf for a row that sees no key).
     """
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
@@ -52,13 +56,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
     infos = {name: _arrays.inspect(x, name) for name, x in given.items() if x is not None and _is_array(x)}
     key = _signature(infos, cache_seqlens, rotary_interleaved, causal, window_size, softcap, softmax_scale,
-                     num_splits, return_lse)
+                     num_splits, deterministic, return_lse)
     warm = _warm.get(key)
     if warm is None:
         arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
         cache = _options.kvcache(arrays, infos.get("cache_seqlens", cache_seqlens), infos.get("cache_batch_idx"),
                                  infos.get("cache_leftpad"), infos.get("block_table"), infos.get("rotary_cos"),
-                                 infos.get("rotary_sin"), rotary_interleaved, causal, window_size, num_splits)
+                                 infos.get("rotary_sin"), rotary_interleaved, causal, window_size, num_splits,
+                                 deterministic)
         options = _options.make_options(arrays["q"], arrays["k_cache"], causal, softmax_scale, window_size, softcap,
                                         alibi_slopes, 0.0, None, 0, backward=False, seqlen_k=cache.capacity)
         _options.check_bool("return_lse", return_lse)

@@ -438,7 +438,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rotary_interleaved: bool = True, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
-                           num_splits: int = 0, return_lse: bool = False):
+                           num_splits: int = 0, deterministic: bool = False, return_lse: bool = False):
     """``cuflash.attention_with_kvcache`` for torch tensors, through the custom op
     ``cuflash::attention_with_kvcache``, which declares k_cache and v_cache as written in
     place (torch.compile keeps the append; no gradient flows). An int ``cache_seqlens``
@@ -450,8 +450,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
             cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             rotary_interleaved=rotary_interleaved, causal=causal, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse)
+            alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, num_splits=num_splits,
+            deterministic=deterministic, return_lse=return_lse)
     _options.check_bool("return_lse", return_lse)
+    _options.check_bool("deterministic", deterministic)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
         _options.check_integer("cache_seqlens", cache_seqlens, bits=31)
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
@@ -468,7 +470,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     left, right = window_size
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                                rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, int(left),
-                               int(right), float(softcap), alibi_slopes, int(num_splits))
+                               int(right), float(softcap), alibi_slopes, int(num_splits), deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -477,7 +479,7 @@ def _kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
                      rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
                      causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
-                     softcap: float, alibi_slopes: Optional[torch.Tensor], num_splits: int
+                     softcap: float, alibi_slopes: Optional[torch.Tensor], num_splits: int, deterministic: bool
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the KV-cache call; k_cache and v_cache are written in place."""
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
@@ -489,7 +491,8 @@ def _kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out, lse = kvcache.attention_with_kvcache(
         arrays.pop("q"), arrays.pop("k_cache"), arrays.pop("v_cache"), arrays.pop("k"), arrays.pop("v"), **arrays,
         rotary_interleaved=rotary_interleaved, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True)
+        softcap=softcap, softmax_scale=softmax_scale, num_splits=num_splits, deterministic=deterministic,
+        return_lse=True)
     return (_tensor(out), _tensor(lse)) if on_cpu else (out, lse)
 
 
@@ -500,7 +503,7 @@ kvcache_forward = torch.library.custom_op("cuflash::attention_with_kvcache",
 @kvcache_forward.register_fake
 def _kvcache_forward_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                           rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
-                          window_right, softcap, alibi_slopes, num_splits):
+                          window_right, softcap, alibi_slopes, num_splits, deterministic):
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape[:3] + v_cache.shape[-1:]), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 

@@ -197,6 +197,31 @@ def test_every_split_count_agrees_and_each_is_reproducible(seqlen_q):
     assert_close(results[0][1].get(), want_lse, atol=1e-3)
 
 
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_deterministic_results_depend_on_neither_splits_nor_the_batch(seqlen_q):
+    """deterministic=True: each sequence's output and LSE are the same whatever num_splits,
+    and whether it shares the batch with sequences of other lengths or runs alone in a
+    cache of another capacity; within rounding of the default call."""
+    import cupy
+    rng = np.random.default_rng(10 + seqlen_q)
+    q, k_cache, v_cache, _ = decode_case(rng, batch=5, capacity=9000, seqlen_q=seqlen_q)
+    lengths = cupy.asarray(np.array([5000, 1, 77, 9000 - seqlen_q, 999], np.int32))
+    kw = dict(causal=True, return_lse=True, deterministic=True)
+    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, **kw)
+    for splits in (1, 3, 16, 200):
+        again = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=splits, **kw)
+        assert (again[0] == out).all() and (again[1] == lse).all(), splits
+    for b in range(5):
+        roomier = [cupy.zeros((1, 12000, *c.shape[2:]), c.dtype) for c in (k_cache, v_cache)]
+        for room, c in zip(roomier, (k_cache, v_cache)):
+            room[:, :9000] = c[b]
+        alone = cuflash.attention_with_kvcache(q[b:b + 1], *roomier, cache_seqlens=lengths[b:b + 1], **kw)
+        assert (alone[0] == out[b:b + 1]).all() and (alone[1] == lse[b:b + 1]).all(), b
+    default = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True, return_lse=True)
+    assert_close(out.get().astype(np.float64), default[0].get().astype(np.float64), atol=2e-2)
+    assert_close(lse.get(), default[1].get(), atol=1e-4)
+
+
 @pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 999, 1000])
 def test_lengths_at_the_edges(length):
     """Empty, one key, a tile +- 1, a full cache (capacity 1000)."""

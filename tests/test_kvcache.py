@@ -103,13 +103,16 @@ def test_decoding_token_by_token_is_attention_over_the_whole_sequence():
     assert (k_cache[:, :steps] == k[:, :steps]).all() and (k_cache[:, steps:] == 0).all()
 
 
-def test_num_splits_changes_nothing_here():
+def test_num_splits_and_deterministic_change_nothing_here():
     rng = np.random.default_rng(2)
     q = rng.standard_normal((2, 2, 4, 8)).astype(np.float32)
     caches = [rng.standard_normal((2, 30, 2, 8)).astype(np.float32) for _ in "kv"]
     lens = np.array([17, 29], np.int32)
-    results = [cuflash.attention_with_kvcache(q, *caches, cache_seqlens=lens, num_splits=n) for n in (0, 1, 2, 7)]
+    results = [cuflash.attention_with_kvcache(q, *caches, cache_seqlens=lens, num_splits=n, deterministic=det)
+               for n in (0, 1, 2, 7) for det in (False, True)]
     assert all((r == results[0]).all() for r in results)
+    with pytest.raises(TypeError, match="deterministic"):
+        cuflash.attention_with_kvcache(q, *caches, cache_seqlens=lens, deterministic=1)
 
 
 def test_empty_sequences_give_zero_and_infinite_lse():

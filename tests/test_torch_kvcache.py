@@ -43,7 +43,7 @@ def test_the_op_passes_opcheck():
     k_cache, v_cache = torch.randn(2, 20, 2, 16), torch.randn(2, 20, 2, 16)
     angle = torch.rand(24, 4) * 6
     args = (q, k_cache, v_cache, k, v, torch.tensor([5, 0], dtype=torch.int32), None, None, None, angle.cos(),
-            angle.sin(), True, True, None, -1, -1, 0.0, None, 0)
+            angle.sin(), True, True, None, -1, -1, 0.0, None, 0, False)
     torch.library.opcheck(torch.ops.cuflash.attention_with_kvcache.default, args)
 
 

@@ -81,10 +81,11 @@ __device__ __forceinline__ void load_tile(SharedTile<L> tile, const elem_t* src,
   }
 }
 
-// Rows from anywhere -> the whole shared tile: row r from source(r), a pointer to its
+// Rows from anywhere -> the whole shared tile: row r from source(r, i), a pointer to its
 // first element, or null for a row of zeros (the KV-cache call's paged caches and packed
-// query heads). Threads share the chunks as in load_tile; `any` is a valid global
-// address, the source of the zero-filling copies.
+// query heads); i counts the rows this thread copies (r = first_row() + i * kRowStep, for
+// what the caller read ahead of them). Threads share the chunks as in load_tile; `any` is
+// a valid global address, the source of the zero-filling copies.
 template <int kRows, int kThreads, bool kVec, typename L, typename Source>
 __device__ __forceinline__ void load_rows(SharedTile<L> tile, Source source, int headdim, const elem_t* any) {
   using Lanes = ChunkLanes<L::kCols, kThreads>;
@@ -95,7 +96,7 @@ __device__ __forceinline__ void load_rows(SharedTile<L> tile, Source source, int
   for (int it = 0; it < ceil_div(kRows, Lanes::kRowStep); ++it) {
     const int r = r_first + it * Lanes::kRowStep;
     if (kRows % Lanes::kRowStep != 0 && r >= kRows) break;
-    const elem_t* row = source(r);
+    const elem_t* row = source(r, it);
 #pragma unroll kChunkUnroll
     for (int j = 0; j < Lanes::kPerLane; ++j) {
       const int c = (c_first + j * Lanes::kLanes) * kChunkElems, dc = j * Lanes::kLanes * kChunkElems;

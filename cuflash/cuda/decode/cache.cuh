@@ -12,7 +12,7 @@ namespace cuflash {
 struct CachedSequence {
   const int* pages;   // this sequence's row of block_table; null: contiguous
   int64 cache_row;    // contiguous: the cache row serving this sequence
-  int page_size, pages_total;
+  int page_size, page_shift, pages_total;  // page_shift: log2 page_size, or -1
   int length;         // rows cached before this call (cache_seqlens[b])
   int leftpad;        // rows before it are padding
   int end;            // length + seqlen_new: the rows attended to end here
@@ -26,6 +26,7 @@ struct CachedSequence {
     const int row = p.cache_batch_idx ? p.cache_batch_idx[batch] : batch;
     s.cache_row = min(max(row, 0), p.caches - 1);
     s.page_size = p.page_size;
+    s.page_shift = __popc(p.page_size) == 1 ? __ffs(p.page_size) - 1 : -1;
     s.pages_total = p.caches;
     const int length = p.cu_seqlens_k    ? p.cu_seqlens_k[batch + 1] - p.cu_seqlens_k[batch]
                        : p.cache_seqlens ? p.cache_seqlens[batch]
@@ -36,20 +37,59 @@ struct CachedSequence {
     return s;
   }
 
-  // Element offset of logical row t's (head 0) in a cache laid out as `a`; -1 where its page
+  // Which entry of the sequence's pages holds row t, and where in its page: shifts for the
+  // usual page sizes, powers of two.
+  __device__ __forceinline__ int page_of(int t) const { return page_shift >= 0 ? t >> page_shift : t / page_size; }
+  __device__ __forceinline__ int row_in_page(int t) const {
+    return page_shift >= 0 ? t & (page_size - 1) : t % page_size;
+  }
+  // The page of a cached row t: -1 for a row outside [leftpad, length), a page index out
+  // of range, or a contiguous cache. A global load that the row's copy depends on, which a
+  // caller may issue early (TilePages).
+  __device__ __forceinline__ int page(int t) const {
+    const int at = pages != nullptr && t >= leftpad && t < length ? pages[page_of(t)] : -1;
+    return at < pages_total ? at : -1;
+  }
+
+  // Element offset of logical row t (head 0) in a cache laid out as `a`; -1 where its page
   // index is out of range (the row then reads as zeros and is never written).
   __device__ __forceinline__ int64 offset(const ArrayView& a, int t) const {
     if (pages == nullptr) return cache_row * a.batch_stride + int64(t) * a.row_stride;
-    const int page = pages[t / page_size];
+    const int page = pages[page_of(t)];
     if (page < 0 || page >= pages_total) return -1;
-    return int64(page) * a.batch_stride + int64(t % page_size) * a.row_stride;
+    return int64(page) * a.batch_stride + int64(row_in_page(t)) * a.row_stride;
+  }
+  // The same for a cached row of a paged cache whose page size is a power of two, `page`
+  // its page (page(t), checked): a few instructions, for tiles copied row by row.
+  __device__ __forceinline__ int64 paged_offset(const ArrayView& a, int t, int page) const {
+    return int64(page) * a.batch_stride + int64(t & (page_size - 1)) * a.row_stride;
   }
 
   // Are rows [t, t + rows) all cached rows of this call (past the left padding, before
-  // the new ones) lying one row stride apart: in a contiguous cache, or in one page?
-  // Then a tile of them is one strided copy from the first (most tiles of a long cache).
+  // the new ones)?
+  __device__ __forceinline__ bool cached(int t, int rows) const { return t >= leftpad && t + rows <= length; }
+  // ... lying one row stride apart: in a contiguous cache, or in one page? Then a tile of
+  // them is one strided copy from the first (most tiles of a long cache).
   __device__ __forceinline__ bool strided(int t, int rows) const {
-    return t >= leftpad && t + rows <= length && (pages == nullptr || t / page_size == (t + rows - 1) / page_size);
+    return cached(t, rows) && (pages == nullptr || page_of(t) == page_of(t + rows - 1));
+  }
+};
+
+// The pages of the rows one thread copies in a key tile (load_rows: rows first + i * kStep),
+// read a tile ahead: a page index is a global load that the tile's copies would otherwise
+// wait on, once a tile (FlashInfer's paged decode reads its page offsets ahead likewise).
+template <int kRows, int kStep>
+struct TilePages {
+  static constexpr int kPerThread = ceil_div(kRows, kStep);
+  int tile;                 // the tile read; -1: none
+  int row[kPerThread];      // the pages of this thread's rows
+
+  static __device__ __forceinline__ TilePages of(const CachedSequence& seq, int tile, int t0, int first_row) {
+    TilePages pages;
+    pages.tile = tile;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) pages.row[i] = seq.page(t0 + first_row + i * kStep);
+    return pages;
   }
 };
 

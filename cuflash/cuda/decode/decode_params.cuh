@@ -29,9 +29,9 @@ struct DecodeParams {
   // (batch, nheads, seqlen_q), or (nheads, total_q) for packed queries; null: not written.
   float* lse;
   int64 lse_batch_stride, lse_head_stride;
-  // Split results, merged by the merge step: (splits, query rows, nheads, headdim) and
-  // (splits, nheads, query rows), float32, contiguous, the query rows numbered b * seqlen_q + i
-  // (or, packed, as q's); null with one split.
+  // Partial results, merged by the merge step: (parts, query rows, nheads, headdim) and
+  // (parts, nheads, query rows), float32, contiguous, the query rows numbered b * seqlen_q + i
+  // (or, packed, as q's); null with one part.
   float* partial_o;
   float* partial_lse;
   int query_rows;
@@ -57,7 +57,10 @@ struct DecodeParams {
   int rotary_dim, rotary_rows, rotary_interleaved, rotary_float32;
   int window_left, window_right;  // normalised on the host: -1 unbounded, else a bound in keys
   float scale, scale_log2, softcap;
-  int num_splits;
+  // Parts of the keys, merged by the merge step (split_kv.cu): parts in the workspace, the
+  // CTAs a (sequence, KV head) takes them in turn; deterministic: a partition of each
+  // sequence's tiles into min(max_parts, tiles / min_part_tiles) parts, else num_splits.
+  int num_splits, parts, deterministic, max_parts, min_part_tiles;
   MergeParams merge;              // the merge step of a split call (merge.cu)
 };
 
