@@ -418,7 +418,8 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     chosen = kernel("decode", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
     row_blocks = -(-p.heads_per_kv * seqlen_q // chosen.tile.block_m)
     tiles = -(-cache.capacity // chosen.tile.block_n)
-    splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors)
+    small_pages = 0 < cache.page_size < chosen.tile.block_n
+    splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors, small_pages)
     parts = splits
     p.max_parts, p.min_part_tiles = DETERMINISTIC_PARTS, MIN_SPLIT_TILES
     if cache.deterministic:  # each sequence's parts from its own tiles; the workspace holds the most
@@ -448,18 +449,21 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     return Plan(bytes(p), DECODE_POINTERS, tuple(steps), DecodeParams, workspace)
 
 
-def decode_splits(ctas: int, tiles: int, multiprocessors: int) -> int:
+def decode_splits(ctas: int, tiles: int, multiprocessors: int, small_pages: bool = False) -> int:
     """Splits of the keys for a KV-cache call whose unsplit grid has ``ctas`` CTAs, over a
     cache of ``tiles`` key tiles, from the shapes alone (no sequence's length: those stay on
     the device). A grid that fills half the multiprocessors is not split (the merge would
-    cost more than it brings); else two CTAs a multiprocessor where that leaves a split
-    SPLIT_TILES_TWO_PER_SM tiles, or one, each MIN_SPLIT_TILES tiles or more; then as few
-    splits as take the same tiles each (no split left empty). Measured on the H200 (GQA
-    32/8 and MHA, d 128, graph replay, GB/s by splits; docs/tuning.md): batch 1 GQA, 16
-    splits (1 CTA a multiprocessor) beat 8, 24 and 32 at 4k and 16k keys, tie 24-32 at 64k;
-    batch 1 MHA and batch 4 GQA, 8 splits (2 a multiprocessor) beat 5, 12 and 16; batch 16
-    GQA, one split beat two."""
-    if ctas == 0 or 2 * ctas >= multiprocessors:
+    cost more than it brings), nor, with ``small_pages`` (pages shorter than a key tile,
+    copied row by row, a longer wait a tile), one that fills two CTAs a multiprocessor;
+    else two CTAs a multiprocessor where that leaves a split SPLIT_TILES_TWO_PER_SM tiles,
+    or one, each MIN_SPLIT_TILES tiles or more; then as few splits as take the same tiles
+    each (no split left empty). Measured on the H200 (GQA 32/8 and MHA, d 128, graph
+    replay, GB/s by splits; docs/tuning.md): batch 1 GQA, 16 splits (1 CTA a
+    multiprocessor) beat 8, 24 and 32 at 4k and 16k keys, tie 24-32 at 64k; batch 1 MHA and
+    batch 4 GQA, 8 splits (2 a multiprocessor) beat 5, 12 and 16; batch 16 GQA, one split
+    beat two by 6% at 4k keys and tied at 16k, but with pages of 16 rows two beat one by
+    1.5-1.7x."""
+    if ctas == 0 or 2 * ctas >= multiprocessors * (4 if small_pages else 1):
         return 1
     splits = 2 * multiprocessors // ctas
     if tiles < SPLIT_TILES_TWO_PER_SM * splits:

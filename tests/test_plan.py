@@ -159,6 +159,35 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
         assert (p.merge.count, p.merge.part_stride, p.merge.lse_part_stride) == (splits, batch * 32 * 128, batch * 32)
 
 
+@pytest.mark.parametrize("num_splits,batch,splits,parts", [(0, 1, 16, 16), (0, 16, 1, 16), (3, 1, 3, 16)])
+def test_a_deterministic_decode_plan_holds_every_sequence_s_parts(no_compiler, num_splits, batch, splits, parts):
+    """deterministic: the workspace holds min(16, tiles / 4) parts whatever the batch, the
+    splits (CTAs) at most that many; the kernel cuts each sequence by its own tiles."""
+    q = info((batch, 1, 32, 128))
+    k_cache = info((batch, 4096, 8, 128))
+    arrays = dict(q=q, k_cache=k_cache, v_cache=k_cache)
+    cache = _options.kvcache(arrays, 1000, None, None, None, None, None, True, True, (-1, -1), num_splits, True)
+    options = _options.make_options(q, k_cache, True, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False,
+                                    seqlen_k=cache.capacity)
+    plan = _plan.decode(q, k_cache, k_cache, None, None, info(q.shape), cache, options,
+                        _plan.shared_memory_limit("sm_90"), 132)
+    p = DecodeParams.from_buffer_copy(plan.params)
+    assert (p.deterministic, p.num_splits, p.parts, p.max_parts, p.min_part_tiles) == (1, splits, parts, 16, 4)
+    assert plan.steps[0].grid == (splits, 8, batch) and p.merge.count == parts
+    assert dict((n, s) for n, s, _ in plan.workspace)["partial_o"] == (parts, batch, 32, 128)
+
+
+@pytest.mark.parametrize("ctas,tiles,small_pages,splits", [
+    (8, 64, False, 16), (8, 256, False, 16), (8, 1024, False, 32), (32, 64, False, 8), (32, 256, False, 8),
+    (128, 64, False, 1), (128, 64, True, 2), (512, 256, True, 1), (8, 3, False, 1), (8, 20, False, 5),
+    (0, 64, False, 1)])
+def test_decode_splits(ctas, tiles, small_pages, splits):
+    """Two CTAs a multiprocessor where a split keeps 8 tiles, else one; no split below 4
+    tiles, none empty; a grid filling half the GPU (with small pages: two CTAs a
+    multiprocessor) is not split."""
+    assert _plan.decode_splits(ctas, tiles, 132, small_pages) == splits
+
+
 def test_a_decode_plan_of_no_query_plans_no_launch(no_compiler):
     """(A packed call whose sequences are all empty: no split to choose, nothing to launch.)"""
     from cuflash._options import Varlen
