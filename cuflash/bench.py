@@ -171,13 +171,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                 points = [(r["seqlen"], r[name]) for r in cells if r.get(name)]
                 if points:
                     ax.plot(*zip(*points), marker="o", label=name)
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{pass_}, d {d}, {'causal' if causal else 'not causal'}", fontsize=9)
-            ax.set_xlabel("seqlen")
-            ax.set_ylabel("TFLOP/s")
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
+            style_panel(ax, f"{pass_}, d {d}, {'causal' if causal else 'not causal'}", "seqlen", "TFLOP/s")
     axes[0][0].legend(fontsize=8)
+    save_figure(fig, title, path)
+
+
+def style_panel(ax, title: str, xlabel: str, ylabel: str) -> None:
+    """A panel of a bench plot: x on a log2 scale, y from 0, a light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+
+
+def save_figure(fig, title: str, path: str) -> None:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -201,7 +210,6 @@ def _overhead(torch) -> None:
     """Host time per warm call on a tiny shape, where the launch, not the GPU, is the cost
     (the forward alone, and a training step's forward + backward through autograd): calls
     are issued back to back without synchronising and timed on the host."""
-    import time
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     import cuflash.torch
@@ -223,17 +231,25 @@ def _overhead(torch) -> None:
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         print(f"host time per call, (1, 128, 1, 64) float16 causal, median of 5 x 1000 calls")
         for name, fn in calls.items():
-            for _ in range(100):
-                fn()
-            torch.cuda.synchronize()
-            per_call = []
-            for _ in range(5):
-                start = time.perf_counter()
-                for _ in range(1000):
-                    fn()
-                per_call.append((time.perf_counter() - start) * 1e3)  # us per call
-                torch.cuda.synchronize()
-            print(f"{name:>22}: {statistics.median(per_call):6.1f} us")
+            print(f"{name:>22}: {host_us(torch, fn):6.1f} us")
+
+
+def host_us(torch, fn) -> float:
+    """Host time of one call of ``fn``: warmed up, then the median over 5 rounds of 1000
+    calls issued back to back (their GPU work shorter than their host time), synchronising
+    between rounds."""
+    import time
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(1000):
+            fn()
+        per_call.append((time.perf_counter() - start) * 1e3)  # us per call
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
 
 
 def _load_baseline(path: str):

@@ -148,6 +148,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from .bench import save_figure, style_panel
     panels = sorted({(r["heads"], r["d"], r["batch"]) for r in rows})
     columns = 3
     fig, axes = plt.subplots(-(-len(panels) // columns), columns, figsize=(4.2 * columns, 3 * -(-len(panels) //
@@ -161,16 +163,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             points = sorted((r["L"], r[column]) for r in cells if r["layout"] == layout and r.get(column))
             if points:
                 ax.plot(*zip(*points), marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"GQA {heads}, d {d}, batch {batch}", fontsize=9)
-        ax.set_xlabel("keys cached (L)")
-        ax.set_ylabel("GB/s")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+        style_panel(ax, f"GQA {heads}, d {d}, batch {batch}", "keys cached (L)", "GB/s")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, title, path)

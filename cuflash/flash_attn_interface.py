@@ -28,6 +28,8 @@ softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. Wha
   gradients reach qkv / kv through those views.
 - ``flash_attn_varlen_func``'s ``block_table`` (k and v in pages) runs forward only.
 - ``flash_attn_with_kvcache``'s page size may be anything, not only multiples of 256.
+- ``window_size`` may hold one-element integer tensors (flash-attn's tests draw it with
+  ``torch.randint``), as flash-attn's C++ binding takes them.
 - Bad arguments of ``flash_attn_with_kvcache`` and of the paged ``flash_attn_varlen_func``
   raise RuntimeError naming the argument, as flash-attn's checks do.
 """
@@ -64,6 +66,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     dropout).
     """
     q, k, v = _unit_stride(q, k, v)
+    window_size = _window(window_size)
     out, softmax_lse, rng_state = cuflash_torch._forward(q, k, v, *cuflash_torch._op_options(
         dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), causal=causal, softmax_scale=softmax_scale,
         deterministic=deterministic, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -100,6 +103,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     nheads, headdim) or, with return_attn_probs, (out, softmax_lse, S_dmask), softmax_lse
     float32 (nheads, total_q), differentiable.
     """
+    window_size = _window(window_size)
     if block_table is not None:  # k and v are page pools; forward only (flash-attn's paged varlen call)
         with _as_flash_attn_errors():
             out = cuflash_torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -151,6 +155,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_seqlens is None:
         cache_seqlens = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     q, k, v = _unit_stride(q, k, v)
+    window_size = _window(window_size)
     with _as_flash_attn_errors():
         return cuflash_torch.attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
@@ -169,6 +174,20 @@ def _as_flash_attn_errors():
         yield
     except (ValueError, TypeError) as e:
         raise RuntimeError(str(e)) from e
+
+
+def _window(window_size):
+    """window_size with one-element integer tensors as ints: flash-attn's binding converts
+    them (its tests pass ``torch.randint(0, seqlen_k, (2,))``). Anything else goes on to the
+    checks, which say what a window must be."""
+    torch = cuflash_torch.torch
+    if isinstance(window_size, torch.Tensor) and window_size.shape == (2,):
+        window_size = tuple(window_size.unbind(0))
+    if not isinstance(window_size, (tuple, list)):
+        return window_size
+    integers = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+    return tuple(int(w) if isinstance(w, torch.Tensor) and w.numel() == 1 and w.dtype in integers else w
+                 for w in window_size)
 
 
 def _unit_stride(*tensors):

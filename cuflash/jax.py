@@ -143,10 +143,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                       window_size=window_size, softcap=softcap)
     if alibi_slopes is not None:
         optional["alibi_slopes"] = _check_alibi(alibi_slopes, q.shape[-2], q.shape[0])
-    config = _KVCacheConfig(np.dtype(q.dtype).name, options.causal, options.scale, options.window, options.softcap,
-                            bool(rotary_interleaved), None if cache.rotary_cos is None else cache.rotary_cos.dtype,
-                            cache.num_splits, cache.deterministic, cache.page_size, cache.capacity,
-                            tuple(optional))
+    config = _KVCacheConfig(**_DecodeConfig.of(q, options, cache), rotary_interleaved=bool(rotary_interleaved),
+                            rotary_dtype=None if cache.rotary_cos is None else cache.rotary_cos.dtype,
+                            num_splits=cache.num_splits, deterministic=cache.deterministic, inputs=tuple(optional))
     results = (jax.ShapeDtypeStruct(q.shape[:3] + v_cache.shape[-1:], q.dtype),
                jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32),
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
@@ -180,9 +179,8 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                                       window_size=window_size, softcap=softcap)
     if alibi_slopes is not None:
         inputs["alibi_slopes"] = _check_alibi(alibi_slopes, q.shape[-2], varlen.batch)
-    config = _PagedVarlenConfig(np.dtype(q.dtype).name, options.causal, options.scale, options.window,
-                                options.softcap, cache.page_size, cache.capacity,
-                                (varlen.max_seqlen_q, varlen.max_seqlen_k), tuple(inputs))
+    config = _PagedVarlenConfig(**_DecodeConfig.of(q, options, cache),
+                                max_seqlens=(varlen.max_seqlen_q, varlen.max_seqlen_k), inputs=tuple(inputs))
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32))
     workspace = {}
     if _platform(q) != "cpu":
@@ -196,8 +194,9 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 
 @dataclasses.dataclass(frozen=True)
-class _PagedVarlenConfig:
-    """The static part of a paged varlen call."""
+class _DecodeConfig:
+    """The static part of a call of the decode kernel (hashable: eager calls reuse their
+    executable): the attention options and the cache's page size and capacity."""
     dtype: str
     causal: bool
     scale: float
@@ -205,6 +204,16 @@ class _PagedVarlenConfig:
     softcap: float
     page_size: int
     capacity: int
+
+    @staticmethod
+    def of(q, options: _options.Options, cache: _options.KVCache) -> dict:
+        return dict(dtype=np.dtype(q.dtype).name, causal=options.causal, scale=options.scale, window=options.window,
+                    softcap=options.softcap, page_size=cache.page_size, capacity=cache.capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PagedVarlenConfig(_DecodeConfig):
+    """The static part of a paged varlen call."""
     max_seqlens: tuple[int, int]
     inputs: tuple[str, ...]  # names of the callback's inputs after q, k, v
 
@@ -247,19 +256,12 @@ def merge_states(outs, lses):
 
 
 @dataclasses.dataclass(frozen=True)
-class _KVCacheConfig:
-    """The static part of a KV-cache call (hashable: eager calls reuse their executable)."""
-    dtype: str
-    causal: bool
-    scale: float
-    window: tuple[int, int]
-    softcap: float
+class _KVCacheConfig(_DecodeConfig):
+    """The static part of a KV-cache call."""
     rotary_interleaved: bool
     rotary_dtype: str | None
     num_splits: int
     deterministic: bool
-    page_size: int
-    capacity: int
     inputs: tuple[str, ...]  # names of the callback's inputs after q, k_cache, v_cache
 
 

@@ -6,7 +6,6 @@ figures kernel work asks for beyond ``python -m cuflash bench --decode`` (its ti
 The table: GQA 32/8, d 128, contiguous caches, bench --decode's grid; then the host time
 of a warm call; --splits: batch 1 by num_splits; --profile: cProfile of a warm call.
 """
-import statistics
 import sys
 
 import torch
@@ -14,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import cuflash.torch
-from cuflash import bench_decode
+from cuflash import bench, bench_decode
 
 NHEADS, NHEADS_K, D = 32, 8, 128
 
@@ -26,8 +25,6 @@ def median_us(run, calls: int) -> float:
 def host_times() -> None:
     """Host time per call (perf_counter over 1000 calls issued back to back; their GPU work
     is shorter), batch 1, L 4096, one new token appended with rotary."""
-    import time
-
     import cupy
     batch, length = 1, 4096
     k_cache, v_cache = (torch.randn(batch, length, NHEADS_K, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
@@ -53,17 +50,7 @@ def host_times() -> None:
     print("host time per call, batch 1, L 4096 (median of 5 x 1000 calls)")
     for name, call in calls.items():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            for _ in range(50):
-                call()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                for _ in range(1000):
-                    call()
-                times.append((time.perf_counter() - start) * 1e3)
-                torch.cuda.synchronize()
-        print(f"{name:>34}: {statistics.median(times):6.1f} us")
+            print(f"{name:>34}: {bench.host_us(torch, call):6.1f} us")
     if "--profile" in sys.argv:
         import cProfile
         import pstats

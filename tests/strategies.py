@@ -433,6 +433,29 @@ def paged_caches(rng, batch, capacity, page_size, nheads_k, d, dtype, spare=3):
     return table, k_pages, v_pages, k_dense, v_dense
 
 
+def check_paged_is_bitwise_contiguous(xp, page_size, capacity, nheads, nheads_k, d, **options) -> None:
+    """One KV-cache call over paged caches and over the contiguous caches they hold, with
+    an append (rotary, causal) to an empty and to an almost full sequence, on ``xp``'s
+    arrays (NumPy or CuPy): the same output and LSE bits, the same cache rows written."""
+    import cuflash
+    rng = np.random.default_rng(page_size)
+    batch = 2
+    table, k_pages, v_pages, k_dense, v_dense = paged_caches(rng, batch, capacity, page_size, nheads_k, d, np.float16)
+    q = rng.standard_normal((batch, 3, nheads, d)).astype(np.float16)
+    k, v = (rng.standard_normal((batch, 3, nheads_k, d)).astype(np.float16) for _ in "kv")
+    angle = rng.uniform(0, 6, (capacity + 3, d // 4))
+    kw = dict(cache_seqlens=xp.asarray(np.array([0, capacity - 3], np.int32)),
+              rotary_cos=xp.asarray(np.cos(angle).astype(np.float16)),
+              rotary_sin=xp.asarray(np.sin(angle).astype(np.float16)), causal=True, return_lse=True, **options)
+    q, k, v, k_dense, v_dense, k_pages, v_pages, table = (
+        xp.asarray(x) for x in (q, k, v, k_dense, v_dense, k_pages, v_pages, table))
+    dense = cuflash.attention_with_kvcache(q, k_dense, v_dense, k, v, **kw)
+    paged = cuflash.attention_with_kvcache(q, k_pages, v_pages, k, v, block_table=table, **kw)
+    assert (dense[0] == paged[0]).all() and (dense[1] == paged[1]).all()
+    for pool, cache in ((k_pages, k_dense), (v_pages, v_dense)):
+        assert (pool[table].reshape(batch, -1, nheads_k, d)[:, :capacity] == cache).all()
+
+
 def assert_lse_close(got, want, atol: float) -> None:
     """LSEs equal where infinite (a row that sees no key), within atol elsewhere."""
     assert (np.isposinf(got) == np.isposinf(want)).all() and (np.isneginf(got) == np.isneginf(want)).all()

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash.reference_kvcache import attention_kvcache_reference, merge_states_reference
 
-from .strategies import assert_close, assert_lse_close, kvcache_calls, paged_caches
+from .strategies import (assert_close, assert_lse_close, check_paged_is_bitwise_contiguous, kvcache_calls,
+                         paged_caches)
 from .test_gpu_forward import cupy_dtype, poisoned_allocations
 
 pytestmark = pytest.mark.gpu
@@ -161,21 +162,7 @@ def decode_case(rng, dtype="bfloat16", batch=3, capacity=1000, nheads=8, nheads_
 @pytest.mark.parametrize("page_size", [1, 3, 16, 17, 63, 65, 256])
 def test_paged_is_bitwise_the_contiguous_call(page_size):
     import cupy
-    rng = np.random.default_rng(page_size)
-    batch, capacity, nheads_k, d = 2, 600, 2, 64
-    table, k_pages, v_pages, k_dense, v_dense = paged_caches(rng, batch, capacity, page_size, nheads_k, d, np.float16)
-    q = rng.standard_normal((batch, 3, 8, d)).astype(np.float16)
-    k, v = (rng.standard_normal((batch, 3, nheads_k, d)).astype(np.float16) for _ in "kv")
-    angle = rng.uniform(0, 6, (capacity + 3, 16))
-    kw = dict(cache_seqlens=cupy.asarray(np.array([0, capacity - 3], np.int32)),
-              rotary_cos=cupy.asarray(np.cos(angle).astype(np.float16)),
-              rotary_sin=cupy.asarray(np.sin(angle).astype(np.float16)), causal=True, return_lse=True, num_splits=3)
-    g = [cupy.asarray(x) for x in (q, k_dense, v_dense, k, v, k_pages, v_pages, table)]
-    dense = cuflash.attention_with_kvcache(g[0], g[1], g[2], g[3], g[4], **kw)
-    paged = cuflash.attention_with_kvcache(g[0], g[5], g[6], g[3], g[4], block_table=g[7], **kw)
-    assert (dense[0] == paged[0]).all() and (dense[1] == paged[1]).all()
-    for pool, cache in ((g[5], g[1]), (g[6], g[2])):
-        assert (pool[g[7]].reshape(batch, -1, nheads_k, d)[:, :capacity] == cache).all()
+    check_paged_is_bitwise_contiguous(cupy, page_size, capacity=600, nheads=8, nheads_k=2, d=64, num_splits=3)
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])
@@ -437,3 +424,31 @@ def test_flash_attn_kvcache_grid_on_the_gpu(seqlen_q, seqlen_k, d, mha_type, cas
     same = (got_k == want_k.view(np.int16)) | \
         (np.abs(k_cache.float().cpu().numpy() - want_k.astype(np.float64)) <= ulp)
     assert same.all()
+
+
+# flash-attn's paged varlen test (test_flash_attn_varlen_causal with paged_kv_block_size)
+# on the GPU at its own sizes: its seqlen pairs, both orders, pages of 256 and 512 rows,
+# causal and local, a subset of its head dims; bf16 and fp16 in turn. The CPU grid is in
+# tests/test_torch_kvcache.py.
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (3, 799), (127, 512), (127, 513), (113, 203), (128, 217),
+                                               (113, 211), (108, 256), (256, 512), (1023, 1024)])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("d", [59, 128, 256])
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("block", [256, 512])
+def test_flash_attn_paged_varlen_grid_on_the_gpu(seqlen_q, seqlen_k, swap, d, local, block):
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    import cupy
+
+    from cuflash.flash_attn_interface import flash_attn_varlen_func
+
+    from .test_torch_kvcache import check_flash_attn_paged_varlen, flash_attn_paged_varlen_case
+    dtype = "bfloat16" if (seqlen_q + d + block + local) % 2 else "float16"
+    case = flash_attn_paged_varlen_case(seqlen_q, seqlen_k, swap, d, local, block, getattr(torch, dtype), "cuda")
+    q, k_pages, v_pages, table, cu_q, cu_k, max_q, max_k, window = case[:9]
+    out = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, 0.0, causal=True,
+                                 window_size=window, block_table=table)
+    # The oracle sees what the kernel read: the inputs rounded to the dtype.
+    rounded = [x.to(getattr(torch, dtype)).float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+               for x in case]
+    check_flash_attn_paged_varlen(rounded, out, TOLERANCE[dtype], xp=cupy)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash.reference_kvcache import attention_kvcache_reference, merge_states_reference
 
-from .strategies import assert_close, assert_lse_close, kvcache_calls, paged_caches
+from .strategies import assert_close, assert_lse_close, check_paged_is_bitwise_contiguous, kvcache_calls, paged_caches
 
 TOLERANCE = {np.float32: 2e-5, np.float16: 4e-3}
 
@@ -73,19 +73,7 @@ def test_paged_caches_match_the_oracle(call, dtype):
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 17, 64, 256])
 def test_paged_is_bitwise_the_contiguous_call(page_size):
-    rng = np.random.default_rng(page_size)
-    batch, capacity, nheads_k, d = 2, 300, 2, 32
-    table, k_pages, v_pages, k_dense, v_dense = paged_caches(rng, batch, capacity, page_size, nheads_k, d, np.float16)
-    q = rng.standard_normal((batch, 3, 4, d)).astype(np.float16)
-    k, v = (rng.standard_normal((batch, 3, nheads_k, d)).astype(np.float16) for _ in "kv")
-    angle = rng.uniform(0, 6, (capacity + 3, 8))
-    kw = dict(cache_seqlens=np.array([0, capacity - 3], np.int32), rotary_cos=np.cos(angle).astype(np.float16),
-              rotary_sin=np.sin(angle).astype(np.float16), causal=True, return_lse=True)
-    dense = cuflash.attention_with_kvcache(q, k_dense, v_dense, k, v, **kw)
-    paged = cuflash.attention_with_kvcache(q, k_pages, v_pages, k, v, block_table=table, **kw)
-    assert (dense[0] == paged[0]).all() and (dense[1] == paged[1]).all()
-    for pool, cache in ((k_pages, k_dense), (v_pages, v_dense)):
-        assert (pool[table].reshape(batch, -1, nheads_k, d)[:, :capacity] == cache).all()
+    check_paged_is_bitwise_contiguous(np, page_size, capacity=300, nheads=4, nheads_k=2, d=32)
 
 
 def test_decoding_token_by_token_is_attention_over_the_whole_sequence():

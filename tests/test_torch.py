@@ -357,6 +357,17 @@ def test_flash_attn_func_window_equivalents(window_size, causal, expect_causal):
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
+def test_flash_attn_window_size_may_hold_integer_tensors():
+    """flash-attn's tests draw window_size with torch.randint; its binding takes the
+    one-element tensors as ints. A float tensor is still refused, naming the argument."""
+    q, k, v, _ = make_inputs(Shape(2, 23, 40, 4, 2, 8, False), torch.float32, "cpu")
+    want = flash_attn_func(q, k, v, causal=True, window_size=(5, 7))
+    for window in (torch.tensor([5, 7]), (torch.tensor(5), torch.tensor(7, dtype=torch.int32))):
+        torch.testing.assert_close(flash_attn_func(q, k, v, causal=True, window_size=window), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="window_size left"):
+        flash_attn_func(q, k, v, window_size=(torch.tensor(5.0), 7))
+
+
 def test_flash_attn_func_return_conventions():
     q, k, v, dout = make_inputs(Shape(2, 23, 40, 4, 2, 8, True), torch.float32, "cpu")
     out = flash_attn_func(q, k, v, 0.0, 0.5, True)  # positional: dropout_p, softmax_scale, causal

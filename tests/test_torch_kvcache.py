@@ -163,6 +163,67 @@ def test_flash_attn_kvcache_grid(seqlen_q, seqlen_k, d, mha_type, case):
     assert np.allclose(k_cache.numpy(), want_k, atol=1e-5) and (v_cache.numpy() == want_v).all()
 
 
+# flash-attn's test_flash_attn_varlen_causal with paged_kv_block_size (its paged varlen
+# test): batch 8, nheads 9, every sequence up to 20 rows shorter than the longest (its
+# "random" padding), causal, local with a window drawn by torch.randint, pages of 256 or
+# 512 rows, three times the pages needed handed out in random order.
+def flash_attn_paged_varlen_case(seqlen_q, seqlen_k, swap, d, local, block, dtype=torch.float32, device="cpu",
+                                 batch=8, nheads=9):
+    """(q, k_pages, v_pages, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, window_size, k_dense, v_dense, lengths_q, lengths_k): q packed, the
+    pages and table on ``device``, the window as flash-attn's test makes it (a tensor of
+    two), the contiguous caches the pages hold (batch, seqlen_k, nheads, d) and the
+    lengths (CPU, float32) for the oracle."""
+    if swap:
+        seqlen_q, seqlen_k = seqlen_k, seqlen_q
+    g = torch.Generator().manual_seed(hash((seqlen_q, seqlen_k, d, local, block)) % 2**31)
+    window = torch.randint(0, seqlen_k, (2,), generator=g) if local else (-1, -1)
+    q = torch.randn(batch, seqlen_q, nheads, d, generator=g)
+    blocks = -(-seqlen_k // block) * batch * 3
+    k_pages, v_pages = (torch.randn(blocks, block, nheads, d, generator=g) for _ in "kv")
+    table = torch.randperm(blocks, generator=g).reshape(batch, -1).to(torch.int32)
+    k_dense, v_dense = (x[table.long().flatten()].reshape(batch, -1, nheads, d)[:, :seqlen_k] for x in (k_pages, v_pages))
+    lengths_q, lengths_k = (torch.randint(max(1, n - 20), n + 1, (batch,), generator=g) for n in (seqlen_q, seqlen_k))
+    cu_q, cu_k = (torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(torch.int32)
+                  for n in (lengths_q, lengths_k))
+    packed = torch.cat([q[b, :lengths_q[b]] for b in range(batch)])
+    on = {name: x.to(device) for name, x in dict(q=packed, k=k_pages, v=v_pages, table=table, cu_q=cu_q,
+                                                 cu_k=cu_k).items()}
+    return (on["q"].to(dtype), on["k"].to(dtype), on["v"].to(dtype), on["table"], on["cu_q"], on["cu_k"], seqlen_q,
+            seqlen_k, window, k_dense, v_dense, lengths_q, lengths_k)
+
+
+def check_flash_attn_paged_varlen(case, out, atol_scale, xp=np):
+    """out (total_q, nheads, d) of flash_attn_varlen_func on a flash_attn_paged_varlen_case
+    against the float64 oracle, sequence by sequence (on ``xp``'s arrays: NumPy or CuPy)."""
+    from cuflash.reference import attention_reference
+    q, *_, cu_q, _, _, _, window, k_dense, v_dense, lengths_q, lengths_k = case
+    q = q.float().cpu().numpy()
+    window = tuple(int(w) for w in window)
+    got = out.float().cpu().numpy().astype(np.float64)
+    for b, (n_q, n_k) in enumerate(zip(lengths_q.tolist(), lengths_k.tolist())):
+        rows = slice(int(cu_q[b]), int(cu_q[b]) + n_q)
+        want, _ = attention_reference(*(xp.asarray(x) for x in (q[None, rows], k_dense[b:b + 1, :n_k].numpy(),
+                                                                 v_dense[b:b + 1, :n_k].numpy())),
+                                      causal=True, window_size=window)
+        want = want.get() if hasattr(want, "get") else want
+        assert_close(got[rows], want[0], atol=atol_scale * (1 + np.abs(want).max(initial=0)), name=f"sequence {b}")
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (3, 799), (113, 203)])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("d", [32, 59])
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("block", [256, 512])
+def test_flash_attn_paged_varlen_grid(seqlen_q, seqlen_k, swap, d, local, block):
+    from cuflash.flash_attn_interface import flash_attn_varlen_func
+    case = flash_attn_paged_varlen_case(seqlen_q, seqlen_k, swap, d, local, block)
+    q, k_pages, v_pages, table, cu_q, cu_k, max_q, max_k, window = case[:9]
+    out = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, 0.0, causal=True,
+                                 window_size=window, block_table=table)
+    check_flash_attn_paged_varlen(case, out, 2e-5)
+
+
 def test_flash_attn_interface_raises_what_flash_attn_raises():
     """flash-attn's C++ checks raise RuntimeError naming the argument: a sequence outgrowing
     its pages names block_table (flash-attn #2709), a wrong dtype names the array."""
