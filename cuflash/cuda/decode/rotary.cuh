@@ -42,19 +42,44 @@ struct Rotary {
   }
 
   // Rotate rows [row_begin, row_end) of a shared tile in layout L in place, row r at
-  // position position(r); the CTA's threads share the (row, pair) items.
-  template <typename T, typename L, typename Position>
+  // position position(r); the CTA's threads share the (row, pair) items. A thread loads
+  // the angles of up to kBatch items together, then rotates them: one wait on the table's
+  // latency for a batch, not one an item (a one-by-one loop of a decode step's query tile
+  // took several microseconds).
+  template <typename T, int kBatch, typename L, typename Position>
   __device__ __forceinline__ void rotate_rows(SharedTile<L> tile, int row_begin, int row_end, Position position,
                                               int threads) const {
-    const int n = pairs();
-    for (int item = threadIdx.x; item < (row_end - row_begin) * n; item += threads) {
-      const int r = row_begin + item / n, i = item % n;
-      const int2 f = pair(i);
-      elem_t& x = tile.data[L::at(r, f.x)];
-      elem_t& y = tile.data[L::at(r, f.y)];
-      const float2 xy = rotate(DType<T>::to_float(x), DType<T>::to_float(y), angle<T>(position(r), i));
-      x = DType<T>::from_float(xy.x);
-      y = DType<T>::from_float(xy.y);
+    const int n = pairs(), items = (row_end - row_begin) * n;
+    for (int first = threadIdx.x; first < items; first += kBatch * threads) {
+      float2 cs[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int item = first + j * threads;
+        if (item < items) cs[j] = angle<T>(position(row_begin + item / n), item % n);
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int item = first + j * threads;
+        if (item >= items) break;
+        const int r = row_begin + item / n;
+        const int2 f = pair(item % n);
+        elem_t& x = tile.data[L::at(r, f.x)];
+        elem_t& y = tile.data[L::at(r, f.y)];
+        const float2 xy = rotate(DType<T>::to_float(x), DType<T>::to_float(y), cs[j]);
+        x = DType<T>::from_float(xy.x);
+        y = DType<T>::from_float(xy.y);
+      }
+    }
+  }
+
+  // Ask L2 for the table rows of position pos (cos and sin), ahead of their use; a
+  // warp's lanes take 128-byte lines.
+  __device__ __forceinline__ void prefetch(int pos, int lane) const {
+    const int bytes = pairs() * (fp32 ? 4 : 2);
+    const int64 row = int64(min(max(pos, 0), rows - 1)) * bytes;
+    for (int at = lane * 128; at < bytes; at += 32 * 128) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(cos) + row + at));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(sin) + row + at));
     }
   }
 

@@ -174,9 +174,15 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim <= 128 ? 3 : 1) attentio
         v_tiles[stage], [&](int r, int) { return key_row(p.v_cache, p.v_new, t0 + r); }, p.headdim, p.q.ptr);
   };
 
-  // Q, then for each part one K/V tile a group, kStages - 1 ahead.
+  // Q, then for each part one K/V tile a group, kStages - 1 ahead. The rotary table rows
+  // of the queries' positions are asked of L2 meanwhile.
   load_rows<kBlockM, kThreads, kVec>(q_tile, query_row, p.headdim, p.q.ptr);
   LoadPipeline::commit();
+  const int q_rows = min(kBlockM, rows - row0);  // the tile's rows holding a query
+  auto q_position = [&](int r) { return seq.length + (kLocal ? (row0 + r) / group : 0); };
+  if (rotary.on() && warp == 0)
+    for (int query = q_first; query < (kLocal ? q_end : q_first + 1); ++query)
+      rotary.prefetch(seq.length + (kLocal ? query : 0), lane);
 
   // This lane's two lines (g and g + 8): their query rows, and with ALiBi their slopes.
   const int g = lane >> 2;
@@ -227,12 +233,11 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim <= 128 ? 3 : 1) attentio
         const int new_end = min(seq.end, (n + 1) * kBlockN) - n * kBlockN;
         const bool rotate_q = !q_rotated;
         q_rotated = true;
-        if (rotate_q)
-          rotary.rotate_rows<T>(q_tile, 0, kBlockM, [&](int r) {
-            return seq.length + (kLocal ? (row0 + r) / group : 0);
-          }, kThreads);
+        constexpr int kItems = ceil_div(kBlockM * kHeadDim / 2, kThreads), kBatch = kItems < 4 ? kItems : 4;
+        if (rotate_q) rotary.rotate_rows<T, kBatch>(q_tile, 0, q_rows, q_position, kThreads);
         if (new_begin < new_end)
-          rotary.rotate_rows<T>(k_tiles[stage], new_begin, new_end, [&](int r) { return n * kBlockN + r; }, kThreads);
+          rotary.rotate_rows<T, kBatch>(k_tiles[stage], new_begin, new_end, [&](int r) { return n * kBlockN + r; },
+                                        kThreads);
         if (rotate_q || new_begin < new_end) LoadPipeline::sync();
       }
 
