@@ -1,0 +1,63 @@
+// The tensor memory accelerator (TMA) and the barriers it signals (sm_90).
+//
+// A tensor map (built on the host by cuTensorMapEncodeTiled, cuflash/_tensormap.py)
+// describes a global array and a box; one thread asks for a box at some coordinates and
+// the copy engine writes it into shared memory in the map's swizzle, rows outside the
+// array as zeros, then adds the bytes it wrote to an mbarrier's transaction count. Threads
+// wait on the barrier's phase: it completes when the expected bytes have all arrived.
+#pragma once
+#include "common.cuh"
+#include "sm90/wgmma.cuh"  // shared_address
+
+namespace cuflash {
+namespace sm90 {
+
+// The 128-byte CUtensorMap, passed by value inside the kernel's parameters (a
+// __grid_constant__ parameter, so that TMA may read it where it lies).
+struct alignas(64) TensorMap {
+  unsigned long long v[16];
+};
+
+struct Barrier {
+  unsigned long long* at;  // in shared memory
+
+  __device__ __forceinline__ void init(int arrivals) const {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(at)), "r"(arrivals));
+  }
+  // Make initialised barriers visible to the copy engine (then a CTA barrier).
+  static __device__ __forceinline__ void fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  // This thread's arrival, announcing `bytes` more to come from the copy engine.
+  __device__ __forceinline__ void arrive_expecting(unsigned bytes) const {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(at)), "r"(bytes)
+                 : "memory");
+  }
+  // Wait until phase `parity` (0, 1, 0, ... for its successive completions) has completed.
+  __device__ __forceinline__ void wait(int parity) const {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(shared_address(at)),
+        "r"(parity)
+        : "memory");
+  }
+};
+
+// Box (c0, c1, c2, c3) of a 4-D map (innermost coordinate first) -> shared memory at dst;
+// its bytes count toward `barrier`.
+__device__ __forceinline__ void tma_load(void* dst, const TensorMap& map, const Barrier& barrier, int c0, int c1,
+                                         int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(shared_address(barrier.at)), "r"(c0), "r"(c1), "r"(c2),
+      "r"(c3)
+      : "memory");
+}
+
+}  // namespace sm90
+}  // namespace cuflash
