@@ -7,22 +7,28 @@ import ctypes
 
 from . import _arrays, _compile, _driver, _options, _plan, _tensormap
 
-WARP_GROUPS, BLOCK_N, STAGES = 2, 128, 2
-BLOCK_M = 64 * WARP_GROUPS
+CONSUMERS, BLOCK_N, STAGES = 2, 128, 2
+BLOCK_M = 64 * CONSUMERS
 HEAD_DIM = 128
 DTYPES = {"float16": "cuflash::half_t", "bfloat16": "cuflash::bfloat16_t"}
 
 
 def shared_bytes(head_dim: int = HEAD_DIM, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
                  stages: int = STAGES) -> int:
-    """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers and 1024 bytes of
-    alignment."""
-    return 2 * head_dim * (block_m + 2 * stages * block_n) + (stages + 1) * 8 + 1024
+    """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers (Q's, and a landed
+    and a released one a stage) and 1024 bytes of alignment."""
+    return 2 * head_dim * (block_m + 2 * stages * block_n) + (2 * stages + 1) * 8 + 1024
 
 
-def instance(dtype: str, causal: bool) -> str:
-    return (f"cuflash::attention_forward_sm90<{DTYPES[dtype]}, {HEAD_DIM}, {BLOCK_N}, {WARP_GROUPS}, {STAGES}, "
+def instance(dtype: str, causal: bool, specialised: bool) -> str:
+    """The kernel: with ``specialised``, a producer warpgroup beside the consumers."""
+    name = "attention_forward_sm90_ws" if specialised else "attention_forward_sm90"
+    return (f"cuflash::{name}<{DTYPES[dtype]}, {HEAD_DIM}, {BLOCK_N}, {CONSUMERS}, {STAGES}, "
             f"{'true' if causal else 'false'}>")
+
+
+def threads(specialised: bool) -> int:
+    return 128 * (CONSUMERS + specialised)
 
 
 def arguments(params: ctypes.Structure, maps: list) -> ctypes.Array:
@@ -32,7 +38,7 @@ def arguments(params: ctypes.Structure, maps: list) -> ctypes.Array:
     return ctypes.create_string_buffer(head + b"".join(bytes(m) for m in maps), len(head) + 128 * len(maps))
 
 
-def forward(q, k, v, *, causal: bool = False, softmax_scale=None):
+def forward(q, k, v, *, causal: bool = False, softmax_scale=None, specialised: bool = True):
     """(out, lse) of attention on CuPy arrays (batch, seqlen, heads, 128) through the sm_90a
     kernel, on the current stream."""
     import cupy
@@ -53,12 +59,12 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale=None):
     maps = [_tensormap.encode(a.ptr, a.dtype, a.shape, a.strides, rows)
             for a, rows in ((qi, BLOCK_M), (ki, BLOCK_N), (vi, BLOCK_N))]
     args = arguments(params, maps)
-    compiled = _compile.compile_kernel("sm90/fwd.cu", instance(qi.dtype, options.local), "sm_90a")
+    compiled = _compile.compile_kernel("sm90/fwd.cu", instance(qi.dtype, options.local, specialised), "sm_90a")
     shared = shared_bytes()
     function = _driver.load_function(compiled.cubin, compiled.lowered_name, qi.device, shared)
     launch, _ = _driver.launcher()
     pointers = (ctypes.c_void_p * 1)(ctypes.addressof(args))
     if batch and seqlen_q and heads:
-        launch(function, -(-seqlen_q // BLOCK_M), heads, batch, 32 * 4 * WARP_GROUPS, 1, 1, shared,
+        launch(function, -(-seqlen_q // BLOCK_M), heads, batch, threads(specialised), 1, 1, shared,
                cupy.cuda.get_current_stream().ptr, ctypes.addressof(pointers), 0)
     return out, lse

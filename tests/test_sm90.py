@@ -12,9 +12,10 @@ from cuflash import _compile, _sm90
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_every_instance_compiles_clean_for_sm90a(dtype, causal):
+@pytest.mark.parametrize("specialised", [False, True])
+def test_every_instance_compiles_clean_for_sm90a(dtype, causal, specialised):
     nvrtc = _compile._nvrtc()
-    source, instance = "sm90/fwd.cu", _sm90.instance(dtype, causal)
+    source, instance = "sm90/fwd.cu", _sm90.instance(dtype, causal, specialised)
     headers = {n: t for n, t in _compile._sources().items() if n.endswith(".cuh")}
     prog = nvrtc.createProgram(_compile._sources()[source].decode(), source, list(headers.values()),
                                [n.encode() for n in headers])
@@ -58,7 +59,8 @@ def _hopper() -> bool:
     (1, 2048, 2048, 4, 4)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_the_sm90_forward_matches_the_oracle(batch, seqlen_q, seqlen_k, heads, heads_k, causal, dtype):
+@pytest.mark.parametrize("specialised", [False, True])
+def test_the_sm90_forward_matches_the_oracle(batch, seqlen_q, seqlen_k, heads, heads_k, causal, dtype, specialised):
     import cupy
 
     import cuflash
@@ -69,7 +71,7 @@ def test_the_sm90_forward_matches_the_oracle(batch, seqlen_q, seqlen_k, heads, h
     shapes = ((batch, seqlen_q, heads, 128), (batch, seqlen_k, heads_k, 128), (batch, seqlen_k, heads_k, 128))
     host = [rng.standard_normal(s).astype(cupy_dtype(dtype)) for s in shapes]
     q, k, v = (cupy.asarray(x) for x in host)
-    out, lse = _sm90.forward(q, k, v, causal=causal)
+    out, lse = _sm90.forward(q, k, v, causal=causal, specialised=specialised)
     want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), causal=causal)
     scale = 1 + float(abs(want).max())
     np.testing.assert_allclose(out.get().astype(np.float64), want.get(), atol=4e-3 * scale)

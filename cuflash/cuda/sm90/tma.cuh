@@ -33,6 +33,10 @@ struct Barrier {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(at)), "r"(bytes)
                  : "memory");
   }
+  // This thread's arrival (with no bytes to wait for).
+  __device__ __forceinline__ void arrive() const {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(at)) : "memory");
+  }
   // Wait until phase `parity` (0, 1, 0, ... for its successive completions) has completed.
   __device__ __forceinline__ void wait(int parity) const {
     asm volatile(

@@ -45,6 +45,17 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
+// A warpgroup's registers a thread from here on: fewer for a producer, more for the
+// consumers (setmaxnreg; ptxas heeds it only under __launch_bounds__(threads, 1) with each
+// role one branch of an if/else, and says so otherwise: warning C7508).
+template <int kRegisters, bool kMore>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (kMore)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+  else
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
 // D (+)= A B, m64n128k16, fp32 accumulators; A and B K-major in shared memory; D is
 // overwritten where accumulate is 0.
 template <typename T>
