@@ -4,6 +4,7 @@ causal or not. The planner does not choose it yet."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 from . import _arrays, _compile, _driver, _options, _plan, _tensormap
 
@@ -29,6 +30,12 @@ def instance(dtype: str, causal: bool, specialised: bool) -> str:
 
 def threads(specialised: bool) -> int:
     return 128 * (CONSUMERS + specialised)
+
+
+@functools.cache
+def _function(name: str, device: int, shared: int) -> int:
+    compiled = _compile.compile_kernel("sm90/fwd.cu", name, "sm_90a")
+    return _driver.load_function(compiled.cubin, compiled.lowered_name, device, shared)
 
 
 def arguments(params: ctypes.Structure, maps: list) -> ctypes.Array:
@@ -59,9 +66,8 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale=None, specialised: b
     maps = [_tensormap.encode(a.ptr, a.dtype, a.shape, a.strides, rows)
             for a, rows in ((qi, BLOCK_M), (ki, BLOCK_N), (vi, BLOCK_N))]
     args = arguments(params, maps)
-    compiled = _compile.compile_kernel("sm90/fwd.cu", instance(qi.dtype, options.local, specialised), "sm_90a")
     shared = shared_bytes()
-    function = _driver.load_function(compiled.cubin, compiled.lowered_name, qi.device, shared)
+    function = _function(instance(qi.dtype, options.local, specialised), qi.device, shared)
     launch, _ = _driver.launcher()
     pointers = (ctypes.c_void_p * 1)(ctypes.addressof(args))
     if batch and seqlen_q and heads:
