@@ -235,6 +235,10 @@ def _run_nvrtc(source: str, instance: str, options: tuple[str, ...]) -> Compiled
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC failed to compile {instance}:\n{nvrtc.getProgramLog(prog)}") from e
         text = nvrtc.getProgramLog(prog)
+        text = text.decode() if isinstance(text, bytes) else text
+        serialised = [line for line in text.splitlines() if "C75" in line]
+        if serialised:  # setmaxnreg ignored or wgmma serialised: a silent several-fold slowdown
+            raise RuntimeError(f"ptxas warned of {instance}:\n" + "\n".join(serialised))
         lowered = nvrtc.getLoweredName(prog, instance)
         lowered = lowered.decode() if isinstance(lowered, bytes) else lowered
         # The log describes every function; keep the block of this instance.

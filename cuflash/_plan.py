@@ -28,7 +28,7 @@ DTYPES = {"float16": "cuflash::half_t", "bfloat16": "cuflash::bfloat16_t"}
 # Capabilities"); used when there is no device to ask, e.g. compile-all in CI.
 SHARED_MEMORY_LIMIT = {
     "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_87": 163 * 1024, "sm_89": 99 * 1024,
-    "sm_90": 227 * 1024, "sm_100": 227 * 1024, "sm_120": 99 * 1024,
+    "sm_90": 227 * 1024, "sm_90a": 227 * 1024, "sm_100": 227 * 1024, "sm_120": 99 * 1024,
 }
 
 
@@ -234,6 +234,45 @@ class Merge(NamedTuple):
         return f"cuflash::merge_states<{MERGE_DTYPES[self.parts_dtype]}, {MERGE_DTYPES[self.out_dtype]}>"
 
 
+class Sm90Forward(NamedTuple):
+    """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma): head dim 128, 128-key tiles,
+    SM90_CONSUMERS warpgroups of 64 query rows, SM90_STAGES K/V stages; with
+    ``specialised`` a producer warpgroup beside them."""
+    dtype: str
+    local: bool
+    specialised: bool
+    source = "sm90/fwd.cu"
+    head_dim = 128
+    block_n = 128
+
+    @property
+    def block_m(self) -> int:
+        return 64 * SM90_CONSUMERS
+
+    @property
+    def instance(self) -> str:
+        name = "attention_forward_sm90_ws" if self.specialised else "attention_forward_sm90"
+        return (f"cuflash::{name}<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, {SM90_CONSUMERS}, "
+                f"{SM90_STAGES}, {'true' if self.local else 'false'}>")
+
+    @property
+    def threads(self) -> int:
+        return 128 * (SM90_CONSUMERS + self.specialised)
+
+    @property
+    def shared_layout(self) -> str:
+        return f"cuflash::Sm90Shared<{self.head_dim}, {self.block_m}, {self.block_n}, {SM90_STAGES}>"
+
+    @property
+    def shared_bytes(self) -> int:
+        """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers (Q's, and a
+        landed and a released one a stage) and 1024 bytes of alignment."""
+        return 2 * self.head_dim * (self.block_m + 2 * SM90_STAGES * self.block_n) + (2 * SM90_STAGES + 1) * 8 + 1024
+
+
+SM90_CONSUMERS, SM90_STAGES = 2, 2
+
+
 def has_tile(kind: str, head_dim: int, extras: bool, shared_limit: int) -> bool:
     """Does ``kind`` have an instance for this head dim and extras within this much
     shared memory?"""
@@ -251,8 +290,11 @@ def kernel(kind: str, dtype: str, head_dim: int, local: bool, vectorized: bool, 
     raise RuntimeError(f"no {kind} tile for head dim {bucket} fits {shared_limit} bytes of shared memory")
 
 
-def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge]:
-    """Every variant cuflash can launch on ``arch``."""
+def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge | Sm90Forward]:
+    """Every variant cuflash can launch on ``arch``: for sm_90a the sm90 kernels (the
+    mma.sync ones run on compute capability 9.0 as sm_90)."""
+    if arch == "sm_90a":
+        return [Sm90Forward(*v) for v in itertools.product(DTYPES, (False, True), (False, True))]
     limit = shared_memory_limit(arch)
     flags = (False, True)
     tiled = [kernel(kind, dtype, bucket, local, vec, extras, limit)

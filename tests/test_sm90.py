@@ -1,33 +1,21 @@
 """The sm_90a forward (cuda/sm90/fwd.cu), while it is brought up: every instance compiles
 for sm_90a with no spill and no ptxas C75xx warning (setmaxnreg ignored, wgmma
-serialised), the host's argument layout matches the kernel's, and on a Hopper GPU the
-output and LSE match the float64 oracle and the mma.sync kernel."""
+serialised), the host's argument layout matches the kernel's (its shared memory:
+tests/test_plan.py), and on a Hopper GPU the output and LSE match the float64 oracle and
+the mma.sync kernel."""
 import ctypes
 
 import numpy as np
 import pytest
 
-from cuflash import _compile, _sm90
+from cuflash import _compile, _plan, _sm90
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("specialised", [False, True])
-def test_every_instance_compiles_clean_for_sm90a(dtype, causal, specialised):
-    nvrtc = _compile._nvrtc()
-    source, instance = "sm90/fwd.cu", _sm90.instance(dtype, causal, specialised)
-    headers = {n: t for n, t in _compile._sources().items() if n.endswith(".cuh")}
-    prog = nvrtc.createProgram(_compile._sources()[source].decode(), source, list(headers.values()),
-                               [n.encode() for n in headers])
-    try:
-        nvrtc.addNameExpression(prog, instance)
-        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90a", *_compile.OPTIONS])
-        log = nvrtc.getProgramLog(prog)
-        log = log.decode() if isinstance(log, bytes) else log
-    finally:
-        nvrtc.destroyProgram(prog)
-    assert "C75" not in log, log
-    resources = _compile.Resources.from_log(log)
+@pytest.mark.parametrize("kernel", _plan.all_kernels("sm_90a"), ids=lambda k: k.instance)
+def test_every_instance_compiles_clean_for_sm90a(kernel):
+    """(compile_kernel refuses a ptxas C75xx warning: setmaxnreg ignored, wgmma serialised)"""
+    resources = _compile._run_nvrtc(kernel.source, kernel.instance,
+                                    ("--gpu-architecture=sm_90a", *_compile.OPTIONS)).resources
     assert resources.spill_stores == 0 and resources.stack_bytes == 0, resources
 
 
