@@ -237,9 +237,11 @@ class Merge(NamedTuple):
 class Sm90Forward(NamedTuple):
     """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma): head dim 128, 128-key tiles,
     SM90_CONSUMERS warpgroups of 64 query rows, SM90_STAGES K/V stages; with
-    ``specialised`` a producer warpgroup beside them."""
+    ``specialised`` a producer warpgroup beside them; ``extras``: softcap, ALiBi or
+    dropout may be on."""
     dtype: str
     local: bool
+    extras: bool
     specialised: bool
     source = "sm90/fwd.cu"
     head_dim = 128
@@ -253,7 +255,7 @@ class Sm90Forward(NamedTuple):
     def instance(self) -> str:
         name = "attention_forward_sm90_ws" if self.specialised else "attention_forward_sm90"
         return (f"cuflash::{name}<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, {SM90_CONSUMERS}, "
-                f"{SM90_STAGES}, {'true' if self.local else 'false'}>")
+                f"{SM90_STAGES}, {'true' if self.local else 'false'}, {'true' if self.extras else 'false'}>")
 
     @property
     def threads(self) -> int:
@@ -294,7 +296,7 @@ def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge | Sm90Forward]:
     """Every variant cuflash can launch on ``arch``: for sm_90a the sm90 kernels (the
     mma.sync ones run on compute capability 9.0 as sm_90)."""
     if arch == "sm_90a":
-        return [Sm90Forward(*v) for v in itertools.product(DTYPES, (False, True), (False, True))]
+        return [Sm90Forward(*v) for v in itertools.product(DTYPES, (False, True), (False, True), (False, True))]
     limit = shared_memory_limit(arch)
     flags = (False, True)
     tiled = [kernel(kind, dtype, bucket, local, vec, extras, limit)

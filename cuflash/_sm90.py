@@ -1,6 +1,6 @@
 """The sm_90a forward (cuda/sm90/fwd.cu: TMA and wgmma), launched on its own while it is
 brought up beside the mma.sync kernels: dense CuPy arrays, head dim 128, fp16 or bf16,
-causal or not. The planner does not choose it yet."""
+causal, windows, softcap. The planner does not choose it yet."""
 from __future__ import annotations
 
 import ctypes
@@ -21,9 +21,10 @@ def arguments(params: ctypes.Structure, maps: list) -> ctypes.Array:
     return ctypes.create_string_buffer(head + b"".join(bytes(m) for m in maps), len(head) + 128 * len(maps))
 
 
-def forward(q, k, v, *, causal: bool = False, softmax_scale=None, specialised: bool = True):
+def forward(q, k, v, *, causal: bool = False, softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0,
+            specialised: bool = True):
     """(out, lse) of attention on CuPy arrays (batch, seqlen, heads, 128) through the sm_90a
-    kernel, on the current stream."""
+    kernel, on the current stream; options as ``cuflash.attention``'s."""
     import cupy
     infos = {name: _arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
     qi, ki, vi = infos["q"], infos["k"], infos["v"]
@@ -31,7 +32,7 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale=None, specialised: b
     if qi.shape[-1] != _plan.Sm90Forward.head_dim or qi.dtype not in _plan.DTYPES:
         raise ValueError(f"the sm_90a forward takes head dim {_plan.Sm90Forward.head_dim} in float16 or bfloat16, "
                          f"got {qi.shape[-1]} {qi.dtype}")
-    options = _options.make_options(qi, ki, causal, softmax_scale, (-1, -1), 0.0, None, 0.0, None, 0,
+    options = _options.make_options(qi, ki, causal, softmax_scale, window_size, softcap, None, 0.0, None, 0,
                                     backward=False)
     batch, seqlen_q, heads, _ = qi.shape
     out = cupy.empty(q.shape, q.dtype)
@@ -39,7 +40,7 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale=None, specialised: b
     params, _ = _plan._params(qi, ki, vi, options, None, o=_arrays.inspect(out, "out"))
     params.q.ptr, params.k.ptr, params.v.ptr, params.o.ptr, params.lse = q.data.ptr, k.data.ptr, v.data.ptr, \
         out.data.ptr, lse.data.ptr
-    kernel = _plan.Sm90Forward(qi.dtype, options.local, specialised)
+    kernel = _plan.Sm90Forward(qi.dtype, options.local, options.extras, specialised)
     maps = [_tensormap.encode(a.ptr, a.dtype, a.shape, a.strides, rows)
             for a, rows in ((qi, kernel.block_m), (ki, kernel.block_n), (vi, kernel.block_n))]
     args = arguments(params, maps)

@@ -45,10 +45,12 @@ def _hopper() -> bool:
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_k", [
     (1, 128, 128, 1, 1), (2, 1, 300, 4, 2), (1, 129, 257, 2, 2), (2, 300, 517, 4, 1), (1, 1000, 1000, 2, 2),
     (1, 2048, 2048, 4, 4)])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,window_size,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                    (False, (200, 30), 0.0), (True, (-1, -1), 20.0)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("specialised", [False, True])
-def test_the_sm90_forward_matches_the_oracle(batch, seqlen_q, seqlen_k, heads, heads_k, causal, dtype, specialised):
+def test_the_sm90_forward_matches_the_oracle(batch, seqlen_q, seqlen_k, heads, heads_k, causal, window_size, softcap,
+                                             dtype, specialised):
     import cupy
 
     import cuflash
@@ -59,11 +61,12 @@ def test_the_sm90_forward_matches_the_oracle(batch, seqlen_q, seqlen_k, heads, h
     shapes = ((batch, seqlen_q, heads, 128), (batch, seqlen_k, heads_k, 128), (batch, seqlen_k, heads_k, 128))
     host = [rng.standard_normal(s).astype(cupy_dtype(dtype)) for s in shapes]
     q, k, v = (cupy.asarray(x) for x in host)
-    out, lse = _sm90.forward(q, k, v, causal=causal, specialised=specialised)
-    want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), causal=causal)
+    options = dict(causal=causal, window_size=window_size, softcap=softcap)
+    out, lse = _sm90.forward(q, k, v, specialised=specialised, **options)
+    want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), **options)
     scale = 1 + float(abs(want).max())
     np.testing.assert_allclose(out.get().astype(np.float64), want.get(), atol=4e-3 * scale)
     finite = np.isfinite(want_lse.get())
     np.testing.assert_allclose(lse.get()[finite], want_lse.get()[finite], atol=1e-3)
-    same, same_lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    same, same_lse = cuflash.attention(q, k, v, return_lse=True, **options)
     np.testing.assert_allclose(out.get().astype(np.float64), same.get().astype(np.float64), atol=4e-3 * scale)

@@ -6,8 +6,9 @@
 // its bytes have landed. Per key tile n (the last first, as the mma.sync forward):
 //
 //   S = Q K_n^T                    wgmma, Q and K from shared memory
-//   S = mask(S)                    mask.cuh (the accumulator layout is mma.sync's)
+//   S = mod(S);  S = mask(S)       score.cuh, mask.cuh (the accumulator layout is mma.sync's)
 //   m, P, l, O rescaled            softmax.cuh
+//   P = dropout(P)                 score.cuh
 //   O += P V_n                     wgmma, P from registers, V read N-major
 //
 // then O / l and the LSE go straight from registers to global memory. Two entries (HOPPER.md's
@@ -18,6 +19,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "score.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 #include "softmax.cuh"
@@ -26,7 +28,7 @@ namespace cuflash {
 
 // The forward's arguments and the tensor maps of Q, K and V, each 4-D (headdim, seqlen,
 // heads, batch) with a box of 64 columns (128 bytes, the swizzle's width) and kBlockM or
-// kBlockN rows (cuflash/_tensormap.py).
+// kBlockN rows (cuflash/_tensormap.py); packed (varlen) arrays are one batch of all rows.
 struct Sm90Params {
   Params p;
   sm90::TensorMap q, k, v;
@@ -64,41 +66,56 @@ struct Sm90Shared {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers) + 1 + kStages + stage};
   }
 
-  // The loads, each by one thread: Q, and key tile n's K and V into a stage.
-  __device__ __forceinline__ void load_q(const Sm90Params& args, int m0, int head, int batch) const {
+  // The loads, each by one thread: Q's rows from `row`, and key tile n's K and V (rows
+  // from `row`) into a stage. (A packed sequence's box may reach into the next one's
+  // rows: they are masked, and never written.)
+  __device__ __forceinline__ void load_q(const Sm90Params& args, int row, int head, int batch) const {
     q_landed().arrive_expecting(kBlockM * kHeadDim * 2);
 #pragma unroll
-    for (int c = 0; c < kColumnBlocks; ++c) sm90::tma_load(q() + c * kQBlock, args.q, q_landed(), 64 * c, m0, head, batch);
+    for (int c = 0; c < kColumnBlocks; ++c) sm90::tma_load(q() + c * kQBlock, args.q, q_landed(), 64 * c, row, head, batch);
   }
-  __device__ __forceinline__ void load_kv(const Sm90Params& args, int n, int stage, int kv_head, int batch) const {
+  __device__ __forceinline__ void load_kv(const Sm90Params& args, int row, int stage, int kv_head, int batch) const {
     landed(stage).arrive_expecting(2 * kKvTile);
 #pragma unroll
     for (int c = 0; c < kColumnBlocks; ++c) {
-      sm90::tma_load(k(stage) + c * kKvBlock, args.k, landed(stage), 64 * c, n * kBlockN, kv_head, batch);
-      sm90::tma_load(v(stage) + c * kKvBlock, args.v, landed(stage), 64 * c, n * kBlockN, kv_head, batch);
+      sm90::tma_load(k(stage) + c * kKvBlock, args.k, landed(stage), 64 * c, row, kv_head, batch);
+      sm90::tma_load(v(stage) + c * kKvBlock, args.v, landed(stage), 64 * c, row, kv_head, batch);
     }
   }
 };
 
-// The rows a CTA computes and the key tiles they see.
-template <int kBlockM, int kBlockN, bool kLocal>
+// The rows a CTA computes, the key tiles they see and what is done to their scores.
+template <int kBlockM, int kBlockN, bool kLocal, bool kExtras>
 struct Sm90Block {
   Sequence seq;
   Mask<kLocal> mask;
+  ScoreMod mod;
+  Dropout dropout;
+  bool dropping;
+  float scale_log2;  // modified scores are already scaled: then exp2 only converts to base 2
   int m0, row_end, n_begin, n_end, head, kv_head, batch;
+  int tma_batch;     // the batch coordinate of the maps: 0 for packed arrays
 
   static __device__ __forceinline__ Sm90Block of(const Params& p) {
     Sm90Block b;
     const int m_block = gridDim.x - 1 - blockIdx.x;
     b.head = blockIdx.y, b.batch = blockIdx.z, b.kv_head = b.head / p.heads_per_kv;
+    b.tma_batch = p.cu_seqlens_q ? 0 : b.batch;
     b.seq = Sequence::of(p, b.batch);
     b.mask = Mask<kLocal>::of(b.seq.seqlen_q, b.seq.seqlen_k, p.window_left, p.window_right);
     b.m0 = m_block * kBlockM;
     b.row_end = min(b.m0 + kBlockM, b.seq.seqlen_q);
     b.n_begin = b.mask.key_begin(b.m0) / kBlockN;
     b.n_end = ceil_div(b.mask.key_end(b.row_end), kBlockN);
+    b.mod = ScoreMod{};
+    b.dropout = Dropout{};
+    score_extras<kExtras>(p, b.mask, b.batch, b.head, b.mod, b.dropout);
+    b.dropping = kExtras && p.dropout_threshold > 0;
+    b.scale_log2 = kExtras ? kLog2e : p.scale_log2;
     return b;
   }
+  __device__ __forceinline__ int q_row() const { return seq.q_start + m0; }
+  __device__ __forceinline__ int k_row(int n) const { return seq.k_start + n * kBlockN; }
 };
 
 // P (the S accumulator, fp32) -> the A fragments of O += P V, k16 step by step: columns
@@ -115,12 +132,12 @@ __device__ __forceinline__ void pack_p(const float (&s)[1][kNTiles][4], unsigned
 }
 
 // One consumer warpgroup's work on key tile n, whose K and V have landed: its 64 rows of
-// S = Q K_n^T, the mask, the online softmax and O += P V_n. warp_row0: the row of the
-// block where this warp's 16 rows start.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kLocal>
+// S = Q K_n^T, the score modifiers and the mask, the online softmax, dropout and
+// O += P V_n. warp_row0: the row of the block where this warp's 16 rows start.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kLocal, bool kExtras>
 __device__ __forceinline__ void consume_tile(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>& shared,
-                                             const Sm90Block<kBlockM, kBlockN, kLocal>& block, int n, int stage,
-                                             int consumer, int warp_row0, int lane, float scale_log2,
+                                             const Sm90Block<kBlockM, kBlockN, kLocal, kExtras>& block, int n,
+                                             int stage, int consumer, int warp_row0, int lane,
                                              OnlineSoftmax<1, true>& softmax, float (&acc_o)[1][kHeadDim / 8][4]) {
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
   constexpr int kNTiles = kBlockN / 8;
@@ -135,11 +152,12 @@ __device__ __forceinline__ void consume_tile(const Sm90Shared<kHeadDim, kBlockM,
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
 
-  // S = -inf where hidden; m, P, l, O rescaled
-  const int n0 = n * kBlockN;
-  if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN))
-    block.mask.apply(acc_s, block.m0 + warp_row0, n0, lane);
-  softmax.update(acc_s, acc_o, scale_log2);
+  // S = mod(S): softcap, ALiBi;  S = -inf where hidden;  m, P, l, O rescaled;  P = dropout(P)
+  const int n0 = n * kBlockN, row0 = block.m0 + warp_row0;
+  if constexpr (kExtras) block.mod.apply(acc_s, row0, n0, lane);
+  if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
+  softmax.update(acc_s, acc_o, block.scale_log2);
+  if (kExtras && block.dropping) block.dropout.apply(acc_s, row0, n0, lane);
 
   // O += P V_n: the keys in k16 steps, 16 rows of V (2048 bytes) each
   unsigned p_frag[kNTiles / 2][4];
@@ -152,13 +170,16 @@ __device__ __forceinline__ void consume_tile(const Sm90Shared<kHeadDim, kBlockM,
   sm90::wgmma_wait<0>();
 }
 
-// O /= l and the LSE, from this warp's registers to global memory.
-template <typename T, int kDTiles>
-__device__ __forceinline__ void store_output(const Params& p, const Sequence& seq, int batch, int head, int row0,
-                                             int lane, OnlineSoftmax<1, true>& softmax, float (&acc_o)[1][kDTiles][4],
-                                             float scale_log2) {
+// O /= l (and / (1 - p) under dropout) and the LSE, from this warp's registers to global
+// memory.
+template <typename T, int kDTiles, int kBlockM, int kBlockN, bool kLocal, bool kExtras>
+__device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kBlockM, kBlockN, kLocal, kExtras>& block,
+                                             int warp_row0, int lane, OnlineSoftmax<1, true>& softmax,
+                                             float (&acc_o)[1][kDTiles][4]) {
+  const Sequence& seq = block.seq;
+  const int batch = block.batch, head = block.head, row0 = block.m0 + warp_row0;
   float row_lse[1][2];
-  softmax.finalize(acc_o, row_lse, scale_log2, 1.f);
+  softmax.finalize(acc_o, row_lse, block.scale_log2, block.dropping ? p.dropout_scale : 1.f);
   elem_t* o = seq.rows(p.o, batch, head, true);
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -177,14 +198,15 @@ __device__ __forceinline__ void store_output(const Params& p, const Sequence& se
 // @tparam kConsumers  warpgroups, 64 query rows each
 // @tparam kStages     K/V tiles in flight
 // @tparam kLocal      causal or sliding window
-template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal>
+// @tparam kExtras     softcap, ALiBi or dropout may be on
+template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras>
 __global__ void __launch_bounds__(kConsumers * 128, 1) attention_forward_sm90(const __grid_constant__ Sm90Params args) {
   static_assert(kHeadDim == 128 && kBlockN == 128, "the m64n128k16 products: head dim 128, 128 keys a tile");
   constexpr int kBlockM = 64 * kConsumers;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   const auto shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>::of(dynamic_shared);
   const Params& p = args.p;
-  const auto block = Sm90Block<kBlockM, kBlockN, kLocal>::of(p);
+  const auto block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>::of(p);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, consumer = warp / 4;
   const int warp_row0 = 64 * consumer + 16 * (warp % 4);
 
@@ -195,9 +217,9 @@ __global__ void __launch_bounds__(kConsumers * 128, 1) attention_forward_sm90(co
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    shared.load_q(args, block.m0, block.head, block.batch);
+    shared.load_q(args, block.q_row(), block.head, block.tma_batch);
     for (int s = 0; s < kStages && block.n_end - 1 - s >= block.n_begin; ++s)
-      shared.load_kv(args, block.n_end - 1 - s, s, block.kv_head, block.batch);
+      shared.load_kv(args, block.k_row(block.n_end - 1 - s), s, block.kv_head, block.tma_batch);
   }
   float acc_o[1][kHeadDim / 8][4] = {};
   OnlineSoftmax<1, true> softmax;
@@ -206,12 +228,12 @@ __global__ void __launch_bounds__(kConsumers * 128, 1) attention_forward_sm90(co
   for (int i = 0, n = block.n_end - 1; n >= block.n_begin; ++i, --n) {
     const int stage = i % kStages;
     shared.landed(stage).wait((i / kStages) & 1);
-    consume_tile<T>(shared, block, n, stage, consumer, warp_row0, lane, p.scale_log2, softmax, acc_o);
+    consume_tile<T>(shared, block, n, stage, consumer, warp_row0, lane, softmax, acc_o);
     __syncthreads();  // every warpgroup is done with this stage: key tile n - kStages may take it
-    if (threadIdx.x == 0 && n - kStages >= block.n_begin) shared.load_kv(args, n - kStages, stage, block.kv_head,
-                                                                          block.batch);
+    if (threadIdx.x == 0 && n - kStages >= block.n_begin)
+      shared.load_kv(args, block.k_row(n - kStages), stage, block.kv_head, block.tma_batch);
   }
-  store_output<T>(p, block.seq, block.batch, block.head, block.m0 + warp_row0, lane, softmax, acc_o, p.scale_log2);
+  store_output<T>(p, block, warp_row0, lane, softmax, acc_o);
 }
 
 // Warpgroup 0 produces, warpgroups 1 .. kConsumers compute (HOPPER.md's milestone b): the
@@ -220,7 +242,7 @@ __global__ void __launch_bounds__(kConsumers * 128, 1) attention_forward_sm90(co
 // bytes have arrived and "released" when every consumer thread is done with it; the
 // producer waits for the release before it refills the stage (a fresh barrier counts as
 // released: its waits start on the other parity).
-template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal>
+template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras>
 __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     attention_forward_sm90_ws(const __grid_constant__ Sm90Params args) {
   static_assert(kHeadDim == 128 && kBlockN == 128, "the m64n128k16 products: head dim 128, 128 keys a tile");
@@ -228,7 +250,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   const auto shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>::of(dynamic_shared);
   const Params& p = args.p;
-  const auto block = Sm90Block<kBlockM, kBlockN, kLocal>::of(p);
+  const auto block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>::of(p);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
 
   if (threadIdx.x == 0) {
@@ -241,11 +263,11 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   if (group == 0) {  // the producer
     sm90::set_max_registers<24, false>();
     if (threadIdx.x == 0) {
-      shared.load_q(args, block.m0, block.head, block.batch);
+      shared.load_q(args, block.q_row(), block.head, block.tma_batch);
       for (int i = 0, n = block.n_end - 1; n >= block.n_begin; ++i, --n) {
         const int stage = i % kStages;
         shared.released(stage).wait(((i / kStages) & 1) ^ 1);
-        shared.load_kv(args, n, stage, block.kv_head, block.batch);
+        shared.load_kv(args, block.k_row(n), stage, block.kv_head, block.tma_batch);
       }
     }
   } else {  // a consumer
@@ -258,11 +280,10 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     for (int i = 0, n = block.n_end - 1; n >= block.n_begin; ++i, --n) {
       const int stage = i % kStages;
       shared.landed(stage).wait((i / kStages) & 1);
-      consume_tile<T>(shared, block, n, stage, consumer, warp_row0, lane, p.scale_log2, softmax, acc_o);
+      consume_tile<T>(shared, block, n, stage, consumer, warp_row0, lane, softmax, acc_o);
       shared.released(stage).arrive();
     }
-    store_output<T>(p, block.seq, block.batch, block.head, block.m0 + warp_row0, lane, softmax, acc_o,
-                    p.scale_log2);
+    store_output<T>(p, block, warp_row0, lane, softmax, acc_o);
   }
 }
 
