@@ -70,3 +70,25 @@ def test_the_sm90_forward_matches_the_oracle(batch, seqlen_q, seqlen_k, heads, h
     np.testing.assert_allclose(lse.get()[finite], want_lse.get()[finite], atol=1e-3)
     same, same_lse = cuflash.attention(q, k, v, return_lse=True, **options)
     np.testing.assert_allclose(out.get().astype(np.float64), same.get().astype(np.float64), atol=4e-3 * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a compute capability 9.0 GPU (H100, H200)")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("specialised", [False, True])
+def test_the_sm90_varlen_forward_matches_the_packed_call(causal, specialised):
+    """Packed sequences of ragged lengths (1, a tile + 1, primes): the same as the mma.sync
+    varlen call, and no row written outside its sequence."""
+    import cupy
+
+    import cuflash
+    rng = np.random.default_rng(3)
+    lengths_q, lengths_k = np.array([1, 129, 211, 64, 997]), np.array([300, 129, 17, 640, 1000])
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
+    q = cupy.asarray(rng.standard_normal((lengths_q.sum(), 4, 128)).astype(np.float16))
+    k, v = (cupy.asarray(rng.standard_normal((lengths_k.sum(), 2, 128)).astype(np.float16)) for _ in "kv")
+    args = (q, k, v, cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()))
+    out, lse = _sm90.forward_varlen(*args, causal=causal, specialised=specialised)
+    want, want_lse = cuflash.attention_varlen(*args, causal=causal, return_lse=True)
+    np.testing.assert_allclose(out.get().astype(np.float64), want.get().astype(np.float64), atol=4e-3 * 5)
+    np.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-3)

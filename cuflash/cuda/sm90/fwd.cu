@@ -207,6 +207,7 @@ __global__ void __launch_bounds__(kConsumers * 128, 1) attention_forward_sm90(co
   const auto shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>::of(dynamic_shared);
   const Params& p = args.p;
   const auto block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>::of(p);
+  if (block.m0 >= block.seq.seqlen_q) return;  // packed: the grid covers the longest sequence
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, consumer = warp / 4;
   const int warp_row0 = 64 * consumer + 16 * (warp % 4);
 
@@ -251,6 +252,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   const auto shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>::of(dynamic_shared);
   const Params& p = args.p;
   const auto block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>::of(p);
+  if (block.m0 >= block.seq.seqlen_q) return;  // packed: the grid covers the longest sequence
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
 
   if (threadIdx.x == 0) {
