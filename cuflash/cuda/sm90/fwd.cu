@@ -151,6 +151,7 @@ __device__ __forceinline__ void consume_tile(const Sm90Shared<kHeadDim, kBlockM,
                       sm90::SmemDesc::k_major(shared.k(stage) + (k / 4) * Shared::kKvBlock + (k % 4) * 32), k > 0);
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
+  sm90::fence_operands(acc_s);
 
   // S = mod(S): softcap, ALiBi;  S = -inf where hidden;  m, P, l, O rescaled;  P = dropout(P)
   const int n0 = n * kBlockN, row0 = block.m0 + warp_row0;
@@ -162,12 +163,14 @@ __device__ __forceinline__ void consume_tile(const Sm90Shared<kHeadDim, kBlockM,
   // O += P V_n: the keys in k16 steps, 16 rows of V (2048 bytes) each
   unsigned p_frag[kNTiles / 2][4];
   pack_p<T>(acc_s, p_frag);
+  sm90::fence_operands(acc_o);  // (rescaled by the softmax above)
   sm90::wgmma_fence();
 #pragma unroll
   for (int k = 0; k < kBlockN / 16; ++k)
     sm90::wgmma_rs_bt<T>(acc_o, p_frag[k], sm90::SmemDesc::n_major(shared.v(stage) + k * 16 * 128, Shared::kKvBlock));
   sm90::wgmma_commit();
   sm90::wgmma_wait<0>();
+  sm90::fence_operands(acc_o);
 }
 
 // O /= l (and / (1 - p) under dropout) and the LSE, from this warp's registers to global

@@ -45,6 +45,18 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
+// The products write their accumulators asynchronously, until wgmma_wait; the compiler sees
+// them written at the product's asm and could move ordinary code that reads them (or writes
+// them, before a product) across the wait. An empty asm that "writes" each register pins
+// that code on its side of the wait.
+template <int kNTiles>
+__device__ __forceinline__ void fence_operands(float (&d)[1][kNTiles][4]) {
+#pragma unroll
+  for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[0][j][e])::"memory");
+}
+
 // A warpgroup's registers a thread from here on: fewer for a producer, more for the
 // consumers (setmaxnreg; ptxas heeds it only under __launch_bounds__(threads, 1) with each
 // role one branch of an if/else, and says so otherwise: warning C7508).
