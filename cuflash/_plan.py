@@ -426,9 +426,9 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
            out: ArrayInfo, cache: KVCache, options: Options, shared_limit: int, multiprocessors: int,
            varlen: Varlen | None = None) -> Plan:
     """The KV-cache call: the split kernel, then, with more than one part of the keys, the
-    merge of their results (the workspace's partial_o and partial_lse) into ``out``. The launch is
-    given DECODE_POINTERS: the merge's parts and lses are the workspace, its out and
-    out_lse the call's. With ``varlen``, the varlen call over a paged cache: q and out
+    merge of their results (the workspace's partial_o and partial_lse) into ``out``. The
+    launch is given DECODE_POINTERS: the merge's parts and lses are the workspace, its out
+    and out_lse the call's. With ``varlen``, the varlen call over a paged cache: q and out
     packed (total_q, nheads, d), sequence b's keys the first cu_seqlens_k[b + 1] -
     cu_seqlens_k[b] rows of its pages (cu_seqlens_q and cu_seqlens_k given at launch)."""
     if varlen is None:

@@ -48,8 +48,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     depend on it beyond rounding. ``deterministic``: on the GPU, the bits of a sequence's
     result depend neither on num_splits nor on the rest of the batch (each sequence's keys
     cut into parts by its own length; 0.55-1.0x the default's speed, slowest from batch 16
-    on short caches, see docs/performance.md). Returns out like q, or (out, lse) with ``return_lse``,
-    lse float32 (batch, nheads, seqlen_q) (+inf for a row that sees no key).
+    on short caches, see docs/performance.md). Returns out like q, or (out, lse) with
+    ``return_lse``, lse float32 (batch, nheads, seqlen_q) (+inf for a row that sees no key).
     """
     given = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                  cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,

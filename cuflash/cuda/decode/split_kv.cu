@@ -14,9 +14,9 @@
 //   each warp: O /= l, LSE = scale m + log l;  the warps merged (partial.cuh)
 //
 // then the part's O and LSE go to the output (one part) or to the partial results that
-// the merge step combines in part order (merge.cu). Keys are the rows [leftpad, length + seqlen_new) of
-// the sequence's cache (cache.cuh: contiguous or paged); rows outside are zero-filled,
-// never read, and masked. New keys and values are read from k and v (rotated in shared
+// the merge step combines in part order (merge.cu). Keys are the rows [leftpad, length +
+// seqlen_new) of the sequence's cache (cache.cuh: contiguous or paged); rows outside are
+// zero-filled, never read, and masked. New keys and values are read from k and v (rotated in shared
 // memory), never from the cache rows this call writes: one CTA per (sequence, KV head)
 // writes them into the cache, and no other reads them there.
 #include "common.cuh"
@@ -76,7 +76,8 @@ __device__ __forceinline__ void append_to_cache(const DecodeParams& p, const Cac
 // @tparam kLocal    causal or sliding window (also: q rotates at each query's position)
 // @tparam kVec      rows 16-byte aligned and headdim % 8 == 0: cp.async 16-byte chunks
 // @tparam kExtras   softcap or ALiBi may be on
-// Up to d 128 three CTAs share a multiprocessor (by shared memory, on Hopper): registers held to 168.
+// Up to d 128 three CTAs share a multiprocessor (by shared memory, on Hopper): registers
+// held to 168.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
           bool kExtras>
 __global__ void __launch_bounds__(kWarps * 32, kHeadDim <= 128 ? 3 : 1) attention_decode(const DecodeParams p) {
