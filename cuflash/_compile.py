@@ -300,10 +300,11 @@ def device_arch(device_id: int) -> str:
 
 
 @functools.cache
-def load_kernel(source: str, instance: str, device_id: int, shared_bytes: int) -> int:
+def load_kernel(source: str, instance: str, device_id: int, shared_bytes: int, arch: str = "") -> int:
     """The CUfunction handle of ``instance`` on ``device_id``, compiled on first
-    use and allowed ``shared_bytes`` of dynamic shared memory."""
+    use (for ``arch``, or the device's own) and allowed ``shared_bytes`` of dynamic
+    shared memory."""
     from . import _driver
     with _lock:
-        compiled = compile_kernel(source, instance, device_arch(device_id))
+        compiled = compile_kernel(source, instance, arch or device_arch(device_id))
         return _driver.load_function(compiled.cubin, compiled.lowered_name, device_id, shared_bytes)

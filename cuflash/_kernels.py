@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import struct
 import threading
 
@@ -41,7 +42,21 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: Array
 
 def forward_launcher(q, k, v, out, options: Options, varlen: Varlen | None) -> Launcher:
     """The forward of this call signature, ready to launch with (stream, q, k, v, out, lse pointers)."""
-    return Launcher(_plan.forward(q, k, v, out, options, varlen, shared_limit(q.device)), q.device)
+    return Launcher(_plan.forward(q, k, v, out, options, varlen, shared_limit(q.device), sm90a(q.device)), q.device)
+
+
+def sm90a(device: int) -> bool:
+    """Are the sm_90a kernels for this device? Compute capability 9.0 (H100, H200), unless
+    the environment's CUFLASH_PORTABLE is set (to anything but 0): then every call takes
+    the mma.sync kernels, as on other GPUs (for comparisons and bug reports; read when a
+    call signature is first planned)."""
+    return _compute_capability(device) == (9, 0) and os.environ.get("CUFLASH_PORTABLE", "0") in ("", "0")
+
+
+@functools.cache
+def _compute_capability(device: int) -> tuple[int, int]:
+    return (_driver.attribute(device, _driver.COMPUTE_CAPABILITY_MAJOR),
+            _driver.attribute(device, _driver.COMPUTE_CAPABILITY_MINOR))
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
@@ -164,6 +179,8 @@ class Launcher:
         self._steps = [(_function(s.kernel, device), s.grid, s.kernel.threads, s.kernel.shared_bytes,
                         field_offset(plan.struct, s.argument) if s.argument else 0,
                         tuple(map(ctypes.c_int, s.args))) for s in plan.steps]
+        self._maps = [(field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m) for m in plan.maps]
+        self._mapped = None  # the pointers self.params' maps were encoded for
         self._lock = threading.Lock()
         self._calls = self._bind(self.params)
 
@@ -181,12 +198,24 @@ class Launcher:
             return
         if self._lock.acquire(blocking=False):
             try:
+                if self._maps and pointers != self._mapped:
+                    self._encode_maps(self.params, pointers)
+                    self._mapped = pointers
                 self._launch(self.params, self._calls, stream, pointers)
             finally:
                 self._lock.release()
         else:  # another thread is launching this plan: a copy of its arguments
             params = self.plan.struct.from_buffer_copy(self.params)
+            if self._maps:
+                self._encode_maps(params, pointers)
             self._launch(params, self._bind(params), stream, pointers)
+
+    def _encode_maps(self, params: ctypes.Structure, pointers: tuple) -> None:
+        """The plan's tensor maps, for arrays at these addresses (a map holds its array's)."""
+        from . import _tensormap
+        for offset, index, spec in self._maps:
+            encoded = _tensormap.encode(pointers[index], spec.dtype, spec.shape, spec.strides, spec.rows)
+            ctypes.memmove(ctypes.addressof(params) + offset, ctypes.addressof(encoded), ctypes.sizeof(encoded))
 
     def _launch(self, params: ctypes.Structure, calls: list, stream: int, pointers: tuple) -> None:
         for offset, pointer in zip(self.offsets, pointers):
@@ -233,4 +262,5 @@ def shared_limit(device: int) -> int:
 
 @functools.cache
 def _function(kernel, device: int) -> int:
-    return _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes)
+    return _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes,
+                                getattr(kernel, "arch", ""))

@@ -1,6 +1,6 @@
 """The kernels' one argument as ctypes structures with the same fields in the same order
 as their CUDA structs: ``Params`` (cuda/params.cuh), ``DecodeParams`` and ``MergeParams``
-(cuda/decode/decode_params.cuh). The C ABI lays both sides out alike
+(cuda/decode/decode_params.cuh), ``Sm90Params`` (cuda/sm90/fwd_params.cuh). The C ABI lays both sides out alike
 (tests/test_compile.py checks every offset against NVRTC's own)."""
 from __future__ import annotations
 
@@ -46,6 +46,21 @@ class Params(_Struct):
         ("scale", ctypes.c_float), ("scale_log2", ctypes.c_float), ("softcap", ctypes.c_float),
         ("dropout_threshold", ctypes.c_uint32), ("dropout_scale", ctypes.c_float),
         ("tile_group", ctypes.c_int),
+    ]
+
+
+class TensorMap(ctypes.Structure):
+    """``cuflash::sm90::TensorMap``: the driver's opaque 128-byte CUtensorMap
+    (cuflash/_tensormap.py builds it)."""
+    _fields_ = [("v", ctypes.c_uint64 * 16)]
+
+
+class Sm90Params(_Struct):
+    """``cuflash::Sm90Params``: the forward's Params, then the tensor maps of Q, K and V
+    from the next 64-byte boundary (the CUDA struct aligns them to 64)."""
+    _fields_ = [
+        ("p", Params), ("_align", ctypes.c_uint8 * (-ctypes.sizeof(Params) % 64)),
+        ("q", TensorMap), ("k", TensorMap), ("v", TensorMap),
     ]
 
 

@@ -14,7 +14,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from ._params import ArrayView, DecodeParams, MergeParams, Params, field_offset
+from ._params import ArrayView, DecodeParams, MergeParams, Params, Sm90Params, field_offset
 
 if TYPE_CHECKING:
     from ._arrays import ArrayInfo
@@ -236,14 +236,13 @@ class Merge(NamedTuple):
 
 class Sm90Forward(NamedTuple):
     """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma): head dim 128, 128-key tiles,
-    SM90_CONSUMERS warpgroups of 64 query rows, SM90_STAGES K/V stages; with
-    ``specialised`` a producer warpgroup beside them; ``extras``: softcap, ALiBi or
-    dropout may be on."""
+    a producer warpgroup and SM90_CONSUMERS consumer warpgroups of 64 query rows,
+    SM90_STAGES K/V stages; ``extras``: softcap, ALiBi or dropout may be on."""
     dtype: str
     local: bool
     extras: bool
-    specialised: bool
     source = "sm90/fwd.cu"
+    arch = "sm_90a"
     head_dim = 128
     block_n = 128
 
@@ -253,13 +252,12 @@ class Sm90Forward(NamedTuple):
 
     @property
     def instance(self) -> str:
-        name = "attention_forward_sm90_ws" if self.specialised else "attention_forward_sm90"
-        return (f"cuflash::{name}<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, {SM90_CONSUMERS}, "
+        return (f"cuflash::attention_forward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, {SM90_CONSUMERS}, "
                 f"{SM90_STAGES}, {'true' if self.local else 'false'}, {'true' if self.extras else 'false'}>")
 
     @property
     def threads(self) -> int:
-        return 128 * (SM90_CONSUMERS + self.specialised)
+        return 128 * (SM90_CONSUMERS + 1)
 
     @property
     def shared_layout(self) -> str:
@@ -270,6 +268,9 @@ class Sm90Forward(NamedTuple):
         """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers (Q's, and a
         landed and a released one a stage) and 1024 bytes of alignment."""
         return 2 * self.head_dim * (self.block_m + 2 * SM90_STAGES * self.block_n) + (2 * SM90_STAGES + 1) * 8 + 1024
+
+    def grid(self, rows: int, heads: int, batch: int) -> tuple[int, int, int]:
+        return -(-rows // self.block_m), heads, batch
 
 
 SM90_CONSUMERS, SM90_STAGES = 2, 2
@@ -296,7 +297,7 @@ def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge | Sm90Forward]:
     """Every variant cuflash can launch on ``arch``: for sm_90a the sm90 kernels (the
     mma.sync ones run on compute capability 9.0 as sm_90)."""
     if arch == "sm_90a":
-        return [Sm90Forward(*v) for v in itertools.product(DTYPES, (False, True), (False, True), (False, True))]
+        return [Sm90Forward(*v) for v in itertools.product(DTYPES, (False, True), (False, True))]
     limit = shared_memory_limit(arch)
     flags = (False, True)
     tiled = [kernel(kind, dtype, bucket, local, vec, extras, limit)
@@ -342,16 +343,31 @@ class Step(NamedTuple):
     argument: str = ""
 
 
+class TensorMapSpec(NamedTuple):
+    """A tensor map of the struct's ``field`` that the launcher encodes once it knows the
+    address of the array given as ``pointer`` (one of the plan's pointers): ``shape``
+    (batch, seqlen, heads, headdim) and ``strides`` in elements, loaded ``rows`` at a time
+    (cuflash/_tensormap.py)."""
+    field: str
+    pointer: str
+    dtype: str
+    shape: tuple[int, int, int, int]
+    strides: tuple[int, int, int, int]
+    rows: int
+
+
 class Plan(NamedTuple):
     """What a call launches, all but its array pointers: the kernels' argument struct
     (``struct``, as bytes) with the pointers left to fill in at ``pointers`` (field names,
     in the order the launcher is given them), then each step. ``workspace``: the scratch
-    buffers the caller allocates, (name, shape, dtype) each."""
+    buffers the caller allocates, (name, shape, dtype) each; ``maps``: the tensor maps the
+    launcher encodes from the pointers."""
     params: bytes
     pointers: tuple[str, ...]
     steps: tuple[Step, ...]
     struct: type = Params
     workspace: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    maps: tuple[TensorMapSpec, ...] = ()
 
 
 FORWARD_POINTERS = ("q", "k", "v", "o", "lse")
@@ -361,14 +377,56 @@ _FLOAT32_TINY = 2.0 ** -126
 
 
 def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options, varlen: Varlen | None,
-            shared_limit: int) -> Plan:
-    """out = attention(q, k, v) (and its LSE where the launch is given a pointer)."""
+            shared_limit: int, sm90a: bool = False) -> Plan:
+    """out = attention(q, k, v) (and its LSE where the launch is given a pointer); with
+    ``sm90a`` (a compute capability 9.0 device) through the sm_90a forward where it
+    takes the call."""
     p, batch = _params(q, k, v, options, varlen, o=out)
+    if sm90a and sm90_takes(q, k, v, out, options, varlen):
+        return _sm90_forward(p, batch, q, k, v, options, varlen)
     kernel = _kernel("forward", q, options, vectorizable(q, k, v, out), shared_limit)
     steps = ()
     if batch and p.seqlen_q and p.nheads:
         steps = (Step(kernel, kernel.grid(p.seqlen_q, p.nheads, batch), (), batch * p.nheads),)
     return Plan(bytes(p), FORWARD_POINTERS, steps)
+
+
+# Causal or windowed calls shorter than this stay on the mma.sync forward, measured faster
+# there on the H200 (d 128, causal, bf16, 16k tokens: 1k 235 against 219 TFLOP/s; 2k 252
+# against 249, 4k 315 against 391).
+SM90_LOCAL_MIN_SEQLEN = 2048
+
+
+def sm90_takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options,
+               varlen: Varlen | None) -> bool:
+    """Does the sm_90a forward take this call? Head dim 128; arrays the copy engine can
+    read (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes) and
+    that hold keys; causal and windowed calls from SM90_LOCAL_MIN_SEQLEN."""
+    if q.shape[-1] != Sm90Forward.head_dim or q.dtype not in DTYPES or not vectorizable(q, k, v, out):
+        return False
+    if any(a.strides[-1] != 1 for a in (q, k, v)):
+        return False
+    seqlen_q, seqlen_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
+    if k.shape[-3] == 0 or seqlen_k == 0:
+        return False
+    return not options.local or max(seqlen_q, seqlen_k) >= SM90_LOCAL_MIN_SEQLEN
+
+
+def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, options: Options,
+                  varlen: Varlen | None) -> Plan:
+    """The sm_90a forward's plan: its Params, and the maps of Q, K and V (packed arrays as
+    one batch of all rows; each CTA starts at its sequence's first)."""
+    kernel = Sm90Forward(q.dtype, options.local, options.extras)
+    maps = []
+    for name, a, rows in (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n)):
+        shape, strides = (a.shape, a.strides) if varlen is None else \
+            ((1, *a.shape), (a.shape[0] * a.strides[0], *a.strides))
+        maps.append(TensorMapSpec(name, f"p.{name}", a.dtype, tuple(shape), tuple(strides), rows))
+    steps = ()
+    if batch and p.seqlen_q and p.nheads:
+        steps = (Step(kernel, kernel.grid(p.seqlen_q, p.nheads, batch)),)
+    return Plan(bytes(Sm90Params(p=p)), tuple(f"p.{n}" for n in FORWARD_POINTERS), steps, Sm90Params,
+                maps=tuple(maps))
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,

@@ -14,6 +14,7 @@ import ctypes
 import functools
 
 from . import _driver
+from ._params import TensorMap
 
 # CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
 # CUtensorMapFloatOOBfill (cuda.h)
@@ -25,12 +26,6 @@ OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-range elements r
 BOX_COLUMNS = 64  # 128 bytes of 16-bit elements
 
 _u32, _u64 = ctypes.c_uint32, ctypes.c_uint64
-
-
-class TensorMap(ctypes.Structure):
-    """``cuflash::sm90::TensorMap`` (the driver's opaque 128-byte CUtensorMap)."""
-    _pack_ = 8
-    _fields_ = [("v", ctypes.c_uint64 * 16)]
 
 
 @functools.cache

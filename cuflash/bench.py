@@ -229,7 +229,7 @@ def _overhead(torch) -> None:
                  cuflash.torch.attention(*leaves, causal=True), leaves, dout),
              "sdpa (flash) fwd+bwd": sdpa_step}
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        print(f"host time per call, (1, 128, 1, 64) float16 causal, median of 5 x 1000 calls")
+        print("host time per call, (1, 128, 1, 64) float16 causal, median of 5 x 1000 calls")
         for name, fn in calls.items():
             print(f"{name:>22}: {host_us(torch, fn):6.1f} us")
 

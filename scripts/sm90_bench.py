@@ -1,18 +1,29 @@
-"""The sm_90a forward (cuflash/_sm90.py) beside the mma.sync forward and torch SDPA's cuDNN
-and flash backends, d 128, on the same arrays: TFLOP/s, CUDA events, median of 5 rounds
-after a warm-up (bench's timing rules).
+"""The forward on a Hopper GPU, d 128: the sm_90a kernel and the mma.sync kernel
+(what CUFLASH_PORTABLE=1 runs) beside torch SDPA's cuDNN and flash backends, on the same
+tensors: TFLOP/s, CUDA events, median of rounds taken in turns after a warm-up
+(bench's timing rules).
 
     PYTHONPATH=. python scripts/sm90_bench.py [--dtype float16] [--batch-tokens 16384]
 """
 import argparse
 
-import cupy
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-import cuflash
-from cuflash import _sm90, bench
+from cuflash import _arrays, _kernels, _options, _plan, bench
+
+
+def forward_call(q, k, v, out, causal: bool, sm90a: bool):
+    """The forward of q, k, v into out on one path, planned once: a zero-argument call."""
+    infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))]
+    options = _options.make_options(infos[0], infos[1], causal, None, (-1, -1), 0.0, None, 0.0, None, 0,
+                                    backward=False)
+    plan = _plan.forward(*infos, options, None, _kernels.shared_limit(q.device.index), sm90a)
+    assert (plan.struct.__name__ == "Sm90Params") == sm90a, "the sm_90a forward does not take this call"
+    launcher = _kernels.Launcher(plan, q.device.index)
+    pointers = [x.data_ptr() for x in (q, k, v, out)] + [0]
+    return lambda: launcher(torch.cuda.current_stream().cuda_stream, *pointers)
 
 
 def main() -> None:
@@ -22,31 +33,28 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     heads, d = 16, 128
-    columns = ("sm90-ws", "sm90", "mma.sync", "sdpa-cudnn", "sdpa-flash")
-    print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90/cuDNN last")
-    print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'ws/cudnn':>9}")
+    _plan.SM90_LOCAL_MIN_SEQLEN = 0  # time the sm_90a kernel on every cell
+    columns = ("sm90", "mma.sync", "sdpa-cudnn", "sdpa-flash")
+    print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s")
+    print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}")
     for seqlen in (1024, 2048, 4096, 8192, 16384):
         batch = max(1, args.batch_tokens // seqlen)
         for causal in (False, True):
             q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3))
-            cq, ck, cv = (cupy.from_dlpack(x.view(torch.int16)).view(cupy.float16) for x in (q, k, v))
-            if args.dtype == "bfloat16":  # (the launch reads the dtype from the array: a bfloat16 view)
-                import ml_dtypes
-                cq, ck, cv = (x.view(ml_dtypes.bfloat16) for x in (cq, ck, cv))
+            out = torch.empty_like(q)
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-            calls = {
-                "sm90-ws": lambda: _sm90.forward(cq, ck, cv, causal=causal, specialised=True),
-                "sm90": lambda: _sm90.forward(cq, ck, cv, causal=causal, specialised=False),
-                "mma.sync": lambda: cuflash.attention(cq, ck, cv, causal=causal),
-            }
-            ms = bench._median_ms_each(calls, torch)
+            calls = {"sm90": forward_call(q, k, v, out, causal, True),
+                     "mma.sync": forward_call(q, k, v, out, causal, False)}
             for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
-                with sdpa_kernel(backend):
-                    ms[name] = bench._median_ms(lambda: sdpa(qt, kt, vt, is_causal=causal), torch)
+                def call(backend=backend):
+                    with sdpa_kernel(backend):
+                        sdpa(qt, kt, vt, is_causal=causal)
+                calls[name] = call
+            ms = bench._median_ms_each(calls, torch)
             flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
             tflops = {name: flops / (t * 1e9) for name, t in ms.items()}
             print(f"{seqlen:6d} {str(causal):>6} " + " ".join(f"{tflops[c]:11.1f}" for c in columns)
-                  + f" {tflops['sm90-ws'] / tflops['sdpa-cudnn']:9.2f}", flush=True)
+                  + f" {tflops['sm90'] / tflops['sdpa-cudnn']:10.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -106,8 +106,12 @@ def _leaves(struct, prefix=""):
     """(dotted name, C member expression) of every scalar field, nested structs walked."""
     from cuflash._params import ArrayView
     for name, kind in struct._fields_:
+        if name.startswith("_"):  # padding
+            continue
         if kind is ArrayView:
             yield prefix + name, f"{prefix}{name}.ptr"
+        elif issubclass(kind, ctypes.Array):  # its first element
+            yield prefix + name, f"{prefix}{name}[0]"
         elif isinstance(kind, type) and issubclass(kind, ctypes.Structure):
             yield from _leaves(kind, f"{prefix}{name}.")
         else:
@@ -115,7 +119,8 @@ def _leaves(struct, prefix=""):
 
 
 @pytest.mark.parametrize("struct,header", [("Params", "params.cuh"), ("DecodeParams", "decode/decode_params.cuh"),
-                                           ("MergeParams", "decode/decode_params.cuh")])
+                                           ("MergeParams", "decode/decode_params.cuh"),
+                                           ("Sm90Params", "sm90/fwd_params.cuh")])
 def test_params_layout_matches_the_cuda_struct(struct, header):
     """cuflash._params' structs must lay out exactly like their CUDA structs. NVRTC has no
     offsetof, so one probe kernel per field reads it and the PTX says from where."""

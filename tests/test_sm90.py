@@ -1,14 +1,16 @@
-"""The sm_90a forward (cuda/sm90/fwd.cu), while it is brought up: every instance compiles
-for sm_90a with no spill and no ptxas C75xx warning (setmaxnreg ignored, wgmma
-serialised), the host's argument layout matches the kernel's (its shared memory:
-tests/test_plan.py), and on a Hopper GPU the output and LSE match the float64 oracle and
-the mma.sync kernel."""
-import ctypes
-
+"""The sm_90a forward (cuda/sm90/fwd.cu): every instance compiles for sm_90a with no spill
+and no ptxas C75xx warning (setmaxnreg ignored, wgmma serialised); the planner sends it
+the calls it takes and no other; on a Hopper GPU its output and LSE match the float64
+oracle and the mma.sync kernels (CUFLASH_PORTABLE=1), short causal calls included (the
+planner's length rule lowered for these tests). The rest of the GPU suite runs on
+whichever path the planner picks: on an H100 or H200 once as is and once with
+CUFLASH_PORTABLE=1 (docs/testing.md)."""
 import numpy as np
 import pytest
 
-from cuflash import _compile, _plan, _sm90
+import cuflash
+from cuflash import _arrays, _compile, _kernels, _options, _plan
+from cuflash._params import Sm90Params
 
 
 @pytest.mark.parametrize("kernel", _plan.all_kernels("sm_90a"), ids=lambda k: k.instance)
@@ -19,17 +21,34 @@ def test_every_instance_compiles_clean_for_sm90a(kernel):
     assert resources.spill_stores == 0 and resources.stack_bytes == 0, resources
 
 
-def test_the_arguments_put_the_maps_on_64_byte_boundaries():
-    from cuflash._params import Params
-    from cuflash._tensormap import TensorMap
-    maps = [TensorMap() for _ in range(3)]
-    for i, m in enumerate(maps):
-        m.v[0] = i + 1
-    args = _sm90.arguments(Params(), maps)
-    start = -(-ctypes.sizeof(Params) // 64) * 64
-    assert len(args.raw) == start + 3 * 128
-    for i in range(3):
-        assert int.from_bytes(args.raw[start + 128 * i:start + 128 * i + 8], "little") == i + 1
+def _plan_of(q, k, v, sm90a=True, **options):
+    """The forward's plan for NumPy stand-ins of these shapes (no GPU needed)."""
+    infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v))]
+    made = _options.make_options(infos[0], infos[1], options.get("causal", False), None,
+                                 options.get("window_size", (-1, -1)), 0.0, None, 0.0, None, 0, backward=False)
+    out = _arrays.inspect(np.empty_like(q), "out")
+    return _plan.forward(*infos, out, made, None, _plan.shared_memory_limit("sm_90"), sm90a)
+
+
+def test_the_planner_sends_the_sm90_forward_what_it_takes():
+    def qkv(seqlen, d=128, dtype=np.float16):
+        return [np.zeros((2, seqlen, 4, d), dtype) for _ in range(3)]
+
+    def kernel(*args, **kw):
+        return _plan_of(*args, **kw).steps[0].kernel
+
+    assert isinstance(kernel(*qkv(1000)), _plan.Sm90Forward)
+    assert _plan_of(*qkv(1000)).struct is Sm90Params
+    assert [m.field for m in _plan_of(*qkv(1000)).maps] == ["q", "k", "v"]
+    assert isinstance(kernel(*qkv(4096), causal=True), _plan.Sm90Forward)
+    assert isinstance(kernel(*qkv(1000), causal=True), _plan.Kernel)  # short causal: mma.sync is faster
+    assert isinstance(kernel(*qkv(1000, d=64)), _plan.Kernel)         # head dims not yet on sm_90a
+    assert isinstance(kernel(*qkv(1000), sm90a=False), _plan.Kernel)  # other GPUs, or CUFLASH_PORTABLE
+    q, k, v = qkv(1000)
+    assert isinstance(kernel(q, k[:, :, :2], v[:, :, :2]), _plan.Sm90Forward)       # GQA
+    strided = np.zeros((2, 1000, 4, 130), np.float16)[..., :128]                 # rows of 260 bytes
+    assert isinstance(kernel(strided, k, v), _plan.Kernel)
+    assert isinstance(kernel(q, k[:, :0], v[:, :0]), _plan.Kernel)                # no keys
 
 
 def _hopper() -> bool:
@@ -40,55 +59,135 @@ def _hopper() -> bool:
         return False
 
 
+hopper = pytest.mark.skipif(not _hopper(), reason="needs a compute capability 9.0 GPU (H100, H200)")
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """run(portable, fn): fn() on the sm_90a path (asserting that every forward it plans
+    takes it) or on the mma.sync kernels, with fresh plans either way."""
+    monkeypatch.setattr(_plan, "SM90_LOCAL_MIN_SEQLEN", 0)
+    planned = []
+    real = _plan.forward
+
+    def forward(*args, **kwargs):
+        planned.append(real(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(_plan, "forward", forward)
+
+    def run(portable: bool, fn):
+        monkeypatch.setenv("CUFLASH_PORTABLE", "1" if portable else "0")
+        _kernels._launchers.clear()
+        planned.clear()
+        result = fn()
+        assert planned and all((p.struct is Sm90Params) != portable for p in planned if p.steps)
+        return result
+
+    yield run
+    _kernels._launchers.clear()
+
+
+def _arrays_of(rng, dtype, *shapes):
+    import cupy
+
+    from .test_gpu_forward import cupy_dtype
+    host = [rng.standard_normal(s).astype(cupy_dtype(dtype)) for s in shapes]
+    return host, [cupy.asarray(x) for x in host]
+
+
+def _close(got, want, atol):
+    got, want = (np.asarray(x.get() if hasattr(x, "get") else x, dtype=np.float64) for x in (got, want))
+    finite = np.isfinite(want)
+    assert np.array_equal(finite, np.isfinite(got)), "inf/nan in different places"
+    np.testing.assert_allclose(got[finite], want[finite], atol=atol)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a compute capability 9.0 GPU (H100, H200)")
+@hopper
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_k", [
     (1, 128, 128, 1, 1), (2, 1, 300, 4, 2), (1, 129, 257, 2, 2), (2, 300, 517, 4, 1), (1, 1000, 1000, 2, 2),
-    (1, 2048, 2048, 4, 4)])
+    (1, 2048, 2048, 4, 4), (1, 700, 5, 2, 1)])
 @pytest.mark.parametrize("causal,window_size,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
                                                     (False, (200, 30), 0.0), (True, (-1, -1), 20.0)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("specialised", [False, True])
-def test_the_sm90_forward_matches_the_oracle(batch, seqlen_q, seqlen_k, heads, heads_k, causal, window_size, softcap,
-                                             dtype, specialised):
+def test_the_sm90_forward_matches_the_oracle_and_the_mma_sync_kernels(paths, batch, seqlen_q, seqlen_k, heads,
+                                                                     heads_k, causal, window_size, softcap, dtype):
     import cupy
 
-    import cuflash
     from cuflash.reference import attention_reference
-
-    from .test_gpu_forward import cupy_dtype
     rng = np.random.default_rng(seqlen_q * 7 + seqlen_k)
-    shapes = ((batch, seqlen_q, heads, 128), (batch, seqlen_k, heads_k, 128), (batch, seqlen_k, heads_k, 128))
-    host = [rng.standard_normal(s).astype(cupy_dtype(dtype)) for s in shapes]
-    q, k, v = (cupy.asarray(x) for x in host)
+    host, (q, k, v) = _arrays_of(rng, dtype, (batch, seqlen_q, heads, 128), (batch, seqlen_k, heads_k, 128),
+                                 (batch, seqlen_k, heads_k, 128))
     options = dict(causal=causal, window_size=window_size, softcap=softcap)
-    out, lse = _sm90.forward(q, k, v, specialised=specialised, **options)
+    out, lse = paths(False, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
     want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), **options)
     scale = 1 + float(abs(want).max())
-    np.testing.assert_allclose(out.get().astype(np.float64), want.get(), atol=4e-3 * scale)
-    finite = np.isfinite(want_lse.get())
-    np.testing.assert_allclose(lse.get()[finite], want_lse.get()[finite], atol=1e-3)
-    same, same_lse = cuflash.attention(q, k, v, return_lse=True, **options)
-    np.testing.assert_allclose(out.get().astype(np.float64), same.get().astype(np.float64), atol=4e-3 * scale)
+    _close(out, want, 4e-3 * scale)
+    _close(lse, want_lse, 1e-3)
+    same, same_lse = paths(True, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
+    _close(out, same, 4e-3 * scale)
+    _close(lse, same_lse, 1e-3)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs a compute capability 9.0 GPU (H100, H200)")
+@hopper
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("specialised", [False, True])
-def test_the_sm90_varlen_forward_matches_the_packed_call(causal, specialised):
-    """Packed sequences of ragged lengths (1, a tile + 1, primes): the same as the mma.sync
-    varlen call, and no row written outside its sequence."""
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_alibi_and_dropout_as_the_mma_sync_kernels(paths, causal, dtype):
+    """The same seed drops the same scores on both paths (the mask is a function of the
+    score's coordinates), so the outputs agree to rounding."""
+    import cupy
+    rng = np.random.default_rng(5)
+    _, (q, k, v) = _arrays_of(rng, dtype, (2, 333, 4, 128), (2, 517, 2, 128), (2, 517, 2, 128))
+    slopes = cupy.asarray(rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32))
+    for options in (dict(alibi_slopes=slopes), dict(dropout_p=0.2, seed=11), dict(alibi_slopes=slopes, softcap=5.0)):
+        got = paths(False, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True, **options))
+        want = paths(True, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True, **options))
+        _close(got[0], want[0], 1e-2)
+        _close(got[1], want[1], 1e-3)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_sm90_varlen_forward_matches_the_mma_sync_kernels(paths, causal):
+    """Packed sequences of ragged lengths (1, a tile + 1, primes, an empty one), out in
+    poisoned memory: no row written outside its sequence, none left unwritten."""
     import cupy
 
-    import cuflash
+    from .test_gpu_forward import poisoned_allocations
     rng = np.random.default_rng(3)
-    lengths_q, lengths_k = np.array([1, 129, 211, 64, 997]), np.array([300, 129, 17, 640, 1000])
+    lengths_q, lengths_k = np.array([1, 129, 211, 0, 64, 997]), np.array([300, 129, 17, 5, 640, 1000])
     cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
-    q = cupy.asarray(rng.standard_normal((lengths_q.sum(), 4, 128)).astype(np.float16))
-    k, v = (cupy.asarray(rng.standard_normal((lengths_k.sum(), 2, 128)).astype(np.float16)) for _ in "kv")
+    _, (q, k, v) = _arrays_of(rng, "float16", (lengths_q.sum(), 4, 128), (lengths_k.sum(), 2, 128),
+                              (lengths_k.sum(), 2, 128))
     args = (q, k, v, cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()))
-    out, lse = _sm90.forward_varlen(*args, causal=causal, specialised=specialised)
-    want, want_lse = cuflash.attention_varlen(*args, causal=causal, return_lse=True)
-    np.testing.assert_allclose(out.get().astype(np.float64), want.get().astype(np.float64), atol=4e-3 * 5)
-    np.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-3)
+    with poisoned_allocations():
+        out, lse = paths(False, lambda: cuflash.attention_varlen(*args, causal=causal, return_lse=True))
+        want, want_lse = paths(True, lambda: cuflash.attention_varlen(*args, causal=causal, return_lse=True))
+    _close(out, want, 2e-2)
+    _close(lse, want_lse, 1e-3)
+
+
+@pytest.mark.gpu
+@hopper
+def test_torch_reaches_the_sm90_forward_and_its_backward_takes_the_lse(paths):
+    torch = pytest.importorskip("torch", reason="the torch front end needs PyTorch")
+    import cuflash.torch
+    q, k, v = (torch.randn(2, 600, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def run():
+        out = cuflash.torch.attention(q, k, v, causal=True)
+        out.float().square().sum().backward()
+        grads = [x.grad.clone() for x in (q, k, v)]
+        for x in (q, k, v):
+            x.grad = None
+        return out.detach(), grads
+
+    out, grads = paths(False, run)
+    want, want_grads = paths(True, run)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=0)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, atol=5e-2, rtol=2e-2)

@@ -78,6 +78,43 @@ struct OnlineSoftmax {
     }
   }
 
+  // update in two steps, for a caller whose O is still being written by an asynchronous
+  // product when the scores arrive: update_scores moves m and l and turns S into P, keeping
+  // in `alpha` the factors O is to be scaled by, and says whether any is not 1;
+  // scale_output applies them once O has landed.
+  template <int kNTiles>
+  __device__ __forceinline__ bool update_scores(float (&s)[kMTiles][kNTiles][4], float scale_log2,
+                                                float (&alpha)[kMTiles][2]) {
+    float tile_max[kMTiles][2];
+    bool grown = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[mt][h] = quad_max(row_max_of(s, mt, h, row_max[mt][h]));
+        grown |= (tile_max[mt][h] - row_max[mt][h]) * scale_log2 > kSlack;
+      }
+    const bool moves = !kConditionalRescale || __any_sync(0xffffffffu, grown);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        alpha[mt][h] = moves ? move_max(mt, h, tile_max[mt][h], scale_log2) : 1.f;
+        exponentiate(s, mt, h, scale_log2);
+      }
+    return moves;
+  }
+
+  template <int kDTiles>
+  static __device__ __forceinline__ void scale_output(float (&o)[kMTiles][kDTiles][4], const float (&alpha)[kMTiles][2]) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][dt][e] *= alpha[mt][e / 2];
+  }
+
   template <int kNTiles>
   static __device__ __forceinline__ float row_max_of(const float (&s)[kMTiles][kNTiles][4], int mt, int h, float m) {
 #pragma unroll
@@ -89,11 +126,17 @@ struct OnlineSoftmax {
   template <int kDTiles>
   __device__ __forceinline__ void rescale(float (&o)[kMTiles][kDTiles][4], int mt, int h, float m_new,
                                           float scale_log2) {
+    const float alpha = move_max(mt, h, m_new, scale_log2);
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
+  }
+
+  // Row (mt, h)'s max moves to m_new and l is scaled: the factor O is to be scaled by.
+  __device__ __forceinline__ float move_max(int mt, int h, float m_new, float scale_log2) {
     const float alpha = fast_exp2(row_max[mt][h] * scale_log2 - scaled_max(m_new, scale_log2));
     row_max[mt][h] = m_new;
     row_sum[mt][h] *= alpha;
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * h] *= alpha, o[mt][dt][2 * h + 1] *= alpha;
+    return alpha;
   }
 
   // Row (mt, h) of S -> P = exp2(S*c - m*c), added to l.

@@ -1,9 +1,9 @@
 // Forward attention on Hopper (sm_90a): TMA loads and wgmma products.
 //
-// One CTA per (block of kConsumers x 64 query rows, head, batch); consumer warpgroup c owns
-// query rows 64c .. 64c + 63 of the block. The copy engine brings Q once and each key
-// tile's K and V into a ring of kStages stages, each with a barrier that completes when
-// its bytes have landed. Per key tile n (the last first, as the mma.sync forward):
+// One CTA per (block of kConsumers x 64 query rows, head, batch): a producer warpgroup
+// whose one thread asks the copy engine for Q once and for each key tile's K and V, into a
+// ring of kStages stages; consumer warpgroup c owns query rows 64c .. 64c + 63 of the
+// block. Per key tile n (the last first, as the mma.sync forward):
 //
 //   S = Q K_n^T                    wgmma, Q and K from shared memory
 //   S = mod(S);  S = mask(S)       score.cuh, mask.cuh (the accumulator layout is mma.sync's)
@@ -11,28 +11,19 @@
 //   P = dropout(P)                 score.cuh
 //   O += P V_n                     wgmma, P from registers, V read N-major
 //
-// then O / l and the LSE go straight from registers to global memory. Two entries (HOPPER.md's
-// milestones a and b): attention_forward_sm90, where every warpgroup computes and one thread
-// also issues the loads, a stage refilled once the CTA has passed a barrier; and
-// attention_forward_sm90_ws, where a producer warpgroup (its registers given up through
-// setmaxnreg) issues them and the consumers release each stage through a second barrier.
+// then O / l and the LSE go straight from registers to global memory. The pieces: the
+// shared layout and its loads (Sm90Shared), the rows and tiles of a CTA (Sm90Block), the
+// products (issue_scores, issue_values), the consumers' turns at the tensor cores
+// (TurnTaking), the output (store_output) and the entry that ties them together.
 #include "common.cuh"
 #include "mask.cuh"
-#include "params.cuh"
 #include "score.cuh"
+#include "sm90/fwd_params.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 #include "softmax.cuh"
 
 namespace cuflash {
-
-// The forward's arguments and the tensor maps of Q, K and V, each 4-D (headdim, seqlen,
-// heads, batch) with a box of 64 columns (128 bytes, the swizzle's width) and kBlockM or
-// kBlockN rows (cuflash/_tensormap.py); packed (varlen) arrays are one batch of all rows.
-struct Sm90Params {
-  Params p;
-  sm90::TensorMap q, k, v;
-};
 
 // Shared memory, byte offsets from a 1024-byte aligned start (the swizzle's atoms): Q,
 // kStages K tiles, kStages V tiles, then the barriers: Q's, kStages "landed", kStages
@@ -131,18 +122,13 @@ __device__ __forceinline__ void pack_p(const float (&s)[1][kNTiles][4], unsigned
   }
 }
 
-// One consumer warpgroup's work on key tile n, whose K and V have landed: its 64 rows of
-// S = Q K_n^T, the score modifiers and the mask, the online softmax, dropout and
-// O += P V_n. warp_row0: the row of the block where this warp's 16 rows start.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kLocal, bool kExtras>
-__device__ __forceinline__ void consume_tile(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>& shared,
-                                             const Sm90Block<kBlockM, kBlockN, kLocal, kExtras>& block, int n,
-                                             int stage, int consumer, int warp_row0, int lane,
-                                             OnlineSoftmax<1, true>& softmax, float (&acc_o)[1][kHeadDim / 8][4]) {
+// The products of a consumer warpgroup, issued and committed as one group each; they run
+// until wgmma_wait. S = Q K^T: its 64 query rows against the stage's keys, the head dim in
+// k16 steps, four to a 64-column block (32 bytes each).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+__device__ __forceinline__ void issue_scores(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>& shared, int stage,
+                                             int consumer, float (&acc_s)[1][kBlockN / 8][4]) {
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
-  constexpr int kNTiles = kBlockN / 8;
-  // S = Q K_n^T: the head dim in k16 steps, four to a 64-column block (32 bytes each)
-  float acc_s[1][kNTiles][4];
   const unsigned char* q_rows = shared.q() + consumer * 64 * 128;
   sm90::wgmma_fence();
 #pragma unroll
@@ -150,28 +136,34 @@ __device__ __forceinline__ void consume_tile(const Sm90Shared<kHeadDim, kBlockM,
     sm90::wgmma_ss<T>(acc_s, sm90::SmemDesc::k_major(q_rows + (k / 4) * Shared::kQBlock + (k % 4) * 32),
                       sm90::SmemDesc::k_major(shared.k(stage) + (k / 4) * Shared::kKvBlock + (k % 4) * 32), k > 0);
   sm90::wgmma_commit();
-  sm90::wgmma_wait<0>();
-  sm90::fence_operands(acc_s);
+}
 
-  // S = mod(S): softcap, ALiBi;  S = -inf where hidden;  m, P, l, O rescaled;  P = dropout(P)
-  const int n0 = n * kBlockN, row0 = block.m0 + warp_row0;
-  if constexpr (kExtras) block.mod.apply(acc_s, row0, n0, lane);
-  if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
-  softmax.update(acc_s, acc_o, block.scale_log2);
-  if (kExtras && block.dropping) block.dropout.apply(acc_s, row0, n0, lane);
-
-  // O += P V_n: the keys in k16 steps, 16 rows of V (2048 bytes) each
-  unsigned p_frag[kNTiles / 2][4];
-  pack_p<T>(acc_s, p_frag);
-  sm90::fence_operands(acc_o);  // (rescaled by the softmax above)
+// O += P V: P from registers, the stage's keys in k16 steps of 16 rows of V (2048 bytes).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+__device__ __forceinline__ void issue_values(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>& shared, int stage,
+                                             const unsigned (&p)[kBlockN / 16][4],
+                                             float (&acc_o)[1][kHeadDim / 8][4]) {
+  using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
   sm90::wgmma_fence();
 #pragma unroll
   for (int k = 0; k < kBlockN / 16; ++k)
-    sm90::wgmma_rs_bt<T>(acc_o, p_frag[k], sm90::SmemDesc::n_major(shared.v(stage) + k * 16 * 128, Shared::kKvBlock));
+    sm90::wgmma_rs_bt<T>(acc_o, p[k], sm90::SmemDesc::n_major(shared.v(stage) + k * 16 * 128, Shared::kKvBlock));
   sm90::wgmma_commit();
-  sm90::wgmma_wait<0>();
-  sm90::fence_operands(acc_o);
 }
+
+// The two consumers take turns at the tensor cores (HOPPER.md's ping-pong): a consumer
+// issues its products between wait_turn and pass_turn, so that one's softmax runs while
+// the other's products do. Named barriers 1 and 2, each counting the 128 threads that wait
+// and the 128 of the other consumer that arrive.
+struct TurnTaking {
+  int consumer;
+  __device__ __forceinline__ void wait_turn() const {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
+  }
+  __device__ __forceinline__ void pass_turn() const {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+  }
+};
 
 // O /= l (and / (1 - p) under dropout) and the LSE, from this warp's registers to global
 // memory.
@@ -197,59 +189,25 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
   }
 }
 
-// Every warpgroup computes; thread 0 also issues the loads (HOPPER.md's milestone a).
+// Warpgroup 0 produces, warpgroups 1 and 2 compute. The producer keeps 24 registers a
+// thread and gives the rest to the consumers (setmaxnreg; 128 x 24 + 256 x 240 fits the
+// 65,536 of a multiprocessor). A stage is "landed" when its bytes have arrived and
+// "released" when every consumer thread is done with it; the producer waits for the
+// release before it refills the stage (a fresh barrier counts as released: its waits
+// start on the other parity).
+//
+// A consumer's turn j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then turns
+// S_j into P_j while the second product runs (HOPPER.md's intra-warpgroup overlap): O is
+// scaled by the softmax's factors only once that product has landed.
 // @tparam kConsumers  warpgroups, 64 query rows each
 // @tparam kStages     K/V tiles in flight
 // @tparam kLocal      causal or sliding window
 // @tparam kExtras     softcap, ALiBi or dropout may be on
 template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras>
-__global__ void __launch_bounds__(kConsumers * 128, 1) attention_forward_sm90(const __grid_constant__ Sm90Params args) {
-  static_assert(kHeadDim == 128 && kBlockN == 128, "the m64n128k16 products: head dim 128, 128 keys a tile");
-  constexpr int kBlockM = 64 * kConsumers;
-  extern __shared__ __align__(16) unsigned char dynamic_shared[];
-  const auto shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>::of(dynamic_shared);
-  const Params& p = args.p;
-  const auto block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>::of(p);
-  if (block.m0 >= block.seq.seqlen_q) return;  // packed: the grid covers the longest sequence
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, consumer = warp / 4;
-  const int warp_row0 = 64 * consumer + 16 * (warp % 4);
-
-  if (threadIdx.x == 0) {
-    shared.q_landed().init(1);
-    for (int s = 0; s < kStages; ++s) shared.landed(s).init(1);
-    sm90::Barrier::fence_init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    shared.load_q(args, block.q_row(), block.head, block.tma_batch);
-    for (int s = 0; s < kStages && block.n_end - 1 - s >= block.n_begin; ++s)
-      shared.load_kv(args, block.k_row(block.n_end - 1 - s), s, block.kv_head, block.tma_batch);
-  }
-  float acc_o[1][kHeadDim / 8][4] = {};
-  OnlineSoftmax<1, true> softmax;
-  softmax.init();
-  shared.q_landed().wait(0);
-  for (int i = 0, n = block.n_end - 1; n >= block.n_begin; ++i, --n) {
-    const int stage = i % kStages;
-    shared.landed(stage).wait((i / kStages) & 1);
-    consume_tile<T>(shared, block, n, stage, consumer, warp_row0, lane, softmax, acc_o);
-    __syncthreads();  // every warpgroup is done with this stage: key tile n - kStages may take it
-    if (threadIdx.x == 0 && n - kStages >= block.n_begin)
-      shared.load_kv(args, block.k_row(n - kStages), stage, block.kv_head, block.tma_batch);
-  }
-  store_output<T>(p, block, warp_row0, lane, softmax, acc_o);
-}
-
-// Warpgroup 0 produces, warpgroups 1 .. kConsumers compute (HOPPER.md's milestone b): the
-// producer keeps 24 registers a thread and gives the rest to the consumers (setmaxnreg;
-// 128 x 24 + 256 x 240 fits the 65,536 of a multiprocessor). A stage is "landed" when its
-// bytes have arrived and "released" when every consumer thread is done with it; the
-// producer waits for the release before it refills the stage (a fresh barrier counts as
-// released: its waits start on the other parity).
-template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras>
 __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
-    attention_forward_sm90_ws(const __grid_constant__ Sm90Params args) {
+    attention_forward_sm90(const __grid_constant__ Sm90Params args) {
   static_assert(kHeadDim == 128 && kBlockN == 128, "the m64n128k16 products: head dim 128, 128 keys a tile");
+  static_assert(kConsumers == 2, "turn taking between two consumers");
   constexpr int kBlockM = 64 * kConsumers;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   const auto shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>::of(dynamic_shared);
@@ -257,6 +215,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   const auto block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>::of(p);
   if (block.m0 >= block.seq.seqlen_q) return;  // packed: the grid covers the longest sequence
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
+  const int tiles = max(0, block.n_end - block.n_begin);  // key tiles n_end - 1 down to n_begin
 
   if (threadIdx.x == 0) {
     shared.q_landed().init(1);
@@ -269,24 +228,67 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     sm90::set_max_registers<24, false>();
     if (threadIdx.x == 0) {
       shared.load_q(args, block.q_row(), block.head, block.tma_batch);
-      for (int i = 0, n = block.n_end - 1; n >= block.n_begin; ++i, --n) {
-        const int stage = i % kStages;
-        shared.released(stage).wait(((i / kStages) & 1) ^ 1);
-        shared.load_kv(args, block.k_row(n), stage, block.kv_head, block.tma_batch);
+      for (int j = 0; j < tiles; ++j) {
+        const int stage = j % kStages;
+        shared.released(stage).wait(((j / kStages) & 1) ^ 1);
+        shared.load_kv(args, block.k_row(block.n_end - 1 - j), stage, block.kv_head, block.tma_batch);
       }
     }
   } else {  // a consumer
     sm90::set_max_registers<240, true>();
     const int consumer = group - 1, warp_row0 = 64 * consumer + 16 * (warp % 4);
+    const TurnTaking turns{consumer};
     float acc_o[1][kHeadDim / 8][4] = {};
+    float acc_s[1][kBlockN / 8][4];
+    unsigned p_frag[kBlockN / 16][4];
+    float alpha[1][2];
     OnlineSoftmax<1, true> softmax;
     softmax.init();
     shared.q_landed().wait(0);
-    for (int i = 0, n = block.n_end - 1; n >= block.n_begin; ++i, --n) {
-      const int stage = i % kStages;
-      shared.landed(stage).wait((i / kStages) & 1);
-      consume_tile<T>(shared, block, n, stage, consumer, warp_row0, lane, softmax, acc_o);
-      shared.released(stage).arrive();
+    // S_j -> P_j: S = mod(S) (softcap, ALiBi); S = -inf where hidden; m and l moved,
+    // P = exp(S - m); then, once O += P_{j-1} V_{j-1} has landed (stage `previous`
+    // released), O scaled and P = dropout(P).
+    const int row0 = block.m0 + warp_row0;
+    auto softmax_step = [&](int j, bool values_in_flight, int previous) {
+      const int n0 = (block.n_end - 1 - j) * kBlockN;
+      if (values_in_flight) sm90::wgmma_wait<1>(); else sm90::wgmma_wait<0>();
+      sm90::fence_operands(acc_s);
+      if constexpr (kExtras) block.mod.apply(acc_s, row0, n0, lane);
+      if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
+      const bool moves = softmax.update_scores(acc_s, block.scale_log2, alpha);
+      if (values_in_flight) {
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(acc_o);
+        shared.released(previous).arrive();
+      }
+      if (moves) softmax.scale_output(acc_o, alpha);
+      if (kExtras && block.dropping) block.dropout.apply(acc_s, row0, n0, lane);
+      pack_p<T>(acc_s, p_frag);
+    };
+    // Turns 0 .. tiles, consumer 0 first; consumer 1 passes no turn after its last, so
+    // that every wait_turn is matched by one pass_turn. (The products stay out of
+    // branches: ptxas serialises wgmma in a path it cannot prove warp-uniform.)
+    if (tiles > 0) {
+      if (consumer == 1) turns.pass_turn();
+      shared.landed(0).wait(0);
+      turns.wait_turn();
+      issue_scores<T>(shared, 0, consumer, acc_s);
+      turns.pass_turn();
+      softmax_step(0, false, 0);
+      for (int j = 1; j < tiles; ++j) {
+        const int stage = j % kStages, previous = (j - 1) % kStages;
+        shared.landed(stage).wait((j / kStages) & 1);
+        turns.wait_turn();
+        issue_scores<T>(shared, stage, consumer, acc_s);
+        issue_values<T>(shared, previous, p_frag, acc_o);
+        turns.pass_turn();
+        softmax_step(j, true, previous);
+      }
+      turns.wait_turn();
+      issue_values<T>(shared, (tiles - 1) % kStages, p_frag, acc_o);
+      if (consumer == 0) turns.pass_turn();
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(acc_o);
     }
     store_output<T>(p, block, warp_row0, lane, softmax, acc_o);
   }

@@ -1,0 +1,16 @@
+// The sm_90a forward's one argument: the Params of the mma.sync kernels and the tensor maps
+// of Q, K and V, each 4-D (headdim, seqlen, heads, batch) with a box of 64 columns (128
+// bytes, the swizzle's width) and a tile's rows (cuflash/_tensormap.py); packed (varlen)
+// arrays are one batch of all rows. cuflash/_params.py mirrors it.
+#pragma once
+#include "params.cuh"
+#include "sm90/tma.cuh"
+
+namespace cuflash {
+
+struct Sm90Params {
+  Params p;
+  sm90::TensorMap q, k, v;
+};
+
+}  // namespace cuflash
