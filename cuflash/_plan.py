@@ -273,7 +273,10 @@ class Sm90Forward(NamedTuple):
         return -(-rows // self.block_m), heads, batch
 
 
-SM90_CONSUMERS, SM90_STAGES = 2, 2
+# Three K/V stages (225 KiB of shared memory with Q): a consumer holds a tile's V until its
+# next turn, so two stages left the copy engine one tile ahead and its latency exposed
+# (H200, d 128, bf16, 16k tokens: 2 -> 3 stages, 16k 502 -> 651 TFLOP/s, 1k 390 -> 472).
+SM90_CONSUMERS, SM90_STAGES = 2, 3
 
 
 def has_tile(kind: str, head_dim: int, extras: bool, shared_limit: int) -> bool:
@@ -391,25 +394,17 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
     return Plan(bytes(p), FORWARD_POINTERS, steps)
 
 
-# Causal or windowed calls shorter than this stay on the mma.sync forward, measured faster
-# there on the H200 (d 128, causal, bf16, 16k tokens: 1k 235 against 219 TFLOP/s; 2k 252
-# against 249, 4k 315 against 391).
-SM90_LOCAL_MIN_SEQLEN = 2048
-
-
 def sm90_takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options,
                varlen: Varlen | None) -> bool:
     """Does the sm_90a forward take this call? Head dim 128; arrays the copy engine can
     read (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes) and
-    that hold keys; causal and windowed calls from SM90_LOCAL_MIN_SEQLEN."""
+    that hold keys."""
     if q.shape[-1] != Sm90Forward.head_dim or q.dtype not in DTYPES or not vectorizable(q, k, v, out):
         return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
-    seqlen_q, seqlen_k = (varlen.max_seqlen_q, varlen.max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
-    if k.shape[-3] == 0 or seqlen_k == 0:
-        return False
-    return not options.local or max(seqlen_q, seqlen_k) >= SM90_LOCAL_MIN_SEQLEN
+    seqlen_k = varlen.max_seqlen_k if varlen else k.shape[1]
+    return k.shape[-3] > 0 and seqlen_k > 0
 
 
 def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, options: Options,

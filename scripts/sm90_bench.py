@@ -30,12 +30,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--batch-tokens", type=int, default=16384, help="batch x seqlen of every cell")
+    parser.add_argument("--stages", type=int, default=_plan.SM90_STAGES, help="K/V stages of the sm_90a kernel")
     args = parser.parse_args()
+    _plan.SM90_STAGES = args.stages
     dtype = getattr(torch, args.dtype)
     heads, d = 16, 128
-    _plan.SM90_LOCAL_MIN_SEQLEN = 0  # time the sm_90a kernel on every cell
     columns = ("sm90", "mma.sync", "sdpa-cudnn", "sdpa-flash")
-    print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s")
+    print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90: {args.stages} stages")
     print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}")
     for seqlen in (1024, 2048, 4096, 8192, 16384):
         batch = max(1, args.batch_tokens // seqlen)

@@ -1,15 +1,14 @@
 """The sm_90a forward (cuda/sm90/fwd.cu): every instance compiles for sm_90a with no spill
 and no ptxas C75xx warning (setmaxnreg ignored, wgmma serialised); the planner sends it
 the calls it takes and no other; on a Hopper GPU its output and LSE match the float64
-oracle and the mma.sync kernels (CUFLASH_PORTABLE=1), short causal calls included (the
-planner's length rule lowered for these tests). The rest of the GPU suite runs on
+oracle and the mma.sync kernels (CUFLASH_PORTABLE=1). The rest of the GPU suite runs on
 whichever path the planner picks: on an H100 or H200 once as is and once with
 CUFLASH_PORTABLE=1 (docs/testing.md)."""
 import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _arrays, _compile, _kernels, _options, _plan
+from cuflash import _arrays, _compile, _kernels, _options, _plan, api
 from cuflash._params import Sm90Params
 
 
@@ -40,8 +39,7 @@ def test_the_planner_sends_the_sm90_forward_what_it_takes():
     assert isinstance(kernel(*qkv(1000)), _plan.Sm90Forward)
     assert _plan_of(*qkv(1000)).struct is Sm90Params
     assert [m.field for m in _plan_of(*qkv(1000)).maps] == ["q", "k", "v"]
-    assert isinstance(kernel(*qkv(4096), causal=True), _plan.Sm90Forward)
-    assert isinstance(kernel(*qkv(1000), causal=True), _plan.Kernel)  # short causal: mma.sync is faster
+    assert isinstance(kernel(*qkv(1000), causal=True), _plan.Sm90Forward)
     assert isinstance(kernel(*qkv(1000, d=64)), _plan.Kernel)         # head dims not yet on sm_90a
     assert isinstance(kernel(*qkv(1000), sm90a=False), _plan.Kernel)  # other GPUs, or CUFLASH_PORTABLE
     q, k, v = qkv(1000)
@@ -66,7 +64,6 @@ hopper = pytest.mark.skipif(not _hopper(), reason="needs a compute capability 9.
 def paths(monkeypatch):
     """run(portable, fn): fn() on the sm_90a path (asserting that every forward it plans
     takes it) or on the mma.sync kernels, with fresh plans either way."""
-    monkeypatch.setattr(_plan, "SM90_LOCAL_MIN_SEQLEN", 0)
     planned = []
     real = _plan.forward
 
@@ -76,16 +73,20 @@ def paths(monkeypatch):
 
     monkeypatch.setattr(_plan, "forward", forward)
 
+    def forget_plans():
+        _kernels._launchers.clear()
+        api._warm.clear()
+
     def run(portable: bool, fn):
         monkeypatch.setenv("CUFLASH_PORTABLE", "1" if portable else "0")
-        _kernels._launchers.clear()
+        forget_plans()
         planned.clear()
         result = fn()
         assert planned and all((p.struct is Sm90Params) != portable for p in planned if p.steps)
         return result
 
     yield run
-    _kernels._launchers.clear()
+    forget_plans()
 
 
 def _arrays_of(rng, dtype, *shapes):
@@ -144,7 +145,7 @@ def test_alibi_and_dropout_as_the_mma_sync_kernels(paths, causal, dtype):
     for options in (dict(alibi_slopes=slopes), dict(dropout_p=0.2, seed=11), dict(alibi_slopes=slopes, softcap=5.0)):
         got = paths(False, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True, **options))
         want = paths(True, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True, **options))
-        _close(got[0], want[0], 1e-2)
+        _close(got[0], want[0], 1e-2 * (1 + float(abs(want[0]).max())))
         _close(got[1], want[1], 1e-3)
 
 
