@@ -211,11 +211,14 @@ class Launcher:
             self._launch(params, self._bind(params), stream, pointers)
 
     def _encode_maps(self, params: ctypes.Structure, pointers: tuple) -> None:
-        """The plan's tensor maps, for arrays at these addresses (a map holds its array's)."""
+        """The plan's tensor maps, for arrays at these addresses (a map holds its array's).
+        The driver encodes them in a current context, which a thread that has made no CUDA
+        call yet lacks (autograd's backward thread)."""
         from . import _tensormap
-        for offset, index, spec in self._maps:
-            encoded = _tensormap.encode(pointers[index], spec.dtype, spec.shape, spec.strides, spec.rows)
-            ctypes.memmove(ctypes.addressof(params) + offset, ctypes.addressof(encoded), ctypes.sizeof(encoded))
+        with _driver.in_context(self.device):
+            for offset, index, spec in self._maps:
+                encoded = _tensormap.encode(pointers[index], spec.dtype, spec.shape, spec.strides, spec.rows)
+                ctypes.memmove(ctypes.addressof(params) + offset, ctypes.addressof(encoded), ctypes.sizeof(encoded))
 
     def _launch(self, params: ctypes.Structure, calls: list, stream: int, pointers: tuple) -> None:
         for offset, pointer in zip(self.offsets, pointers):

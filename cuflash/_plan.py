@@ -235,25 +235,34 @@ class Merge(NamedTuple):
 
 
 class Sm90Forward(NamedTuple):
-    """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma): head dim 128, 128-key tiles,
-    a producer warpgroup and SM90_CONSUMERS consumer warpgroups of 64 query rows,
-    SM90_STAGES K/V stages; ``extras``: softcap, ALiBi or dropout may be on."""
+    """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma) for head dims up to ``head_dim``
+    (64, 128 or 256; a smaller one rides on the copy engine's zero columns): a producer
+    warpgroup and SM90_CONSUMERS consumer warpgroups of 64 query rows, key tiles and K/V
+    stages as SM90_TILES says; ``extras``: softcap, ALiBi or dropout may be on."""
     dtype: str
+    head_dim: int
     local: bool
     extras: bool
     source = "sm90/fwd.cu"
     arch = "sm_90a"
-    head_dim = 128
-    block_n = 128
 
     @property
     def block_m(self) -> int:
         return 64 * SM90_CONSUMERS
 
     @property
+    def block_n(self) -> int:
+        return SM90_TILES[self.head_dim][0]
+
+    @property
+    def stages(self) -> int:
+        return SM90_TILES[self.head_dim][1]
+
+    @property
     def instance(self) -> str:
-        return (f"cuflash::attention_forward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, {SM90_CONSUMERS}, "
-                f"{SM90_STAGES}, {'true' if self.local else 'false'}, {'true' if self.extras else 'false'}>")
+        return (f"cuflash::attention_forward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
+                f"{SM90_CONSUMERS}, {self.stages}, {'true' if self.local else 'false'}, "
+                f"{'true' if self.extras else 'false'}>")
 
     @property
     def threads(self) -> int:
@@ -261,22 +270,27 @@ class Sm90Forward(NamedTuple):
 
     @property
     def shared_layout(self) -> str:
-        return f"cuflash::Sm90Shared<{self.head_dim}, {self.block_m}, {self.block_n}, {SM90_STAGES}>"
+        return f"cuflash::Sm90Shared<{self.head_dim}, {self.block_m}, {self.block_n}, {self.stages}>"
 
     @property
     def shared_bytes(self) -> int:
         """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers (Q's, and a
         landed and a released one a stage) and 1024 bytes of alignment."""
-        return 2 * self.head_dim * (self.block_m + 2 * SM90_STAGES * self.block_n) + (2 * SM90_STAGES + 1) * 8 + 1024
+        return (2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + (2 * self.stages + 1) * 8
+                + 1024)
 
     def grid(self, rows: int, heads: int, batch: int) -> tuple[int, int, int]:
         return -(-rows // self.block_m), heads, batch
 
 
-# Three K/V stages (225 KiB of shared memory with Q): a consumer holds a tile's V until its
-# next turn, so two stages left the copy engine one tile ahead and its latency exposed
-# (H200, d 128, bf16, 16k tokens: 2 -> 3 stages, 16k 502 -> 651 TFLOP/s, 1k 390 -> 472).
-SM90_CONSUMERS, SM90_STAGES = 2, 3
+SM90_CONSUMERS = 2
+# Head dim -> (keys a tile, K/V stages). Three stages at d 128 (225 KiB of shared memory
+# with Q): a consumer holds a tile's V until its next turn, so two stages left the copy
+# engine one tile ahead and its latency exposed (H200, bf16, 16k tokens: 2 -> 3 stages,
+# 16k 502 -> 651 TFLOP/s, 1k 390 -> 472). At d 256 a tile of 64 keys keeps S, P and O
+# in a consumer's 240 registers, and two stages fit beside Q.
+SM90_TILES = {64: (128, 3), 128: (128, 3), 256: (64, 2)}
+SM90_HEAD_DIMS = tuple(SM90_TILES)
 
 
 def has_tile(kind: str, head_dim: int, extras: bool, shared_limit: int) -> bool:
@@ -300,7 +314,7 @@ def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge | Sm90Forward]:
     """Every variant cuflash can launch on ``arch``: for sm_90a the sm90 kernels (the
     mma.sync ones run on compute capability 9.0 as sm_90)."""
     if arch == "sm_90a":
-        return [Sm90Forward(*v) for v in itertools.product(DTYPES, (False, True), (False, True))]
+        return [Sm90Forward(*v) for v in itertools.product(DTYPES, SM90_HEAD_DIMS, (False, True), (False, True))]
     limit = shared_memory_limit(arch)
     flags = (False, True)
     tiled = [kernel(kind, dtype, bucket, local, vec, extras, limit)
@@ -396,10 +410,10 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
 
 def sm90_takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options,
                varlen: Varlen | None) -> bool:
-    """Does the sm_90a forward take this call? Head dim 128; arrays the copy engine can
-    read (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes) and
-    that hold keys."""
-    if q.shape[-1] != Sm90Forward.head_dim or q.dtype not in DTYPES or not vectorizable(q, k, v, out):
+    """Does the sm_90a forward take this call? Head dims 64 to 256; arrays the copy engine
+    can read (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes)
+    and that hold keys."""
+    if not 64 <= q.shape[-1] <= 256 or q.dtype not in DTYPES or not vectorizable(q, k, v, out):
         return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
@@ -411,7 +425,8 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
                   varlen: Varlen | None) -> Plan:
     """The sm_90a forward's plan: its Params, and the maps of Q, K and V (packed arrays as
     one batch of all rows; each CTA starts at its sequence's first)."""
-    kernel = Sm90Forward(q.dtype, options.local, options.extras)
+    head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
+    kernel = Sm90Forward(q.dtype, head_dim, options.local, options.extras)
     maps = []
     for name, a, rows in (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n)):
         shape, strides = (a.shape, a.strides) if varlen is None else \

@@ -1,4 +1,4 @@
-"""The forward on a Hopper GPU, d 128: the sm_90a kernel and the mma.sync kernel
+"""The forward on a Hopper GPU at one head dim: the sm_90a kernel and the mma.sync kernel
 (what CUFLASH_PORTABLE=1 runs) beside torch SDPA's cuDNN and flash backends, on the same
 tensors: TFLOP/s, CUDA events, median of rounds taken in turns after a warm-up
 (bench's timing rules).
@@ -30,13 +30,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--batch-tokens", type=int, default=16384, help="batch x seqlen of every cell")
-    parser.add_argument("--stages", type=int, default=_plan.SM90_STAGES, help="K/V stages of the sm_90a kernel")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--stages", type=int, help="K/V stages of the sm_90a kernel (default: the planner's)")
     args = parser.parse_args()
-    _plan.SM90_STAGES = args.stages
+    d = args.head_dim
+    kernel_dim = next(k for k in _plan.SM90_HEAD_DIMS if k >= d)
+    if args.stages:
+        _plan.SM90_TILES[kernel_dim] = (_plan.SM90_TILES[kernel_dim][0], args.stages)
     dtype = getattr(torch, args.dtype)
-    heads, d = 16, 128
+    heads = 2048 // d
     columns = ("sm90", "mma.sync", "sdpa-cudnn", "sdpa-flash")
-    print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90: {args.stages} stages")
+    print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90: {_plan.SM90_TILES[kernel_dim]} (keys a tile, stages)")
     print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}")
     for seqlen in (1024, 2048, 4096, 8192, 16384):
         batch = max(1, args.batch_tokens // seqlen)

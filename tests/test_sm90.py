@@ -12,9 +12,12 @@ from cuflash import _arrays, _compile, _kernels, _options, _plan, api
 from cuflash._params import Sm90Params
 
 
-@pytest.mark.parametrize("kernel", _plan.all_kernels("sm_90a"), ids=lambda k: k.instance)
-def test_every_instance_compiles_clean_for_sm90a(kernel):
-    """(compile_kernel refuses a ptxas C75xx warning: setmaxnreg ignored, wgmma serialised)"""
+@pytest.mark.parametrize("kernel", [k for k in _plan.all_kernels("sm_90a") if k.head_dim == 128 or k.local and k.extras],
+                         ids=lambda k: k.instance)
+def test_sm90a_instances_compile_clean(kernel):
+    """Every d 128 instance, and each other head dim with all its branches (compile-all
+    builds the rest). compile_kernel refuses a ptxas C75xx warning: setmaxnreg ignored,
+    wgmma serialised."""
     resources = _compile._run_nvrtc(kernel.source, kernel.instance,
                                     ("--gpu-architecture=sm_90a", *_compile.OPTIONS)).resources
     assert resources.spill_stores == 0 and resources.stack_bytes == 0, resources
@@ -40,7 +43,8 @@ def test_the_planner_sends_the_sm90_forward_what_it_takes():
     assert _plan_of(*qkv(1000)).struct is Sm90Params
     assert [m.field for m in _plan_of(*qkv(1000)).maps] == ["q", "k", "v"]
     assert isinstance(kernel(*qkv(1000), causal=True), _plan.Sm90Forward)
-    assert isinstance(kernel(*qkv(1000, d=64)), _plan.Kernel)         # head dims not yet on sm_90a
+    assert [kernel(*qkv(1000, d=d)).head_dim for d in (64, 96, 128, 136, 200, 256)] == [64, 128, 128, 256, 256, 256]
+    assert isinstance(kernel(*qkv(1000, d=32)), _plan.Kernel)         # below 64: the mma.sync kernels
     assert isinstance(kernel(*qkv(1000), sm90a=False), _plan.Kernel)  # other GPUs, or CUFLASH_PORTABLE
     q, k, v = qkv(1000)
     assert isinstance(kernel(q, k[:, :, :2], v[:, :, :2]), _plan.Sm90Forward)       # GQA
@@ -104,22 +108,29 @@ def _close(got, want, atol):
     np.testing.assert_allclose(got[finite], want[finite], atol=atol)
 
 
+SHAPES = [(1, 128, 128, 1, 1), (2, 1, 300, 4, 2), (1, 129, 257, 2, 2), (2, 300, 517, 4, 1), (1, 1000, 1000, 2, 2),
+          (1, 2048, 2048, 4, 4), (1, 700, 5, 2, 1)]
+# d 128 with every shape in both dtypes; the other head dims (the kernels of 64 and 256, and
+# 96 and 192 on the copy engine's zero columns) with four shapes in one dtype each.
+CASES = [(128, dtype, *shape) for dtype in ("float16", "bfloat16") for shape in SHAPES] + \
+        [(d, dtype, *shape) for d, dtype in ((64, "bfloat16"), (96, "float16"), (192, "bfloat16"), (256, "float16"))
+         for shape in SHAPES[1:5]]
+
+
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,heads_k", [
-    (1, 128, 128, 1, 1), (2, 1, 300, 4, 2), (1, 129, 257, 2, 2), (2, 300, 517, 4, 1), (1, 1000, 1000, 2, 2),
-    (1, 2048, 2048, 4, 4), (1, 700, 5, 2, 1)])
+@pytest.mark.parametrize("head_dim,dtype,batch,seqlen_q,seqlen_k,heads,heads_k", CASES)
 @pytest.mark.parametrize("causal,window_size,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
                                                     (False, (200, 30), 0.0), (True, (-1, -1), 20.0)])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_the_sm90_forward_matches_the_oracle_and_the_mma_sync_kernels(paths, batch, seqlen_q, seqlen_k, heads,
-                                                                     heads_k, causal, window_size, softcap, dtype):
+def test_the_sm90_forward_matches_the_oracle_and_the_mma_sync_kernels(paths, head_dim, dtype, batch, seqlen_q,
+                                                                     seqlen_k, heads, heads_k, causal, window_size,
+                                                                     softcap):
     import cupy
 
     from cuflash.reference import attention_reference
     rng = np.random.default_rng(seqlen_q * 7 + seqlen_k)
-    host, (q, k, v) = _arrays_of(rng, dtype, (batch, seqlen_q, heads, 128), (batch, seqlen_k, heads_k, 128),
-                                 (batch, seqlen_k, heads_k, 128))
+    host, (q, k, v) = _arrays_of(rng, dtype, (batch, seqlen_q, heads, head_dim),
+                                 (batch, seqlen_k, heads_k, head_dim), (batch, seqlen_k, heads_k, head_dim))
     options = dict(causal=causal, window_size=window_size, softcap=softcap)
     out, lse = paths(False, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
     want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), **options)

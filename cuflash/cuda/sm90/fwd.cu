@@ -1,5 +1,7 @@
 // Forward attention on Hopper (sm_90a): TMA loads and wgmma products.
 //
+// Head dims of 64, 128 and 256 (the planner rounds others up: the copy engine brings the
+// columns past the array's as zeros, and the output stores only the array's own).
 // One CTA per (block of kConsumers x 64 query rows, head, batch): a producer warpgroup
 // whose one thread asks the copy engine for Q once and for each key tile's K and V, into a
 // ring of kStages stages; consumer warpgroup c owns query rows 64c .. 64c + 63 of the
@@ -133,21 +135,29 @@ __device__ __forceinline__ void issue_scores(const Sm90Shared<kHeadDim, kBlockM,
   sm90::wgmma_fence();
 #pragma unroll
   for (int k = 0; k < kHeadDim / 16; ++k)
-    sm90::wgmma_ss<T>(acc_s, sm90::SmemDesc::k_major(q_rows + (k / 4) * Shared::kQBlock + (k % 4) * 32),
-                      sm90::SmemDesc::k_major(shared.k(stage) + (k / 4) * Shared::kKvBlock + (k % 4) * 32), k > 0);
+    sm90::Wgmma<T, kBlockN>::ss(acc_s, sm90::SmemDesc::k_major(q_rows + (k / 4) * Shared::kQBlock + (k % 4) * 32),
+                                sm90::SmemDesc::k_major(shared.k(stage) + (k / 4) * Shared::kKvBlock + (k % 4) * 32),
+                                k > 0);
   sm90::wgmma_commit();
 }
 
-// O += P V: P from registers, the stage's keys in k16 steps of 16 rows of V (2048 bytes).
+// O += P V: P from registers, the stage's keys in k16 steps of 16 rows of V (2048 bytes);
+// a head dim of 256 as two products of 128 columns (two 64-column blocks each).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void issue_values(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>& shared, int stage,
                                              const unsigned (&p)[kBlockN / 16][4],
                                              float (&acc_o)[1][kHeadDim / 8][4]) {
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
+  constexpr int kN = kHeadDim > 128 ? 128 : kHeadDim;
+  using Product = sm90::Wgmma<T, kN>;
   sm90::wgmma_fence();
 #pragma unroll
-  for (int k = 0; k < kBlockN / 16; ++k)
-    sm90::wgmma_rs_bt<T>(acc_o, p[k], sm90::SmemDesc::n_major(shared.v(stage) + k * 16 * 128, Shared::kKvBlock));
+  for (int k = 0; k < kBlockN / 16; ++k) {
+    const unsigned char* v_rows = shared.v(stage) + k * 16 * 128;
+    Product::template rs_bt<0>(acc_o, p[k], sm90::SmemDesc::n_major(v_rows, Shared::kKvBlock));
+    if constexpr (kHeadDim == 256)
+      Product::template rs_bt<16>(acc_o, p[k], sm90::SmemDesc::n_major(v_rows + 2 * Shared::kKvBlock, Shared::kKvBlock));
+  }
   sm90::wgmma_commit();
 }
 
@@ -183,9 +193,10 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
     if (row >= seq.seqlen_q) continue;
     if (t == 0 && p.lse != nullptr) p.lse[seq.lse_offset(p, batch, head) + row] = row_lse[0][h];
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-      *reinterpret_cast<unsigned*>(o + int64(row) * p.o.row_stride + dt * 8 + 2 * t) =
-          DType<T>::pack(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
+    for (int dt = 0; dt < kDTiles; ++dt)  // (a head dim the kernel's rounds up to: its columns only)
+      if (dt * 8 < p.headdim)
+        *reinterpret_cast<unsigned*>(o + int64(row) * p.o.row_stride + dt * 8 + 2 * t) =
+            DType<T>::pack(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
   }
 }
 
@@ -206,7 +217,8 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
 template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras>
 __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     attention_forward_sm90(const __grid_constant__ Sm90Params args) {
-  static_assert(kHeadDim == 128 && kBlockN == 128, "the m64n128k16 products: head dim 128, 128 keys a tile");
+  static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) && (kBlockN == 64 || kBlockN == 128),
+                "the products: m64n64 and m64n128 (two for a head dim of 256)");
   static_assert(kConsumers == 2, "turn taking between two consumers");
   constexpr int kBlockM = 64 * kConsumers;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];

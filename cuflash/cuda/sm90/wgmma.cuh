@@ -6,7 +6,7 @@
 //
 // Operands in shared memory are described, not addressed: a 64-bit descriptor holds the
 // start (bytes >> 4), two strides and the swizzle. Tiles here are TMA's 128-byte swizzle:
-// rows of 64 16-bit elements, 8-row atoms of 1024 bytes, a head dim of 128 as two blocks
+// rows of 64 16-bit elements, 8-row atoms of 1024 bytes, a head dim of d as d / 64 blocks
 // of 64 columns one after the other.
 //   K-major (Q as A, K as B for S = Q K^T): the stride between 8-row groups is 1024; a k16
 //   step starts 32 bytes further into the rows (a block further every four steps).
@@ -68,112 +68,74 @@ __device__ __forceinline__ void set_max_registers() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
-// D (+)= A B, m64n128k16, fp32 accumulators; A and B K-major in shared memory; D is
-// overwritten where accumulate is 0.
-template <typename T>
-__device__ __forceinline__ void wgmma_ss(float (&d)[1][16][4], unsigned long long a, unsigned long long b, int accumulate);
-// D += A B, m64n128k16; A in registers (the mma.sync A fragment of each warp's 16 rows),
-// B N-major in shared memory.
-template <typename T>
-__device__ __forceinline__ void wgmma_rs_bt(float (&d)[1][16][4], const unsigned (&a)[4], unsigned long long b);
+// The products, m64nNk16 with fp32 accumulators d[0][kFirst + j][0..3] (j < N / 8: the
+// accumulator tiles of a larger array from tile kFirst on, so that a product of N = 256 can
+// be two of N = 128), for N = 64 and 128:
+//   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory; D is overwritten
+//                        where accumulate is 0.
+//   Wgmma<T, N>::rs_bt   D += A B, A in registers (the mma.sync A fragment of each warp's
+//                        16 rows), B N-major in shared memory (the transpose bit).
+template <typename T, int N>
+struct Wgmma;
 
-template <>
-__device__ __forceinline__ void wgmma_ss<half_t>(float (&d)[1][16][4], unsigned long long a, unsigned long long b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]),
-        "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]),
-        "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]),
-        "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]),
-        "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]),
-        "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]),
-        "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]),
-        "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]),
-        "+f"(d[0][8][0]), "+f"(d[0][8][1]), "+f"(d[0][8][2]), "+f"(d[0][8][3]),
-        "+f"(d[0][9][0]), "+f"(d[0][9][1]), "+f"(d[0][9][2]), "+f"(d[0][9][3]),
-        "+f"(d[0][10][0]), "+f"(d[0][10][1]), "+f"(d[0][10][2]), "+f"(d[0][10][3]),
-        "+f"(d[0][11][0]), "+f"(d[0][11][1]), "+f"(d[0][11][2]), "+f"(d[0][11][3]),
-        "+f"(d[0][12][0]), "+f"(d[0][12][1]), "+f"(d[0][12][2]), "+f"(d[0][12][3]),
-        "+f"(d[0][13][0]), "+f"(d[0][13][1]), "+f"(d[0][13][2]), "+f"(d[0][13][3]),
-        "+f"(d[0][14][0]), "+f"(d[0][14][1]), "+f"(d[0][14][2]), "+f"(d[0][14][3]),
-        "+f"(d[0][15][0]), "+f"(d[0][15][1]), "+f"(d[0][15][2]), "+f"(d[0][15][3])
-      : "l"(a), "l"(b), "r"(accumulate));
-}
+#define CUFLASH_WGMMA_D4(j) \
+  "+f"(d[0][kFirst + j][0]), "+f"(d[0][kFirst + j][1]), "+f"(d[0][kFirst + j][2]), "+f"(d[0][kFirst + j][3])
+#define CUFLASH_WGMMA_D64 \
+  CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4), \
+  CUFLASH_WGMMA_D4(5), CUFLASH_WGMMA_D4(6), CUFLASH_WGMMA_D4(7)
+#define CUFLASH_WGMMA_D128 \
+  CUFLASH_WGMMA_D64, CUFLASH_WGMMA_D4(8), CUFLASH_WGMMA_D4(9), CUFLASH_WGMMA_D4(10), CUFLASH_WGMMA_D4(11), \
+  CUFLASH_WGMMA_D4(12), CUFLASH_WGMMA_D4(13), CUFLASH_WGMMA_D4(14), CUFLASH_WGMMA_D4(15)
 
-template <>
-__device__ __forceinline__ void wgmma_ss<bfloat16_t>(float (&d)[1][16][4], unsigned long long a, unsigned long long b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]),
-        "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]),
-        "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]),
-        "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]),
-        "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]),
-        "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]),
-        "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]),
-        "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]),
-        "+f"(d[0][8][0]), "+f"(d[0][8][1]), "+f"(d[0][8][2]), "+f"(d[0][8][3]),
-        "+f"(d[0][9][0]), "+f"(d[0][9][1]), "+f"(d[0][9][2]), "+f"(d[0][9][3]),
-        "+f"(d[0][10][0]), "+f"(d[0][10][1]), "+f"(d[0][10][2]), "+f"(d[0][10][3]),
-        "+f"(d[0][11][0]), "+f"(d[0][11][1]), "+f"(d[0][11][2]), "+f"(d[0][11][3]),
-        "+f"(d[0][12][0]), "+f"(d[0][12][1]), "+f"(d[0][12][2]), "+f"(d[0][12][3]),
-        "+f"(d[0][13][0]), "+f"(d[0][13][1]), "+f"(d[0][13][2]), "+f"(d[0][13][3]),
-        "+f"(d[0][14][0]), "+f"(d[0][14][1]), "+f"(d[0][14][2]), "+f"(d[0][14][3]),
-        "+f"(d[0][15][0]), "+f"(d[0][15][1]), "+f"(d[0][15][2]), "+f"(d[0][15][3])
-      : "l"(a), "l"(b), "r"(accumulate));
-}
+// One specialisation: the instruction's type and N, the accumulators as PTX operands and
+// as asm outputs, then the PTX operands that follow them (ss: a, b, accumulate; rs_bt:
+// a's four registers, b).
+#define CUFLASH_WGMMA(T, TYPE, N, D_PTX, D_OUTPUTS, SS_PTX, RS_PTX)                                               \
+  template <>                                                                                                   \
+  struct Wgmma<T, N> {                                                                                          \
+    template <int kTiles>                                                                                       \
+    static __device__ __forceinline__ void ss(float (&d)[1][kTiles][4], unsigned long long a,                   \
+                                              unsigned long long b, int accumulate) {                           \
+      constexpr int kFirst = 0;                                                                                 \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PTX                                                  \
+                   : D_OUTPUTS                                                                                  \
+                   : "l"(a), "l"(b), "r"(accumulate));                                                          \
+    }                                                                                                           \
+    template <int kFirst, int kTiles>                                                                           \
+    static __device__ __forceinline__ void rs_bt(float (&d)[1][kTiles][4], const unsigned (&a)[4],              \
+                                                 unsigned long long b) {                                        \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " RS_PTX         \
+                   : D_OUTPUTS                                                                                  \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                       \
+    }                                                                                                           \
+  };
 
-template <>
-__device__ __forceinline__ void wgmma_rs_bt<half_t>(float (&d)[1][16][4], const unsigned (&a)[4], unsigned long long b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
-      : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]),
-        "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]),
-        "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]),
-        "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]),
-        "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]),
-        "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]),
-        "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]),
-        "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]),
-        "+f"(d[0][8][0]), "+f"(d[0][8][1]), "+f"(d[0][8][2]), "+f"(d[0][8][3]),
-        "+f"(d[0][9][0]), "+f"(d[0][9][1]), "+f"(d[0][9][2]), "+f"(d[0][9][3]),
-        "+f"(d[0][10][0]), "+f"(d[0][10][1]), "+f"(d[0][10][2]), "+f"(d[0][10][3]),
-        "+f"(d[0][11][0]), "+f"(d[0][11][1]), "+f"(d[0][11][2]), "+f"(d[0][11][3]),
-        "+f"(d[0][12][0]), "+f"(d[0][12][1]), "+f"(d[0][12][2]), "+f"(d[0][12][3]),
-        "+f"(d[0][13][0]), "+f"(d[0][13][1]), "+f"(d[0][13][2]), "+f"(d[0][13][3]),
-        "+f"(d[0][14][0]), "+f"(d[0][14][1]), "+f"(d[0][14][2]), "+f"(d[0][14][3]),
-        "+f"(d[0][15][0]), "+f"(d[0][15][1]), "+f"(d[0][15][2]), "+f"(d[0][15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
+#define CUFLASH_WGMMA_N64_PTX "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUFLASH_WGMMA_N128_PTX "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define CUFLASH_WGMMA_SS(TYPE, N, D_PTX, A, B, SCALE)                                                           \
+  SCALE ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " A ", " B           \
+        ", p, 1, 1, 0, 0;\n}\n"
 
-template <>
-__device__ __forceinline__ void wgmma_rs_bt<bfloat16_t>(float (&d)[1][16][4], const unsigned (&a)[4], unsigned long long b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
-      : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]),
-        "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]),
-        "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]),
-        "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]),
-        "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]),
-        "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]),
-        "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]),
-        "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]),
-        "+f"(d[0][8][0]), "+f"(d[0][8][1]), "+f"(d[0][8][2]), "+f"(d[0][8][3]),
-        "+f"(d[0][9][0]), "+f"(d[0][9][1]), "+f"(d[0][9][2]), "+f"(d[0][9][3]),
-        "+f"(d[0][10][0]), "+f"(d[0][10][1]), "+f"(d[0][10][2]), "+f"(d[0][10][3]),
-        "+f"(d[0][11][0]), "+f"(d[0][11][1]), "+f"(d[0][11][2]), "+f"(d[0][11][3]),
-        "+f"(d[0][12][0]), "+f"(d[0][12][1]), "+f"(d[0][12][2]), "+f"(d[0][12][3]),
-        "+f"(d[0][13][0]), "+f"(d[0][13][1]), "+f"(d[0][13][2]), "+f"(d[0][13][3]),
-        "+f"(d[0][14][0]), "+f"(d[0][14][1]), "+f"(d[0][14][2]), "+f"(d[0][14][3]),
-        "+f"(d[0][15][0]), "+f"(d[0][15][1]), "+f"(d[0][15][2]), "+f"(d[0][15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
+CUFLASH_WGMMA(half_t, "f16", 64, CUFLASH_WGMMA_N64_PTX, CUFLASH_WGMMA_D64,
+              CUFLASH_WGMMA_SS("f16", 64, CUFLASH_WGMMA_N64_PTX, "%32", "%33", "%34"),
+              "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n")
+CUFLASH_WGMMA(half_t, "f16", 128, CUFLASH_WGMMA_N128_PTX, CUFLASH_WGMMA_D128,
+              CUFLASH_WGMMA_SS("f16", 128, CUFLASH_WGMMA_N128_PTX, "%64", "%65", "%66"),
+              "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n")
+CUFLASH_WGMMA(bfloat16_t, "bf16", 64, CUFLASH_WGMMA_N64_PTX, CUFLASH_WGMMA_D64,
+              CUFLASH_WGMMA_SS("bf16", 64, CUFLASH_WGMMA_N64_PTX, "%32", "%33", "%34"),
+              "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n")
+CUFLASH_WGMMA(bfloat16_t, "bf16", 128, CUFLASH_WGMMA_N128_PTX, CUFLASH_WGMMA_D128,
+              CUFLASH_WGMMA_SS("bf16", 128, CUFLASH_WGMMA_N128_PTX, "%64", "%65", "%66"),
+              "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n")
+
+#undef CUFLASH_WGMMA_SS
+#undef CUFLASH_WGMMA_N128_PTX
+#undef CUFLASH_WGMMA_N64_PTX
+#undef CUFLASH_WGMMA
+#undef CUFLASH_WGMMA_D128
+#undef CUFLASH_WGMMA_D64
+#undef CUFLASH_WGMMA_D4
 
 }  // namespace sm90
 }  // namespace cuflash
