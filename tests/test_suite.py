@@ -24,6 +24,18 @@ def test_skip_reasons_are_in_the_summary():
     assert addopts and "-rs" in addopts[1].split()
 
 
+def test_the_package_data_holds_every_kernel_source():
+    """A wheel (not an editable install) carries only what package-data names: every
+    folder of kernel sources must be in it."""
+    import fnmatch
+    config = (ROOT / "pyproject.toml").read_text()
+    patterns = re.findall(r'"(cuda/[^"]+)"', re.search(r"^cuflash = \[(.*)\]$", config, re.M)[1])
+    cuda = ROOT / "cuflash" / "cuda"
+    for source in sorted(cuda.rglob("*.cu*")):
+        name = "cuda/" + source.relative_to(cuda).as_posix()
+        assert any(fnmatch.fnmatch(name, p) and name.count("/") == p.count("/") for p in patterns), name
+
+
 def test_an_interrupted_run_leaves_no_temporary_folder(tmp_path):
     """Ctrl-C in the middle of a test that holds a tmp_path folder: with the project's
     pytest settings, the folders go with the run."""
