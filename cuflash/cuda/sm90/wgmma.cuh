@@ -70,7 +70,8 @@ __device__ __forceinline__ void set_max_registers() {
 
 // The products, m64nNk16 with fp32 accumulators d[0][kFirst + j][0..3] (j < N / 8: the
 // accumulator tiles of a larger array from tile kFirst on, so that a product of N = 256 can
-// be two of N = 128), for N = 64 and 128:
+// be two of N = 128), for N = 64 and 128 (the key tiles and head dims of
+// _plan.SM90_TILES):
 //   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory; D is overwritten
 //                        where accumulate is 0.
 //   Wgmma<T, N>::rs_bt   D += A B, A in registers (the mma.sync A fragment of each warp's
@@ -80,61 +81,58 @@ struct Wgmma;
 
 #define CUFLASH_WGMMA_D4(j) \
   "+f"(d[0][kFirst + j][0]), "+f"(d[0][kFirst + j][1]), "+f"(d[0][kFirst + j][2]), "+f"(d[0][kFirst + j][3])
-#define CUFLASH_WGMMA_D64 \
-  CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4), \
-  CUFLASH_WGMMA_D4(5), CUFLASH_WGMMA_D4(6), CUFLASH_WGMMA_D4(7)
-#define CUFLASH_WGMMA_D128 \
-  CUFLASH_WGMMA_D64, CUFLASH_WGMMA_D4(8), CUFLASH_WGMMA_D4(9), CUFLASH_WGMMA_D4(10), CUFLASH_WGMMA_D4(11), \
-  CUFLASH_WGMMA_D4(12), CUFLASH_WGMMA_D4(13), CUFLASH_WGMMA_D4(14), CUFLASH_WGMMA_D4(15)
 
 // One specialisation: the instruction's type and N, the accumulators as PTX operands and
 // as asm outputs, then the PTX operands that follow them (ss: a, b, accumulate; rs_bt:
 // a's four registers, b).
-#define CUFLASH_WGMMA(T, TYPE, N, D_PTX, D_OUTPUTS, SS_PTX, RS_PTX)                                               \
+#define CUFLASH_WGMMA(T, TYPE, N, D_PTX, D_OUTPUTS, A, B, ACCUMULATE, RS_OPERANDS)                               \
   template <>                                                                                                   \
   struct Wgmma<T, N> {                                                                                          \
     template <int kTiles>                                                                                       \
     static __device__ __forceinline__ void ss(float (&d)[1][kTiles][4], unsigned long long a,                   \
                                               unsigned long long b, int accumulate) {                           \
       constexpr int kFirst = 0;                                                                                 \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PTX                                                  \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                                     \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " A ", " B       \
+                   ", p, 1, 1, 0, 0;\n}\n"                                                                       \
                    : D_OUTPUTS                                                                                  \
                    : "l"(a), "l"(b), "r"(accumulate));                                                          \
     }                                                                                                           \
     template <int kFirst, int kTiles>                                                                           \
     static __device__ __forceinline__ void rs_bt(float (&d)[1][kTiles][4], const unsigned (&a)[4],              \
                                                  unsigned long long b) {                                        \
-      asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " RS_PTX         \
+      asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " RS_OPERANDS    \
+                   ", 1, 1, 1, 1;\n"                                                                             \
                    : D_OUTPUTS                                                                                  \
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                       \
     }                                                                                                           \
   };
+// Both types at one N, whose asm outputs are CUFLASH_WGMMA_D<N> (named here, expanded as
+// CUFLASH_WGMMA's argument: passed on expanded, its commas would split it).
+#define CUFLASH_WGMMA_N(N, D_PTX, A, B, ACCUMULATE, RS_OPERANDS)                                  \
+  CUFLASH_WGMMA(half_t, "f16", N, D_PTX, CUFLASH_WGMMA_D##N, A, B, ACCUMULATE, RS_OPERANDS) \
+  CUFLASH_WGMMA(bfloat16_t, "bf16", N, D_PTX, CUFLASH_WGMMA_D##N, A, B, ACCUMULATE, RS_OPERANDS)
 
-#define CUFLASH_WGMMA_N64_PTX "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define CUFLASH_WGMMA_N128_PTX "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define CUFLASH_WGMMA_SS(TYPE, N, D_PTX, A, B, SCALE)                                                           \
-  SCALE ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " A ", " B           \
-        ", p, 1, 1, 0, 0;\n}\n"
-
-CUFLASH_WGMMA(half_t, "f16", 64, CUFLASH_WGMMA_N64_PTX, CUFLASH_WGMMA_D64,
-              CUFLASH_WGMMA_SS("f16", 64, CUFLASH_WGMMA_N64_PTX, "%32", "%33", "%34"),
-              "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n")
-CUFLASH_WGMMA(half_t, "f16", 128, CUFLASH_WGMMA_N128_PTX, CUFLASH_WGMMA_D128,
-              CUFLASH_WGMMA_SS("f16", 128, CUFLASH_WGMMA_N128_PTX, "%64", "%65", "%66"),
-              "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n")
-CUFLASH_WGMMA(bfloat16_t, "bf16", 64, CUFLASH_WGMMA_N64_PTX, CUFLASH_WGMMA_D64,
-              CUFLASH_WGMMA_SS("bf16", 64, CUFLASH_WGMMA_N64_PTX, "%32", "%33", "%34"),
-              "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n")
-CUFLASH_WGMMA(bfloat16_t, "bf16", 128, CUFLASH_WGMMA_N128_PTX, CUFLASH_WGMMA_D128,
-              CUFLASH_WGMMA_SS("bf16", 128, CUFLASH_WGMMA_N128_PTX, "%64", "%65", "%66"),
-              "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n")
-
-#undef CUFLASH_WGMMA_SS
-#undef CUFLASH_WGMMA_N128_PTX
-#undef CUFLASH_WGMMA_N64_PTX
-#undef CUFLASH_WGMMA
-#undef CUFLASH_WGMMA_D128
+#define CUFLASH_WGMMA_D64 \
+  CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4), \
+  CUFLASH_WGMMA_D4(5), CUFLASH_WGMMA_D4(6), CUFLASH_WGMMA_D4(7)
+CUFLASH_WGMMA_N(64,
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
+                "%32", "%33", "%34", "{%32, %33, %34, %35}, %36")
 #undef CUFLASH_WGMMA_D64
+
+#define CUFLASH_WGMMA_D128 \
+  CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4), \
+  CUFLASH_WGMMA_D4(5), CUFLASH_WGMMA_D4(6), CUFLASH_WGMMA_D4(7), CUFLASH_WGMMA_D4(8), CUFLASH_WGMMA_D4(9), \
+  CUFLASH_WGMMA_D4(10), CUFLASH_WGMMA_D4(11), CUFLASH_WGMMA_D4(12), CUFLASH_WGMMA_D4(13), \
+  CUFLASH_WGMMA_D4(14), CUFLASH_WGMMA_D4(15)
+CUFLASH_WGMMA_N(128,
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
+                "%64", "%65", "%66", "{%64, %65, %66, %67}, %68")
+#undef CUFLASH_WGMMA_D128
+
+#undef CUFLASH_WGMMA_N
+#undef CUFLASH_WGMMA
 #undef CUFLASH_WGMMA_D4
 
 }  // namespace sm90
