@@ -50,22 +50,9 @@ struct OnlineSoftmax {
   template <int kNTiles, int kDTiles>
   __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4],
                                          float scale_log2) {
-    float tile_max[kMTiles][2];
-    bool grown = false;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_max[mt][h] = quad_max(row_max_of(s, mt, h, row_max[mt][h]));
-        // The first visible score: (m - -inf) = inf. A row with nothing visible yet: NaN, false.
-        grown |= (tile_max[mt][h] - row_max[mt][h]) * scale_log2 > kSlack;
-        if constexpr (!kConditionalRescale) {  // row by row, in this order (the faster schedule at d 256)
-          rescale(o, mt, h, tile_max[mt][h], scale_log2);
-          exponentiate(s, mt, h, scale_log2);
-        }
-      }
     if constexpr (kConditionalRescale) {
-      if (__any_sync(0xffffffffu, grown)) {  // warp-uniform: every lane rescales or none
+      float tile_max[kMTiles][2];
+      if (__any_sync(0xffffffffu, row_maxima(s, scale_log2, tile_max))) {  // warp-uniform: every lane or none
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -75,6 +62,14 @@ struct OnlineSoftmax {
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) exponentiate(s, mt, h, scale_log2);
+    } else {  // row by row, in this order (the faster schedule at d 256)
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          rescale(o, mt, h, quad_max(row_max_of(s, mt, h, row_max[mt][h])), scale_log2);
+          exponentiate(s, mt, h, scale_log2);
+        }
     }
   }
 
@@ -86,15 +81,8 @@ struct OnlineSoftmax {
   __device__ __forceinline__ bool update_scores(float (&s)[kMTiles][kNTiles][4], float scale_log2,
                                                 float (&alpha)[kMTiles][2]) {
     float tile_max[kMTiles][2];
-    bool grown = false;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_max[mt][h] = quad_max(row_max_of(s, mt, h, row_max[mt][h]));
-        grown |= (tile_max[mt][h] - row_max[mt][h]) * scale_log2 > kSlack;
-      }
-    const bool moves = !kConditionalRescale || __any_sync(0xffffffffu, grown);
+    const bool grown = row_maxima(s, scale_log2, tile_max);
+    const bool moves = !kConditionalRescale || __any_sync(0xffffffffu, grown);  // warp-uniform
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -103,6 +91,23 @@ struct OnlineSoftmax {
         exponentiate(s, mt, h, scale_log2);
       }
     return moves;
+  }
+
+  // The rows' maxima over the tile and m (each across its quad of lanes), and whether any
+  // of this lane's rows grew by more than kSlack.
+  template <int kNTiles>
+  __device__ __forceinline__ bool row_maxima(const float (&s)[kMTiles][kNTiles][4], float scale_log2,
+                                             float (&tile_max)[kMTiles][2]) const {
+    bool grown = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[mt][h] = quad_max(row_max_of(s, mt, h, row_max[mt][h]));
+        // The first visible score: (m - -inf) = inf. A row with nothing visible yet: NaN, false.
+        grown |= (tile_max[mt][h] - row_max[mt][h]) * scale_log2 > kSlack;
+      }
+    return grown;
   }
 
   template <int kDTiles>
