@@ -1,7 +1,8 @@
 """The kernels' one argument as ctypes structures with the same fields in the same order
 as their CUDA structs: ``Params`` (cuda/params.cuh), ``DecodeParams`` and ``MergeParams``
-(cuda/decode/decode_params.cuh), ``Sm90Params`` (cuda/sm90/fwd_params.cuh). The C ABI lays both sides out alike
-(tests/test_compile.py checks every offset against NVRTC's own)."""
+(cuda/decode/decode_params.cuh), ``Sm90Params`` (cuda/sm90/fwd_params.cuh). The C ABI
+lays both sides out alike (tests/test_compile.py checks every offset against NVRTC's
+own)."""
 from __future__ import annotations
 
 import ctypes
