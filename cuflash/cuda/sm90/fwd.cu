@@ -65,7 +65,8 @@ struct Sm90Shared {
   __device__ __forceinline__ void load_q(const Sm90Params& args, int row, int head, int batch) const {
     q_landed().arrive_expecting(kBlockM * kHeadDim * 2);
 #pragma unroll
-    for (int c = 0; c < kColumnBlocks; ++c) sm90::tma_load(q() + c * kQBlock, args.q, q_landed(), 64 * c, row, head, batch);
+    for (int c = 0; c < kColumnBlocks; ++c)
+      sm90::tma_load(q() + c * kQBlock, args.q, q_landed(), 64 * c, row, head, batch);
   }
   __device__ __forceinline__ void load_kv(const Sm90Params& args, int row, int stage, int kv_head, int batch) const {
     landed(stage).arrive_expecting(2 * kKvTile);
@@ -156,7 +157,8 @@ __device__ __forceinline__ void issue_values(const Sm90Shared<kHeadDim, kBlockM,
     const unsigned char* v_rows = shared.v(stage) + k * 16 * 128;
     Product::template rs_bt<0>(acc_o, p[k], sm90::SmemDesc::n_major(v_rows, Shared::kKvBlock));
     if constexpr (kHeadDim == 256)
-      Product::template rs_bt<16>(acc_o, p[k], sm90::SmemDesc::n_major(v_rows + 2 * Shared::kKvBlock, Shared::kKvBlock));
+      Product::template rs_bt<16>(acc_o, p[k],
+                                  sm90::SmemDesc::n_major(v_rows + 2 * Shared::kKvBlock, Shared::kKvBlock));
   }
   sm90::wgmma_commit();
 }
