@@ -60,6 +60,7 @@ def inspect(x, name: str) -> ArrayInfo:
         strides = tuple(s // x.itemsize for s in x.strides)
         return ArrayInfo(x, "numpy", 0, tuple(x.shape), strides, str(x.dtype), None)
     if root == "cupy":
+        _LIBRARIES.setdefault(x.__class__, _cupy_calls())
         itemsize, memory = x.itemsize, x.data  # (x.device makes a Device object: 5 us)
         dtype = _DTYPE_NAMES.get(x.dtype) or _DTYPE_NAMES.setdefault(x.dtype, str(x.dtype))
         return ArrayInfo(x, "cupy", memory.ptr, x.shape, tuple([s // itemsize for s in x.strides]), dtype,
@@ -68,6 +69,7 @@ def inspect(x, name: str) -> ArrayInfo:
         if not x.is_cuda:
             raise TypeError(f"{name} is a torch tensor on {x.device}; cuflash takes CUDA tensors "
                             f"(or NumPy arrays for the CPU path)")
+        _LIBRARIES.setdefault(x.__class__, _torch_calls())
         dtype = _TORCH_DTYPE_NAMES.get(x.dtype) or _TORCH_DTYPE_NAMES.setdefault(
             x.dtype, str(x.dtype).removeprefix("torch."))
         return ArrayInfo(x, "torch", x.data_ptr(), tuple(x.shape), x.stride(), dtype, x.get_device())
@@ -86,76 +88,136 @@ class Framework:
 
     def __init__(self, like: ArrayInfo):
         self.like = like
-        if like.framework == "torch":
-            torch = _torch()
-            self._torch_device = like.obj.device
-            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch.compile's kernels call
-            self.stream = raw(like.device) if raw else torch.cuda.current_stream(self._torch_device).cuda_stream
-        else:
-            cupy = _cupy()
-            with self.device:
-                self.stream = cupy.cuda.get_current_stream().ptr
-            if like.framework == "jax":
-                like.obj.block_until_ready()  # JAX works on its own stream: wait for the inputs
-
-    @functools.cached_property
-    def device(self):
-        """A context that makes the arrays' device CuPy's current one (nothing to do when
-        it is already: making a CuPy Device costs microseconds)."""
-        cupy = _cupy()
-        if cupy.cuda.runtime.getDevice() == self.like.device:
-            return contextlib.nullcontext()
-        return cupy.cuda.Device(self.like.device)
+        self.calls = _torch_calls() if like.framework == "torch" else _cupy_calls()  # (JAX: CuPy's, then DLPack)
+        self.stream = self.calls.stream(like.device)
+        if like.framework == "jax":
+            like.obj.block_until_ready()  # JAX works on its own stream: wait for the inputs
 
     def empty(self, shape: tuple[int, ...], dtype: str, *, zeros: bool = False) -> ArrayInfo:
         """An array of the caller's kind on the caller's device and stream (uninitialised,
         or zeroed on the stream with ``zeros``), described; ``.obj`` is the array."""
-        shape = tuple(shape)
-        if self.like.framework == "torch":
-            torch = _torch()
-            make = torch.zeros if zeros else torch.empty
-            out = make(*shape, dtype=_torch_dtype(dtype), device=self._torch_device)  # (unpacked: 1 us faster)
-            ptr = out.data_ptr()
-        else:
-            cupy = _cupy()
-            with self.device:
-                out = (cupy.zeros if zeros else cupy.empty)(shape, dtype=_cupy_dtype(dtype))
-            ptr = out.data.ptr
-        return ArrayInfo(out, self.like.framework, ptr, shape, contiguous_strides(shape), dtype, self.like.device)
+        shape, calls = tuple(shape), self.calls
+        out = calls.empty(shape, calls.dtype(dtype), self.like.device, zeros)
+        return ArrayInfo(out, self.like.framework, calls.pointer(out), shape, contiguous_strides(shape), dtype,
+                         self.like.device)
 
     def finish(self, out):
         """Hand a result allocated by ``empty`` back as the caller's kind."""
         if self.like.framework != "jax":
             return out
-        import cupy
         import jax
-        with self.device:
-            cupy.cuda.get_current_stream().synchronize()  # JAX reads it on its own stream
+        self.calls.synchronize(self.like.device)  # JAX reads it on its own stream
         return jax.dlpack.from_dlpack(out)
 
 
-@functools.cache  # an import statement costs ~0.1 us a time on the call path
-def _torch():
-    import torch
-    return torch
+# -- warm calls ------------------------------------------------------------------------------
+# A call signature that passed the checks once launches what it launched, without
+# describing its arrays again: its key holds each array's ``signature``, read in the
+# fewest of its library's own calls (a warm call's host time is what decode and small
+# calls pay for).
+
+_LIBRARIES: dict = {}  # array type -> its library's calls (CuPy's ndarray, torch's Tensor), once inspected
+
+
+def signature(x):
+    """What decides a call's checks and plan about a CuPy array or torch tensor (device,
+    shape, strides, dtype, 16-byte alignment), in its library's own terms; None for
+    anything else and for a type ``inspect`` has not seen yet."""
+    calls = _LIBRARIES.get(x.__class__)
+    return None if calls is None else calls.signature(x)
+
+
+def library(x):
+    """The calls of x's library; x's type has a ``signature``."""
+    return _LIBRARIES[x.__class__]
+
+
+class _CuPyCalls:
+    """CuPy's cheapest calls for what a launch needs (also JAX's allocations, handed over
+    through DLPack)."""
+
+    def __init__(self):
+        import cupy
+        self.cupy, self.current_device = cupy, cupy.cuda.runtime.getDevice
+        self.current_stream = cupy.cuda.get_current_stream
+
+    @staticmethod
+    def signature(x) -> tuple:
+        memory = x.data  # (x.device makes a Device object: 5 us)
+        return memory.device_id, x.shape, x.strides, x.dtype, memory.ptr % 16 == 0
+
+    @staticmethod
+    def pointer(x) -> int:
+        return x.data.ptr
+
+    def stream(self, device: int) -> int:
+        return self.current_stream(device).ptr
+
+    def empty(self, shape: tuple, dtype, device: int, zeros: bool = False):
+        make = self.cupy.zeros if zeros else self.cupy.empty
+        if self.current_device() == device:  # (making a CuPy Device costs microseconds)
+            return make(shape, dtype)
+        with self.cupy.cuda.Device(device):
+            return make(shape, dtype)
+
+    def on(self, device: int):
+        """A context that makes ``device`` CuPy's current one (nothing to do where it is)."""
+        if self.current_device() == device:
+            return contextlib.nullcontext()
+        return self.cupy.cuda.Device(device)
+
+    @staticmethod
+    @functools.cache
+    def dtype(name: str):
+        if name == "bfloat16":
+            import ml_dtypes
+            return ml_dtypes.bfloat16
+        import numpy
+        return numpy.dtype(name)
+
+    def synchronize(self, device: int) -> None:
+        self.current_stream(device).synchronize()
+
+
+class _TorchCalls:
+    """torch's cheapest calls for what a launch needs."""
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+        self.raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch.compile's kernels call
+
+    @staticmethod
+    def signature(x) -> tuple:
+        return x.device, x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0
+
+    @staticmethod
+    def pointer(x) -> int:
+        return x.data_ptr()
+
+    def stream(self, device: int) -> int:
+        if self.raw_stream is not None:
+            return self.raw_stream(device)
+        return self.torch.cuda.current_stream(device).cuda_stream
+
+    def empty(self, shape: tuple, dtype, device: int, zeros: bool = False):
+        make = self.torch.zeros if zeros else self.torch.empty
+        return make(*shape, dtype=dtype, device=self.device(device))  # (unpacked: 1 us faster)
+
+    @functools.cache
+    def dtype(self, name: str):
+        return getattr(self.torch, name)
+
+    @functools.cache
+    def device(self, ordinal: int):
+        return self.torch.device("cuda", ordinal)
+
+
+@functools.cache  # (one of each per process)
+def _cupy_calls() -> _CuPyCalls:
+    return _CuPyCalls()
 
 
 @functools.cache
-def _cupy():
-    import cupy
-    return cupy
-
-
-@functools.cache
-def _torch_dtype(name: str):
-    return getattr(_torch(), name)
-
-
-@functools.cache
-def _cupy_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-        return ml_dtypes.bfloat16
-    import numpy
-    return numpy.dtype(name)
-
+def _torch_calls() -> _TorchCalls:
+    return _TorchCalls()

@@ -100,21 +100,16 @@ def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Optio
     return launcher
 
 
-def decode_pointers(infos: dict, out: ArrayInfo, lse: ArrayInfo | None, partial_o: int,
-                    partial_lse: int) -> tuple[int, ...]:
-    """The pointers of a KV-cache launch, in _plan.DECODE_POINTERS' order: ``infos`` holds
-    the call's arrays by argument name (q, k_cache, ..., alibi_slopes, and for the varlen
-    call cu_seqlens_q and cu_seqlens_k), those given."""
-    get = infos.get
-    return (infos["q"].ptr, out.ptr, infos["k_cache"].ptr, infos["v_cache"].ptr, *_pointers(get("k"), get("v"), lse),
-            partial_o, partial_lse, *_pointers(get("cache_seqlens"), get("cache_batch_idx"), get("cache_leftpad"),
-                                               get("block_table"), get("rotary_cos"), get("rotary_sin"),
-                                               get("alibi_slopes"), get("cu_seqlens_q"), get("cu_seqlens_k")),
-            partial_o, partial_lse, out.ptr, 0 if lse is None else lse.ptr)
-
-
-def _pointers(*arrays) -> list[int]:
-    return [0 if a is None else a.ptr for a in arrays]
+def decode_pointers(pointers: dict, out: int, lse: int, partial_o: int, partial_lse: int) -> tuple[int, ...]:
+    """The pointers of a KV-cache launch, in _plan.DECODE_POINTERS' order: ``pointers``
+    holds the call's arrays' addresses by argument name (q, k_cache, ..., alibi_slopes, and
+    for the varlen call cu_seqlens_q and cu_seqlens_k), those given; lse is 0 where not
+    returned."""
+    get = pointers.get
+    return (pointers["q"], out, pointers["k_cache"], pointers["v_cache"], get("k", 0), get("v", 0), lse,
+            partial_o, partial_lse, get("cache_seqlens", 0), get("cache_batch_idx", 0), get("cache_leftpad", 0),
+            get("block_table", 0), get("rotary_cos", 0), get("rotary_sin", 0), get("alibi_slopes", 0),
+            get("cu_seqlens_q", 0), get("cu_seqlens_k", 0), partial_o, partial_lse, out, lse)
 
 
 def _decode_key(arrays: dict, out: ArrayInfo, cache: KVCache, options: Options):

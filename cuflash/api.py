@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import _arrays, _kernels, _options, _plan
+from . import _warm as _warm_calls
 from ._options import Options, Varlen
 
 _OPTIONS_DOC = """
@@ -33,19 +34,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     the natural log-sum-exp of the modified scores (+inf for a row that sees no key).
     Both are differentiable: ``attention_backward`` takes the gradients of out and lse.
     """
+    scalars = (causal, softmax_scale, window_size, softcap, dropout_p, seed, rng_offset, return_lse)
+    if alibi_slopes is None:
+        result = warm_forward(q, k, v, scalars)
+        if result is not None:
+            return result
     arrays = _inspect(q=q, k=k, v=v)
-    key = _signature(arrays, alibi_slopes, dropout_p, causal, softmax_scale, window_size, softcap, seed, rng_offset)
-    warm = _warm.get(key)
-    if warm is None:
-        _options.check_qkv(*arrays.values(), packed=False)
-        warm = _remember(key, _options.make_options(arrays["q"], arrays["k"], causal, softmax_scale, window_size,
-                                                    softcap, alibi_slopes, dropout_p, seed, rng_offset,
-                                                    backward=False))
+    _options.check_qkv(*arrays.values(), packed=False)
+    options = _options.make_options(arrays["q"], arrays["k"], causal, softmax_scale, window_size, softcap,
+                                    alibi_slopes, dropout_p, seed, rng_offset, backward=False)
     if arrays["q"].device is None:
         from . import cpu
-        out, lse = cpu.attention_forward(q, k, v, **_cpu_options(warm.options, alibi_slopes))
+        out, lse = cpu.attention_forward(q, k, v, **_cpu_options(options, alibi_slopes))
     else:
-        out, lse = _forward_gpu(*arrays.values(), warm.options, None, return_lse, warm)
+        warm = _Warm(options)
+        out, lse = _forward_gpu(*arrays.values(), options, None, return_lse, warm)
+        _remember(_key((q, k, v), scalars, alibi_slopes), warm, arrays["q"])
     return (out, lse) if return_lse else out
 
 
@@ -108,22 +112,26 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
-    key = _signature(arrays, alibi_slopes, dropout_p, causal, softmax_scale, window_size, softcap, seed, rng_offset,
-                     deterministic)
-    warm = _warm.get(key)
-    if warm is None:
+    key = _key(tuple(a.obj for a in arrays.values()), (causal, softmax_scale, window_size, softcap, dropout_p, seed,
+                                                       rng_offset, deterministic), alibi_slopes)
+    warm = _lookup(key)
+    cold = warm is None
+    if cold:
         _options.check_qkv(qi, ki, vi, packed=False)
         _options.check_outputs(arrays, (qi.shape[0], qi.shape[2], qi.shape[1]))
         _options.check_dlse(arrays)
         options = _options.make_options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes,
                                         dropout_p, seed, rng_offset, backward=True)
         _options.check_bool("deterministic", deterministic)
-        warm = _remember(key, options)
+        warm = _Warm(options)
     if qi.device is None:
         from . import cpu
         return cpu.attention_backward(dout, q, k, v, out, lse, dlse=dlse,
                                       **_cpu_options(warm.options, alibi_slopes))
-    return _backward_gpu(arrays, warm.options, None, deterministic, warm)
+    grads = _backward_gpu(arrays, warm.options, None, deterministic, warm)
+    if cold:
+        _remember(key, warm, qi)
+    return grads
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -167,7 +175,28 @@ def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, return_lse: b
         if warm:  # (out is this call's own allocation: its layout is the same every call)
             warm.launcher = launcher
     launcher(framework.stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr)
+    if warm:
+        warm.outputs = (out.shape, framework.calls.dtype(out.dtype), None if lse is None else lse.shape)
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
+
+
+def warm_forward(q, k, v, scalars: tuple):
+    """``attention(q, k, v, ...)`` without ALiBi, where its signature is warm (``_warm``):
+    its outputs allocated, its launcher launched, no array described. None otherwise.
+    ``scalars``: (causal, softmax_scale, window_size, softcap, dropout_p, seed,
+    rng_offset, return_lse) as the caller gave them."""
+    warm = _lookup(_key((q, k, v), scalars, None))
+    if warm is None or warm.launcher is None:
+        return None
+    calls, device, (out_shape, dtype, lse_shape) = warm.calls, warm.device, warm.outputs
+    pointer = calls.pointer
+    out = calls.empty(out_shape, dtype, device)
+    if lse_shape is None:
+        warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), 0)
+        return out
+    lse = calls.empty(lse_shape, calls.dtype("float32"), device)
+    warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), pointer(lse))
+    return out, lse
 
 
 def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, deterministic: bool,
@@ -195,40 +224,41 @@ def _cpu_options(options: Options, alibi_slopes) -> dict:
                 seed=options.seed, rng_offset=options.rng_offset)
 
 
-# -- warm calls ----------------------------------------------------------------------------
+# -- warm calls (_warm) ----------------------------------------------------------------------
 
-# Every user error becomes an exception in _options, before anything runs. Warm calls skip
-# the checks and the planning: a signature (every array's kind, device, shape, strides
-# and dtype, and every option with its type) that passed once passes again and launches
-# what it launched. ALiBi and dropout calls are always checked and planned (their arrays
-# and seeds vary), and so are packed sequences (their cu_seqlens).
+# ALiBi and dropout calls are always checked and planned (their slopes are an array, their
+# seeds vary), and so are packed sequences (their cu_seqlens): they make no key.
 class _Warm:
     """A call signature that passed the checks: its options and, once it has run on
-    the GPU, its launcher."""
-    __slots__ = ("options", "launcher")
+    the GPU, its launcher, its arrays' library and device, and (forward) its outputs'
+    shapes and dtype."""
+    __slots__ = ("options", "launcher", "calls", "device", "outputs")
 
     def __init__(self, options: Options):
-        self.options, self.launcher = options, None
+        self.options, self.launcher, self.outputs = options, None, None
 
 
 _warm: dict = {}
 
 
-def _signature(arrays: dict, alibi_slopes, dropout_p, *scalars):
-    if alibi_slopes is not None or dropout_p.__class__ not in (int, float) or dropout_p != 0 \
-            or len(_warm) > 4096:
+def _key(arrays: tuple, scalars: tuple, alibi_slopes):
+    """The warm key of a call on these arrays with these other arguments (causal,
+    softmax_scale, window_size, softcap, dropout_p, ...), or None."""
+    dropout_p = scalars[4]
+    if alibi_slopes is not None or dropout_p.__class__ not in (int, float) or dropout_p != 0:
         return None
-    # repr tells apart what == would not (True / 1 / 1.0, a list from a tuple). The
-    # pointers' 16-byte alignment picks the kernel's copy width.
-    return (tuple([(a.framework, a.device, a.shape, a.strides, a.dtype, a.ptr % 16 == 0) for a in arrays.values()]),
-            repr((dropout_p, *scalars)))
+    return _warm_calls.key(arrays, scalars, pair=2)
 
 
-def _remember(key, options: Options) -> _Warm:
-    warm = _Warm(options)
-    if key is not None:
-        _warm[key] = warm
-    return warm
+def _lookup(key) -> _Warm | None:
+    return _warm_calls.lookup(_warm, key)
+
+
+def _remember(key, warm: _Warm, q: _arrays.ArrayInfo) -> None:
+    """Keep a signature that ran on the GPU, with what its warm calls need."""
+    if warm.launcher is not None:
+        warm.calls, warm.device = _arrays.library(q.obj), q.device
+        _warm_calls.remember(_warm, key, warm)
 
 
 def _inspect(**arrays) -> dict[str, _arrays.ArrayInfo]:

@@ -307,7 +307,8 @@ def _launch_decode(ctx, infos: dict, out: _arrays.ArrayInfo, lse: _arrays.ArrayI
     arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
     launcher = _kernels.decode_launcher(arrays, out, cache, options, varlen)
     work = [_info(workspace[name], "float32").ptr if name in workspace else 0 for name in ("partial_o", "partial_lse")]
-    launcher(ctx.stream, *_kernels.decode_pointers(infos, out, lse, *work))
+    launcher(ctx.stream, *_kernels.decode_pointers({name: a.ptr for name, a in infos.items()}, out.ptr, lse.ptr,
+                                                   *work))
 
 
 @dataclasses.dataclass(frozen=True)

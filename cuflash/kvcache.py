@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from . import _arrays, _kernels, _options, cpu
+from . import _warm as _warm_calls
 
 __all__ = ["attention_with_kvcache", "merge_states"]
 
@@ -51,75 +52,96 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     on short caches, see docs/performance.md). Returns out like q, or (out, lse) with
     ``return_lse``, lse float32 (batch, nheads, seqlen_q) (+inf for a row that sees no key).
     """
-    given = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-                 rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
-    infos = {name: _arrays.inspect(x, name) for name, x in given.items() if x is not None and _is_array(x)}
-    key = _signature(infos, cache_seqlens, rotary_interleaved, causal, window_size, softcap, softmax_scale,
-                     num_splits, deterministic, return_lse)
-    warm = _warm.get(key)
-    if warm is None:
-        arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
-        cache = _options.kvcache(arrays, infos.get("cache_seqlens", cache_seqlens), infos.get("cache_batch_idx"),
-                                 infos.get("cache_leftpad"), infos.get("block_table"), infos.get("rotary_cos"),
-                                 infos.get("rotary_sin"), rotary_interleaved, causal, window_size, num_splits,
-                                 deterministic)
-        options = _options.make_options(arrays["q"], arrays["k_cache"], causal, softmax_scale, window_size, softcap,
-                                        alibi_slopes, 0.0, None, 0, backward=False, seqlen_k=cache.capacity)
-        _options.check_bool("return_lse", return_lse)
-        warm = _Warm(cache, options)
-        if key is not None:
-            _warm[key] = warm
+    given = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+             rotary_sin, alibi_slopes)
+    scalars = (rotary_interleaved, causal, window_size, softcap, softmax_scale, num_splits, deterministic, return_lse,
+               cache_seqlens if cache_seqlens.__class__ is int else None)
+    key = _key(given, scalars)
+    warm = _warm_calls.lookup(_warm, key)
+    if warm is not None:
+        return _decode_warm(warm, given)
+    infos = {name: _arrays.inspect(x, name) for name, x in zip(_ARRAY_ARGUMENTS, given)
+             if x is not None and _is_array(x)}
+    arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
+    cache = _options.kvcache(arrays, infos.get("cache_seqlens", cache_seqlens), infos.get("cache_batch_idx"),
+                             infos.get("cache_leftpad"), infos.get("block_table"), infos.get("rotary_cos"),
+                             infos.get("rotary_sin"), rotary_interleaved, causal, window_size, num_splits,
+                             deterministic)
+    options = _options.make_options(arrays["q"], arrays["k_cache"], causal, softmax_scale, window_size, softcap,
+                                    alibi_slopes, 0.0, None, 0, backward=False, seqlen_k=cache.capacity)
+    _options.check_bool("return_lse", return_lse)
     if infos["q"].device is None:
-        out, lse = cpu.attention_with_kvcache(q, k_cache, v_cache, k, v, warm.cache, warm.options)
-    else:
-        out, lse = _attention_gpu(infos, warm, return_lse)
+        out, lse = cpu.attention_with_kvcache(q, k_cache, v_cache, k, v, cache, options)
+        return (out, lse) if return_lse else out
+    q_info = infos["q"]
+    lse_shape = (q_info.shape[0], q_info.shape[2], q_info.shape[1])
+    launchers = []
+
+    def launcher_for(out):
+        launchers.append(_kernels.decode_launcher(arrays, out, cache, options))
+        return launchers[0]
+    out, lse = _decode_gpu(infos, lse_shape, return_lse, launcher_for)
+    if key is not None:
+        _warm_calls.remember(_warm, key, _Warm(launchers[0], _arrays.library(q), q_info.device, tuple(infos),
+                                               q_info.shape, q_info.dtype, lse_shape if return_lse else None))
     return (out, lse) if return_lse else out
 
 
-# Warm calls on the GPU: a call signature (every array's kind, device, shape, strides,
-# dtype and alignment, every other argument) that passed the checks once passes them
-# again, and launches what it launched. (On a GPU no check reads an array's values; on
-# the CPU they are read, so every call is checked.)
-class _Warm:
-    __slots__ = ("cache", "options", "launcher")
+_ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                    "block_table", "rotary_cos", "rotary_sin", "alibi_slopes")
 
-    def __init__(self, cache: _options.KVCache, options: _options.Options):
-        self.cache, self.options, self.launcher = cache, options, None
+
+# Warm calls (_warm) on the GPU. On a GPU no check reads an array's values; on the CPU
+# they are read, so every call there is checked (NumPy arrays make no key).
+class _Warm:
+    """A KV-cache call signature that passed the checks, bound to its launcher: what a
+    call needs to allocate its results and launch."""
+    __slots__ = ("launcher", "calls", "device", "arrays", "out_shape", "dtype", "lse_shape", "work")
+
+    def __init__(self, launcher, calls, device: int, arrays: tuple, out_shape: tuple, dtype: str, lse_shape):
+        self.launcher, self.calls, self.device, self.arrays = launcher, calls, device, arrays
+        self.out_shape, self.dtype, self.lse_shape = out_shape, calls.dtype(dtype), lse_shape
+        self.work = None
+        if launcher.plan.workspace:  # the splits' results, in one allocation: (floats, partial_lse's offset)
+            (_, o_shape, _), (_, partial_lse_shape, _) = launcher.plan.workspace
+            self.work = (math.prod(o_shape) + math.prod(partial_lse_shape), 4 * math.prod(o_shape))
 
 
 _warm: dict = {}
 
 
-def _signature(infos: dict, cache_seqlens, *scalars):
-    q = infos["q"]
-    if q.device is None or len(_warm) > 4096:
-        return None
-    layouts = tuple([(name, a.framework, a.device, a.shape, a.strides, a.dtype, a.ptr % 16 == 0)
-                     for name, a in infos.items()])
-    # repr tells apart what == would not (True / 1 / 1.0, a list from a tuple)
-    return layouts, repr((None if "cache_seqlens" in infos else cache_seqlens, *scalars))
+def _key(given: tuple, scalars: tuple):
+    """The warm key: the given arrays' signatures, which arguments they are, the rest."""
+    present = tuple([i for i, x in enumerate(given) if x is not None and x.__class__ is not int])
+    return _warm_calls.key(tuple([given[i] for i in present]), (*scalars, present), pair=2)
+
+
+def _decode_warm(warm: _Warm, given: tuple):
+    """The split kernel (decode/split_kv.cu) and, over several splits, the merge, on the
+    caller's stream; out (like q), lse and the splits' workspace allocated by the
+    caller's library. Returns out, or (out, lse) where the signature returns it."""
+    calls, device = warm.calls, warm.device
+    pointer, float32 = calls.pointer, calls.dtype("float32")
+    out = calls.empty(warm.out_shape, warm.dtype, device)
+    lse = None if warm.lse_shape is None else calls.empty(warm.lse_shape, float32, device)
+    partial_o = partial_lse = 0
+    if warm.work is not None:
+        work = calls.empty((warm.work[0],), float32, device)
+        partial_o = pointer(work)
+        partial_lse = partial_o + warm.work[1]
+    pointers = {name: pointer(x) for name, x in zip(_ARRAY_ARGUMENTS, given) if name in warm.arrays}
+    warm.launcher(calls.stream(device), *_kernels.decode_pointers(pointers, pointer(out), 0 if lse is None else
+                                                                  pointer(lse), partial_o, partial_lse))
+    return out if lse is None else (out, lse)
 
 
 def _is_array(x) -> bool:
     return hasattr(x, "shape") and not isinstance(x, np.generic)
 
 
-def _attention_gpu(infos: dict, warm: _Warm, return_lse: bool):
-    """The KV-cache call on the GPU, its launcher bound once per warm signature."""
-    def launcher(out):
-        if warm.launcher is None:
-            arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache", "k", "v") if name in infos}
-            warm.launcher = _kernels.decode_launcher(arrays, out, warm.cache, warm.options)
-        return warm.launcher
-    q = infos["q"]
-    return _decode_gpu(infos, (q.shape[0], q.shape[2], q.shape[1]), return_lse, launcher)
-
-
 def _decode_gpu(infos: dict, lse_shape: tuple, return_lse: bool, launcher_for):
-    """The split kernel (decode/split_kv.cu) and, over several splits, the merge, on the
-    caller's stream: out (like q), lse and the splits' workspace allocated by the caller's
-    library, ``launcher_for(out)`` the launcher. Returns (out, lse or None), the caller's kind."""
+    """``_decode_warm`` for described arrays of any library (JAX's too): ``launcher_for(out)``
+    the launcher. Returns (out, lse or None), the caller's kind."""
     q = infos["q"]
     framework = _arrays.Framework(q)
     out = framework.empty(q.shape, q.dtype)
@@ -131,7 +153,9 @@ def _decode_gpu(infos: dict, lse_shape: tuple, return_lse: bool, launcher_for):
         o_size = math.prod(o_shape)
         work = framework.empty((o_size + math.prod(partial_lse_shape),), "float32")
         partial_o, partial_lse = work.ptr, work.ptr + 4 * o_size
-    launcher(framework.stream, *_kernels.decode_pointers(infos, out, lse, partial_o, partial_lse))
+    pointers = {name: a.ptr for name, a in infos.items()}
+    launcher(framework.stream, *_kernels.decode_pointers(pointers, out.ptr, 0 if lse is None else lse.ptr,
+                                                         partial_o, partial_lse))
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
 
 
@@ -200,7 +224,7 @@ def _merge_gpu(parts_out: list, parts_lse: list, first: _arrays.ArrayInfo):
         import jax.numpy as xp
     else:
         import cupy as xp
-    with framework.device if first.framework == "cupy" else contextlib.nullcontext():
+    with framework.calls.on(first.device) if first.framework == "cupy" else contextlib.nullcontext():
         outs, lses = xp.stack(parts_out), xp.stack(parts_lse)
     if first.framework == "jax":
         outs.block_until_ready(), lses.block_until_ready()

@@ -74,6 +74,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     the backward bitwise reproducible (dq accumulated in a fixed order) at some cost in
     speed. ``seed=None`` with dropout draws one from torch's generator (see the module).
     """
+    if alibi_slopes is None and q.__class__ is torch.Tensor and deterministic.__class__ is bool \
+            and not _tracked(q, k, v):  # inference on a signature that ran: straight to its launch
+        result = api.warm_forward(q, k, v, (causal, softmax_scale, window_size, softcap, dropout_p, seed, 0,
+                                            return_lse))
+        if result is not None:
+            return result
     _options.check_bool("return_lse", return_lse)
     args = _op_options(dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), causal=causal, softmax_scale=softmax_scale,
                        deterministic=deterministic, window_size=window_size, softcap=softcap,

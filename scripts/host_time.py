@@ -41,16 +41,14 @@ def main() -> None:
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     dout = torch.randn_like(q)
-    info = _arrays.inspect(q, "q")
-    infos = {name: _arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v))}
-    key = api._signature(infos, None, 0.0, True, None, (-1, -1), 0.0, None, 0)
+    scalars = (True, None, (-1, -1), 0.0, 0.0, None, 0, False)
     cuflash.attention(q, k, v, causal=True)
-    warm = api._warm[key]
-    framework = _arrays.Framework(info)
-    out = framework.empty(info.shape, info.dtype)
-    launcher = warm.launcher
-    info_c = _arrays.inspect(qc, "q")
-    framework_c = _arrays.Framework(info_c)
+    cuflash.attention(qc, kc, vc, causal=True)
+    key, key_c = (api._key(arrays, scalars, None) for arrays in ((q, k, v), (qc, kc, vc)))
+    warm, warm_c = api._warm[key], api._warm[key_c]
+    calls, calls_c = warm.calls, warm_c.calls
+    out = torch.empty(shape, dtype=torch.float16, device="cuda")
+    infos = {name: _arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))}
 
     rows = {
         "torch SDPA (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
@@ -58,22 +56,21 @@ def main() -> None:
         "cuflash.attention, torch": lambda: cuflash.attention(q, k, v, causal=True),
         "cuflash.torch.attention": lambda: cuflash.torch.attention(q, k, v, causal=True),
         "cuflash.torch.attention, grad": lambda: cuflash.torch.attention(*leaves, causal=True),
-        "  inspect x 3 (CuPy)": lambda: [_arrays.inspect(x, "q") for x in (qc, kc, vc)],
-        "  Framework (CuPy)": lambda: _arrays.Framework(info_c),
-        "  empty (CuPy)": lambda: framework_c.empty(info.shape, info.dtype),
+        "  key (CuPy)": lambda: api._key((qc, kc, vc), scalars, None),
+        "  signature (CuPy)": lambda: _arrays.signature(qc),
+        "  empty (CuPy)": lambda: calls_c.empty(shape, warm_c.outputs[1], 0),
         "  cupy.empty": lambda: cupy.empty(shape, dtype=cupy.float16),
-        "  cupy current stream": lambda: cupy.cuda.get_current_stream().ptr,
-        "  q.new_empty": lambda: q.new_empty(shape),
-        "  inspect x 3 (torch)": lambda: [_arrays.inspect(x, "q") for x in (q, k, v)],
-        "  signature": lambda: api._signature(infos, None, 0.0, True, None, (-1, -1), 0.0, None, 0),
-        "  Framework (torch)": lambda: _arrays.Framework(info),
-        "  empty (torch)": lambda: framework.empty(info.shape, info.dtype),
-        "  warm lookup": lambda: api._warm.get(key),
-        "  kernels.forward (JAX's way)": lambda: _kernels.forward(infos["q"], infos["k"], infos["v"], out, None,
-                                                                  warm.options, stream=framework.stream),
-        "  Launcher": lambda: launcher(framework.stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.ptr, 0),
+        "  stream (CuPy)": lambda: calls_c.stream(0),
+        "  key (torch)": lambda: api._key((q, k, v), scalars, None),
+        "  signature (torch)": lambda: _arrays.signature(q),
+        "  lookup": lambda: api._lookup(key),
+        "  empty (torch)": lambda: calls.empty(shape, warm.outputs[1], 0),
         "  torch.empty": lambda: torch.empty(shape, dtype=torch.float16, device="cuda"),
-        "  current stream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "  stream (torch)": lambda: calls.stream(0),
+        "  kernels.forward (JAX's way)": lambda: _kernels.forward(infos["q"], infos["k"], infos["v"], infos["out"], None,
+                                                                  warm.options, stream=calls.stream(0)),
+        "  Launcher": lambda: warm.launcher(calls.stream(0), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                            0),
         "SDPA fwd+bwd": lambda: torch.autograd.grad(sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True),
                                                    leaves, dout.transpose(1, 2)),
         "cuflash.torch fwd+bwd": lambda: torch.autograd.grad(cuflash.torch.attention(*leaves, causal=True),

@@ -129,6 +129,47 @@ def test_warm_calls_tell_alignment_apart():
         check_against_reference(q, k, v, out, lse, causal=True)
 
 
+@pytest.mark.parametrize("library", ["cupy", "torch"])
+def test_warm_calls_are_checked_like_the_first(library):
+    """A warm call (its signature's checks and launch remembered) describes no array: a
+    value equal to a valid one but of another type must still be refused, a different
+    layout or dtype must be planned anew, and each call writes its own output."""
+    import cupy
+    q = cupy.random.default_rng(5).standard_normal((1, 80, 2, 64), dtype=cupy.float32).astype(cupy.float16)
+    if library == "torch":
+        torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+        q = torch.from_dlpack(q)
+    def host(x):
+        return cupy.asnumpy(cupy.asarray(x)).astype(np.float32)
+    first, second = (cuflash.attention(q, q, q, causal=True) for _ in range(2))
+    assert first is not second and type(second) is type(q)
+    np.testing.assert_array_equal(host(first), host(second))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuflash.attention(q, q, q, causal=1)
+    for _ in range(2):
+        windowed = cuflash.attention(q, q, q, window_size=(7, 0))
+    with pytest.raises(TypeError, match="window_size right must be an integer"):
+        cuflash.attention(q, q, q, window_size=(7, 0.0))
+    np.testing.assert_array_equal(host(cuflash.attention(q, q, q, window_size=[7, 0])), host(windowed))
+    head = q[:, :, 1:]  # one head: the same dims as before but another layout
+    for _ in range(2):
+        out = cuflash.attention(head, head, head, causal=True)
+    assert out.shape == head.shape
+    np.testing.assert_allclose(host(out), host(first)[:, :, 1:], atol=2e-3)
+
+
+def test_warm_calls_launch_on_the_current_stream():
+    import cupy
+    q = cupy.zeros((1, 16, 1, 64), cupy.float16)
+    for _ in range(2):
+        cuflash.attention(q, q, q)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream, Launches() as launches:
+        cuflash.attention(q, q, q)
+    assert launches.calls[0][1] == stream.ptr
+    stream.synchronize()
+
+
 def test_warm_call_from_a_fresh_thread():
     """A thread that has made no CUDA call yet has no current context (autograd runs
     backwards on such a thread); a warm call there, whose plan and memory are cached,

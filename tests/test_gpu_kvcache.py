@@ -223,6 +223,23 @@ def test_lengths_at_the_edges(length):
     assert_lse_close(lse.get(), want_lse, atol=1e-3)
 
 
+def test_warm_calls_are_checked_like_the_first():
+    """A warm KV-cache call (its signature's checks and launch remembered) reads its own
+    arrays, keys an int cache_seqlens by value, and still refuses a value equal to a valid
+    one but of another type."""
+    import cupy
+    rng = np.random.default_rng(9)
+    q, k_cache, v_cache, _ = decode_case(rng, batch=1)
+    for length, num_splits in ((10, 1), (10, 1), (700, 1), (700, 1), (700, 3), (700, 3)):
+        q = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+        out = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=length, num_splits=num_splits)
+        want, _, _, _ = attention_kvcache_reference(q.get(), k_cache.get(), v_cache.get(),
+                                                    cache_seqlens=np.array([length], np.int32))
+        assert_close(out.get().astype(np.float64), want, atol=2e-2)
+    with pytest.raises(TypeError, match="num_splits must be an integer"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=700, num_splits=True)
+
+
 def test_a_cuda_graph_replays_with_growing_lengths():
     """One captured decode step (append one token, attend), replayed while cache_seqlens
     grows on the device: each replay is the eager call at that length."""
