@@ -238,25 +238,24 @@ class Sm90Forward(NamedTuple):
     """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma) for head dims up to ``head_dim``
     (64, 128 or 256; a smaller one rides on the copy engine's zero columns): a producer
     warpgroup and SM90_CONSUMERS consumer warpgroups of 64 query rows, key tiles and K/V
-    stages as SM90_TILES says; ``extras``: softcap, ALiBi or dropout may be on."""
+    stages (SM90_TILES); ``extras``: softcap, ALiBi or dropout may be on."""
     dtype: str
     head_dim: int
     local: bool
     extras: bool
+    block_n: int  # keys a tile
+    stages: int  # K/V tiles in flight
     source = "sm90/fwd.cu"
     arch = "sm_90a"
+
+    @classmethod
+    def of(cls, dtype: str, head_dim: int, local: bool, extras: bool) -> Sm90Forward:
+        """The variant with SM90_TILES' tile."""
+        return cls(dtype, head_dim, local, extras, *SM90_TILES[head_dim, local])
 
     @property
     def block_m(self) -> int:
         return 64 * SM90_CONSUMERS
-
-    @property
-    def block_n(self) -> int:
-        return SM90_TILES[self.head_dim][0]
-
-    @property
-    def stages(self) -> int:
-        return SM90_TILES[self.head_dim][1]
 
     @property
     def instance(self) -> str:
@@ -289,8 +288,10 @@ SM90_CONSUMERS = 2
 # engine one tile ahead and its latency exposed (H200, bf16, 16k tokens: 2 -> 3 stages,
 # 16k 502 -> 651 TFLOP/s, 1k 390 -> 472). At d 256 a tile of 64 keys keeps S, P and O
 # in a consumer's 240 registers, and two stages fit beside Q.
-SM90_TILES = {64: (128, 3), 128: (128, 3), 256: (64, 2)}
-SM90_HEAD_DIMS = tuple(SM90_TILES)
+SM90_TILES = {(64, False): (128, 3), (64, True): (128, 3),
+              (128, False): (128, 3), (128, True): (128, 3),
+              (256, False): (64, 2), (256, True): (64, 2)}  # (head dim, causal or windowed) -> tile
+SM90_HEAD_DIMS = tuple(sorted({d for d, _ in SM90_TILES}))
 
 
 def has_tile(kind: str, head_dim: int, extras: bool, shared_limit: int) -> bool:
@@ -314,7 +315,7 @@ def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge | Sm90Forward]:
     """Every variant cuflash can launch on ``arch``: for sm_90a the sm90 kernels (the
     mma.sync ones run on compute capability 9.0 as sm_90)."""
     if arch == "sm_90a":
-        return [Sm90Forward(*v) for v in itertools.product(DTYPES, SM90_HEAD_DIMS, (False, True), (False, True))]
+        return [Sm90Forward.of(*v) for v in itertools.product(DTYPES, SM90_HEAD_DIMS, (False, True), (False, True))]
     limit = shared_memory_limit(arch)
     flags = (False, True)
     tiled = [kernel(kind, dtype, bucket, local, vec, extras, limit)
@@ -426,7 +427,7 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
     """The sm_90a forward's plan: its Params, and the maps of Q, K and V (packed arrays as
     one batch of all rows; each CTA starts at its sequence's first)."""
     head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
-    kernel = Sm90Forward(q.dtype, head_dim, options.local, options.extras)
+    kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras)
     maps = []
     for name, a, rows in (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n)):
         shape, strides = (a.shape, a.strides) if varlen is None else \
