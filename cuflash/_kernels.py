@@ -42,7 +42,8 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: Array
 
 def forward_launcher(q, k, v, out, options: Options, varlen: Varlen | None) -> Launcher:
     """The forward of this call signature, ready to launch with (stream, q, k, v, out, lse pointers)."""
-    return Launcher(_plan.forward(q, k, v, out, options, varlen, shared_limit(q.device), sm90a(q.device)), q.device)
+    return Launcher(_plan.forward(q, k, v, out, options, varlen, shared_limit(q.device), sm90a(q.device),
+                                  multiprocessors(q.device)), q.device)
 
 
 def sm90a(device: int) -> bool:

@@ -256,7 +256,7 @@ def _lookup(key) -> _Warm | None:
 
 def _remember(key, warm: _Warm, q: _arrays.ArrayInfo) -> None:
     """Keep a signature that ran on the GPU, with what its warm calls need."""
-    if warm.launcher is not None:
+    if key is not None and warm.launcher is not None:
         warm.calls, warm.device = _arrays.library(q.obj), q.device
         _warm_calls.remember(_warm, key, warm)
 

@@ -4,7 +4,7 @@ tensors: TFLOP/s, CUDA events, median of rounds taken in turns after a warm-up
 (bench's timing rules).
 
     PYTHONPATH=. python scripts/sm90_bench.py [--dtype float16] [--batch-tokens 16384] [--head-dim 128]
-                                              [--tile 176,2]
+                                              [--tile 64,3] [--blocks]
 """
 import argparse
 
@@ -15,17 +15,19 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from cuflash import _arrays, _kernels, _options, _plan, bench
 
 
-def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None):
+def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=True):
     """The forward of q, k, v into out on one path, planned once (on the sm_90a kernel with
-    ``tile``, (keys, stages), instead of the planner's): a zero-argument call."""
+    ``tile``, (keys, stages), instead of the planner's; a CTA per tile unless
+    ``persistent``): a zero-argument call."""
     infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))]
     options = _options.make_options(infos[0], infos[1], causal, None, (-1, -1), 0.0, None, 0.0, None, 0,
                                     backward=False)
-    entry = (next(d for d in _plan.SM90_HEAD_DIMS if d >= q.shape[-1]), causal)
+    entry = next(d for d in _plan.SM90_HEAD_DIMS if d >= q.shape[-1])
     planned = _plan.SM90_TILES[entry]
     _plan.SM90_TILES[entry] = tile or planned
     try:
-        plan = _plan.forward(*infos, options, None, _kernels.shared_limit(q.device.index), sm90a)
+        plan = _plan.forward(*infos, options, None, _kernels.shared_limit(q.device.index), sm90a,
+                             _kernels.multiprocessors(q.device.index) if persistent else 0)
     finally:
         _plan.SM90_TILES[entry] = planned
     assert (plan.struct.__name__ == "Sm90Params") == sm90a, "the sm_90a forward does not take this call"
@@ -40,15 +42,18 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384, help="batch x seqlen of every cell")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--tile", help="KEYS,STAGES: also time the sm_90a kernel with this tile (column 'tile')")
+    parser.add_argument("--blocks", action="store_true",
+                        help="also time the sm_90a kernel on a grid of a CTA per tile (column 'blocks')")
     args = parser.parse_args()
     d = args.head_dim
     kernel_dim = next(k for k in _plan.SM90_HEAD_DIMS if k >= d)
     tile = tuple(map(int, args.tile.split(","))) if args.tile else None
     dtype = getattr(torch, args.dtype)
     heads = 2048 // d
-    columns = ("sm90", *(("tile",) if tile else ()), "mma.sync", "sdpa-cudnn", "sdpa-flash")
+    columns = ("sm90", *(("tile",) if tile else ()), *(("blocks",) if args.blocks else ()), "mma.sync",
+               "sdpa-cudnn", "sdpa-flash")
     print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90 (keys a tile, stages): "
-          f"{_plan.SM90_TILES[kernel_dim, False]} / causal {_plan.SM90_TILES[kernel_dim, True]}; tile: {tile}")
+          f"{_plan.SM90_TILES[kernel_dim]}; tile: {tile}")
     print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}")
     for seqlen in (1024, 2048, 4096, 8192, 16384):
         batch = max(1, args.batch_tokens // seqlen)
@@ -60,6 +65,8 @@ def main() -> None:
                      "mma.sync": forward_call(q, k, v, out, causal, False)}
             if tile:
                 calls["tile"] = forward_call(q, k, v, out, causal, True, tile)
+            if args.blocks:
+                calls["blocks"] = forward_call(q, k, v, out, causal, True, persistent=False)
             for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
                 def call(backend=backend):
                     with sdpa_kernel(backend):

@@ -2,10 +2,12 @@
 //
 // Head dims of 64, 128 and 256 (the planner rounds others up: the copy engine brings the
 // columns past the array's as zeros, and the output stores only the array's own).
-// One CTA per (block of kConsumers x 64 query rows, head, batch): a producer warpgroup
-// whose one thread asks the copy engine for Q once and for each key tile's K and V, into a
-// ring of kStages stages; consumer warpgroup c owns query rows 64c .. 64c + 63 of the
-// block. Per key tile n (the last first, as the mma.sync forward):
+// Each CTA takes tiles (a block of kConsumers x 64 query rows of one head and sequence)
+// from the tile scheduler (Sm90Tiles) until none is left: a persistent grid. A producer
+// warpgroup's one thread asks the copy engine for each tile's Q and for its key tiles' K
+// and V, into a ring of kStages stages that runs on from tile to tile; consumer warpgroup c
+// owns query rows 64c .. 64c + 63 of the tile. Per key tile n (the last first, as the
+// mma.sync forward):
 //
 //   S = Q K_n^T                    wgmma, Q and K from shared memory
 //   S = mod(S);  S = mask(S)       score.cuh, mask.cuh (the accumulator layout is mma.sync's)
@@ -13,10 +15,12 @@
 //   P = dropout(P)                 score.cuh
 //   O += P V_n                     wgmma, P from registers, V read N-major
 //
-// then O / l and the LSE go straight from registers to global memory. The pieces: the
-// shared layout and its loads (Sm90Shared), the rows and tiles of a CTA (Sm90Block), the
-// products (issue_scores, issue_values), the consumers' turns at the tensor cores
-// (TurnTaking), the output (store_output) and the entry that ties them together.
+// then O / l and the LSE go straight from registers to global memory, while the producer
+// loads the next tile's Q (released at the tile's last S) and first keys. The pieces: the
+// shared layout and its loads (Sm90Shared), the order of the tiles (Sm90Tiles), the rows and
+// key tiles of a tile (Sm90Block), the products (issue_scores, issue_values), the
+// consumers' turns at the tensor cores (TurnTaking), the output (store_output) and the
+// entry that ties them together.
 #include "common.cuh"
 #include "mask.cuh"
 #include "score.cuh"
@@ -28,8 +32,8 @@
 namespace cuflash {
 
 // Shared memory, byte offsets from a 1024-byte aligned start (the swizzle's atoms): Q,
-// kStages K tiles, kStages V tiles, then the barriers: Q's, kStages "landed", kStages
-// "released". A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes, one after the
+// kStages K tiles, kStages V tiles, then the barriers: Q's two ("landed", "released"),
+// kStages "landed", kStages "released". A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes, one after the
 // other. Dynamic shared memory is promised less alignment: the launch asks for 1024 bytes
 // more (_sm90.shared_bytes).
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
@@ -39,7 +43,7 @@ struct Sm90Shared {
   static constexpr int kKvTile = kBlockN * kHeadDim * 2;
   static constexpr int kQ = 0, kK = kQ + kBlockM * kHeadDim * 2, kV = kK + kStages * kKvTile;
   static constexpr int kBarriers = kV + kStages * kKvTile;
-  static constexpr int kBytes = kBarriers + (2 * kStages + 1) * 8 + 1024;
+  static constexpr int kBytes = kBarriers + (2 * kStages + 2) * 8 + 1024;
 
   unsigned char* base;
 
@@ -52,11 +56,14 @@ struct Sm90Shared {
   __device__ __forceinline__ sm90::Barrier q_landed() const {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers)};
   }
+  __device__ __forceinline__ sm90::Barrier q_released() const {
+    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + 1};
+  }
   __device__ __forceinline__ sm90::Barrier landed(int stage) const {
-    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + 1 + stage};
+    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + 2 + stage};
   }
   __device__ __forceinline__ sm90::Barrier released(int stage) const {
-    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + 1 + kStages + stage};
+    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + 2 + kStages + stage};
   }
 
   // The loads, each by one thread: Q's rows from `row`, and key tile n's K and V (rows
@@ -78,7 +85,26 @@ struct Sm90Shared {
   }
 };
 
-// The rows a CTA computes, the key tiles they see and what is done to their scores.
+// The tiles of a launch, numbered 0 .. count - 1; CTA c takes c, c + gridDim.x, ... (a grid
+// of one CTA a tile is the plain launch). A head's query blocks go together, sharing its K
+// and V in L2, the last first (under a causal mask the longest: the short ones fill in at
+// the end).
+template <int kBlockM>
+struct Sm90Tiles {
+  int m_blocks, heads, count;
+
+  static __device__ __forceinline__ Sm90Tiles of(const Sm90Params& args) {
+    const int m_blocks = ceil_div(args.p.seqlen_q, kBlockM);  // packed: the longest sequence's
+    return {m_blocks, args.p.nheads, m_blocks * args.p.nheads * args.batch};
+  }
+  // Tile t's (query block, head, batch).
+  __device__ __forceinline__ void at(int t, int& m_block, int& head, int& batch) const {
+    const int pair = t / m_blocks;  // head + heads * batch
+    m_block = m_blocks - 1 - t % m_blocks, head = pair % heads, batch = pair / heads;
+  }
+};
+
+// The rows a tile computes, the key tiles they see and what is done to their scores.
 template <int kBlockM, int kBlockN, bool kLocal, bool kExtras>
 struct Sm90Block {
   Sequence seq;
@@ -90,10 +116,9 @@ struct Sm90Block {
   int m0, row_end, n_begin, n_end, head, kv_head, batch;
   int tma_batch;     // the batch coordinate of the maps: 0 for packed arrays
 
-  static __device__ __forceinline__ Sm90Block of(const Params& p) {
+  static __device__ __forceinline__ Sm90Block of(const Params& p, int m_block, int head, int batch) {
     Sm90Block b;
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    b.head = blockIdx.y, b.batch = blockIdx.z, b.kv_head = b.head / p.heads_per_kv;
+    b.head = head, b.batch = batch, b.kv_head = head / p.heads_per_kv;
     b.tma_batch = p.cu_seqlens_q ? 0 : b.batch;
     b.seq = Sequence::of(p, b.batch);
     b.mask = Mask<kLocal>::of(b.seq.seqlen_q, b.seq.seqlen_k, p.window_left, p.window_right);
@@ -207,7 +232,8 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
 // 65,536 of a multiprocessor). A stage is "landed" when its bytes have arrived and
 // "released" when every consumer thread is done with it; the producer waits for the
 // release before it refills the stage (a fresh barrier counts as released: its waits
-// start on the other parity).
+// start on the other parity). The ring's stages and their phases count key tiles across
+// the CTA's tiles (`loaded`, `used`); Q is landed and released once a tile.
 //
 // A consumer's turn j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then turns
 // S_j into P_j while the second product runs (HOPPER.md's intra-warpgroup overlap): O is
@@ -219,21 +245,27 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
 template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras>
 __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     attention_forward_sm90(const __grid_constant__ Sm90Params args) {
-  static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
-                    (kBlockN == 64 || kBlockN == 128 || kBlockN == 176),
-                "the products: m64n64, m64n128 (two for a head dim of 256) and m64n176");
+  static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) && (kBlockN == 64 || kBlockN == 128),
+                "the products: m64n64 and m64n128 (two for a head dim of 256)");
   static_assert(kConsumers == 2, "turn taking between two consumers");
   constexpr int kBlockM = 64 * kConsumers;
+  using Block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   const auto shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>::of(dynamic_shared);
   const Params& p = args.p;
-  const auto block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>::of(p);
-  if (block.m0 >= block.seq.seqlen_q) return;  // packed: the grid covers the longest sequence
+  const auto schedule = Sm90Tiles<kBlockM>::of(args);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
-  const int tiles = max(0, block.n_end - block.n_begin);  // key tiles n_end - 1 down to n_begin
+  // Tile t's rows and key tiles; false where they are past its sequence (packed arrays:
+  // the tiles cover the longest).
+  auto tile = [&](int t, Block& block) {
+    int m_block, head, batch;
+    schedule.at(t, m_block, head, batch);
+    block = Block::of(p, m_block, head, batch);
+    return block.m0 < block.seq.seqlen_q;
+  };
 
   if (threadIdx.x == 0) {
-    shared.q_landed().init(1);
+    shared.q_landed().init(1), shared.q_released().init(kConsumers * 128);
     for (int s = 0; s < kStages; ++s) shared.landed(s).init(1), shared.released(s).init(kConsumers * 128);
     sm90::Barrier::fence_init();
   }
@@ -242,70 +274,92 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   if (group == 0) {  // the producer
     sm90::set_max_registers<24, false>();
     if (threadIdx.x == 0) {
-      shared.load_q(args, block.q_row(), block.head, block.tma_batch);
-      for (int j = 0; j < tiles; ++j) {
-        const int stage = j % kStages;
-        shared.released(stage).wait(((j / kStages) & 1) ^ 1);
-        shared.load_kv(args, block.k_row(block.n_end - 1 - j), stage, block.kv_head, block.tma_batch);
+      int loaded = 0, round = 0;  // key tiles and tiles so far
+      for (int t = blockIdx.x; t < schedule.count; t += gridDim.x) {
+        Block block;
+        if (!tile(t, block)) continue;
+        shared.q_released().wait((round++ & 1) ^ 1);
+        shared.load_q(args, block.q_row(), block.head, block.tma_batch);
+        for (int n = block.n_end - 1; n >= block.n_begin; --n, ++loaded) {
+          const int stage = loaded % kStages;
+          shared.released(stage).wait(((loaded / kStages) & 1) ^ 1);
+          shared.load_kv(args, block.k_row(n), stage, block.kv_head, block.tma_batch);
+        }
       }
     }
   } else {  // a consumer
     sm90::set_max_registers<240, true>();
     const int consumer = group - 1, warp_row0 = 64 * consumer + 16 * (warp % 4);
     const TurnTaking turns{consumer};
-    float acc_o[1][kHeadDim / 8][4] = {};
+    float acc_o[1][kHeadDim / 8][4];
     float acc_s[1][kBlockN / 8][4];
     unsigned p_frag[kBlockN / 16][4];
     float alpha[1][2];
-    OnlineSoftmax<1, true> softmax;
-    softmax.init();
-    shared.q_landed().wait(0);
-    // S_j -> P_j: S = mod(S) (softcap, ALiBi); S = -inf where hidden; m and l moved,
-    // P = exp(S - m); then, once O += P_{j-1} V_{j-1} has landed (stage `previous`
-    // released), O scaled and P = dropout(P).
-    const int row0 = block.m0 + warp_row0;
-    auto softmax_step = [&](int j, bool values_in_flight, int previous) {
-      const int n0 = (block.n_end - 1 - j) * kBlockN;
-      if (values_in_flight) sm90::wgmma_wait<1>(); else sm90::wgmma_wait<0>();
-      sm90::fence_operands(acc_s);
-      if constexpr (kExtras) block.mod.apply(acc_s, row0, n0, lane);
-      if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
-      const bool moves = softmax.update_scores(acc_s, block.scale_log2, alpha);
-      if (values_in_flight) {
+    int used = 0, round = 0;  // key tiles and tiles so far
+    for (int t = blockIdx.x; t < schedule.count; t += gridDim.x) {
+      Block block;
+      if (!tile(t, block)) continue;
+      const int tiles = max(0, block.n_end - block.n_begin);  // key tiles n_end - 1 down to n_begin
+      const int row0 = block.m0 + warp_row0;
+      OnlineSoftmax<1, true> softmax;
+      softmax.init();
+#pragma unroll
+      for (int dt = 0; dt < kHeadDim / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+      auto stage_of = [&](int j) { return (used + j) % kStages; };
+      auto phase_of = [&](int j) { return ((used + j) / kStages) & 1; };
+      shared.q_landed().wait(round++ & 1);
+      // S_j -> P_j: S = mod(S) (softcap, ALiBi); S = -inf where hidden; m and l moved,
+      // P = exp(S - m); then, once O += P_{j-1} V_{j-1} has landed (its stage released),
+      // O scaled and P = dropout(P). After the tile's last S, Q is released.
+      auto softmax_step = [&](int j, bool values_in_flight) {
+        const int n0 = (block.n_end - 1 - j) * kBlockN;
+        if (values_in_flight) sm90::wgmma_wait<1>(); else sm90::wgmma_wait<0>();
+        sm90::fence_operands(acc_s);
+        if (j == tiles - 1) shared.q_released().arrive();
+        if constexpr (kExtras) block.mod.apply(acc_s, row0, n0, lane);
+        if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
+        const bool moves = softmax.update_scores(acc_s, block.scale_log2, alpha);
+        if (values_in_flight) {
+          sm90::wgmma_wait<0>();
+          sm90::fence_operands(acc_o);
+          shared.released(stage_of(j - 1)).arrive();
+        }
+        if (moves) softmax.scale_output(acc_o, alpha);
+        if (kExtras && block.dropping) block.dropout.apply(acc_s, row0, n0, lane);
+        pack_p<T>(acc_s, p_frag);
+      };
+      // Turns 0 .. tiles, consumer 0 first; consumer 1 passes no turn after its last, so
+      // that every wait_turn is matched by one pass_turn within the tile. (The products
+      // stay out of branches: ptxas serialises wgmma in a path it cannot prove warp-uniform.)
+      if (tiles > 0) {
+        if (consumer == 1) turns.pass_turn();
+        shared.landed(stage_of(0)).wait(phase_of(0));
+        turns.wait_turn();
+        issue_scores<T>(shared, stage_of(0), consumer, acc_s);
+        turns.pass_turn();
+        softmax_step(0, false);
+        for (int j = 1; j < tiles; ++j) {
+          shared.landed(stage_of(j)).wait(phase_of(j));
+          turns.wait_turn();
+          issue_scores<T>(shared, stage_of(j), consumer, acc_s);
+          issue_values<T>(shared, stage_of(j - 1), p_frag, acc_o);
+          turns.pass_turn();
+          softmax_step(j, true);
+        }
+        turns.wait_turn();
+        issue_values<T>(shared, stage_of(tiles - 1), p_frag, acc_o);
+        if (consumer == 0) turns.pass_turn();
         sm90::wgmma_wait<0>();
         sm90::fence_operands(acc_o);
-        shared.released(previous).arrive();
+        shared.released(stage_of(tiles - 1)).arrive();
+      } else {
+        shared.q_released().arrive();  // (rows that see no key: O = 0, LSE = +inf)
       }
-      if (moves) softmax.scale_output(acc_o, alpha);
-      if (kExtras && block.dropping) block.dropout.apply(acc_s, row0, n0, lane);
-      pack_p<T>(acc_s, p_frag);
-    };
-    // Turns 0 .. tiles, consumer 0 first; consumer 1 passes no turn after its last, so
-    // that every wait_turn is matched by one pass_turn. (The products stay out of
-    // branches: ptxas serialises wgmma in a path it cannot prove warp-uniform.)
-    if (tiles > 0) {
-      if (consumer == 1) turns.pass_turn();
-      shared.landed(0).wait(0);
-      turns.wait_turn();
-      issue_scores<T>(shared, 0, consumer, acc_s);
-      turns.pass_turn();
-      softmax_step(0, false, 0);
-      for (int j = 1; j < tiles; ++j) {
-        const int stage = j % kStages, previous = (j - 1) % kStages;
-        shared.landed(stage).wait((j / kStages) & 1);
-        turns.wait_turn();
-        issue_scores<T>(shared, stage, consumer, acc_s);
-        issue_values<T>(shared, previous, p_frag, acc_o);
-        turns.pass_turn();
-        softmax_step(j, true, previous);
-      }
-      turns.wait_turn();
-      issue_values<T>(shared, (tiles - 1) % kStages, p_frag, acc_o);
-      if (consumer == 0) turns.pass_turn();
-      sm90::wgmma_wait<0>();
-      sm90::fence_operands(acc_o);
+      used += tiles;
+      store_output<T>(p, block, warp_row0, lane, softmax, acc_o);
     }
-    store_output<T>(p, block, warp_row0, lane, softmax, acc_o);
   }
 }
 

@@ -70,8 +70,8 @@ __device__ __forceinline__ void set_max_registers() {
 
 // The products, m64nNk16 with fp32 accumulators d[0][kFirst + j][0..3] (j < N / 8: the
 // accumulator tiles of a larger array from tile kFirst on, so that a product of N = 256 can
-// be two of N = 128), for N = 64 and 128 (key tiles and head dims) and 176 (the wide key
-// tile of _plan.SM90_TILES):
+// be two of N = 128), for N = 64 and 128 (the key tiles and head dims of
+// _plan.SM90_TILES):
 //   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory; D is overwritten
 //                        where accumulate is 0.
 //   Wgmma<T, N>::rs_bt   D += A B, A in registers (the mma.sync A fragment of each warp's
@@ -130,17 +130,6 @@ CUFLASH_WGMMA_N(128,
                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
                 "%64", "%65", "%66", "{%64, %65, %66, %67}, %68")
 #undef CUFLASH_WGMMA_D128
-
-#define CUFLASH_WGMMA_D176 \
-  CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4), \
-  CUFLASH_WGMMA_D4(5), CUFLASH_WGMMA_D4(6), CUFLASH_WGMMA_D4(7), CUFLASH_WGMMA_D4(8), CUFLASH_WGMMA_D4(9), \
-  CUFLASH_WGMMA_D4(10), CUFLASH_WGMMA_D4(11), CUFLASH_WGMMA_D4(12), CUFLASH_WGMMA_D4(13), \
-  CUFLASH_WGMMA_D4(14), CUFLASH_WGMMA_D4(15), CUFLASH_WGMMA_D4(16), CUFLASH_WGMMA_D4(17), \
-  CUFLASH_WGMMA_D4(18), CUFLASH_WGMMA_D4(19), CUFLASH_WGMMA_D4(20), CUFLASH_WGMMA_D4(21)
-CUFLASH_WGMMA_N(176,
-                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}",
-                "%88", "%89", "%90", "{%88, %89, %90, %91}, %92")
-#undef CUFLASH_WGMMA_D176
 
 #undef CUFLASH_WGMMA_N
 #undef CUFLASH_WGMMA
