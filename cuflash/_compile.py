@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import struct
 import threading
 import time
@@ -262,6 +261,7 @@ def _write_atomic(path: Path, data: bytes) -> bool:
     """Write ``path`` whole or not at all (a new file beside it, renamed over it); False
     if it cannot be written. No fsync: an entry torn by a power cut fails its hash
     check and is rebuilt."""
+    import secrets  # (writes only: a process that loads its kernels from the cache never imports it)
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

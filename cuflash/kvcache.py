@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from . import _arrays, _kernels, _options, cpu
+from . import _arrays, _kernels, _options
 from . import _warm as _warm_calls
 
 __all__ = ["attention_with_kvcache", "merge_states"]
@@ -71,6 +71,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                                     alibi_slopes, 0.0, None, 0, backward=False, seqlen_k=cache.capacity)
     _options.check_bool("return_lse", return_lse)
     if infos["q"].device is None:
+        from . import cpu  # (the CPU path only: a GPU process need not import it)
         out, lse = cpu.attention_with_kvcache(q, k_cache, v_cache, k, v, cache, options)
         return (out, lse) if return_lse else out
     q_info = infos["q"]
@@ -177,6 +178,7 @@ def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     seqlen_k=varlen.max_seqlen_k)
     _options.check_bool("return_lse", return_lse)
     if infos["q"].device is None:  # the pages gathered into packed k and v, then the varlen call
+        from . import cpu
         table, lengths = np.asarray(cache.block_table.obj), cache.lengths
         pages = [table[b, :-(-int(n) // cache.page_size)] for b, n in enumerate(lengths)]
         k_packed, v_packed = (np.concatenate([x[p].reshape(-1, *x.shape[2:])[:n] for p, n in zip(pages, lengths)])
