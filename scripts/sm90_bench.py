@@ -4,7 +4,7 @@ tensors: TFLOP/s, CUDA events, median of rounds taken in turns after a warm-up
 (bench's timing rules).
 
     PYTHONPATH=. python scripts/sm90_bench.py [--dtype float16] [--batch-tokens 16384] [--head-dim 128]
-                                              [--tile 64,3] [--blocks]
+                                              [--tile 80,2] [--blocks]
 """
 import argparse
 
@@ -41,7 +41,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--batch-tokens", type=int, default=16384, help="batch x seqlen of every cell")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--tile", help="KEYS,STAGES: also time the sm_90a kernel with this tile (column 'tile')")
+    parser.add_argument("--tile", help="KEYS,STAGES: also time the sm_90a kernel with this tile (column 'tile'), "
+                                       "and print how far its output is from the planner's tile's")
     parser.add_argument("--blocks", action="store_true",
                         help="also time the sm_90a kernel on a grid of a CTA per tile (column 'blocks')")
     args = parser.parse_args()
@@ -54,7 +55,8 @@ def main() -> None:
                "sdpa-cudnn", "sdpa-flash")
     print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90 (keys a tile, stages): "
           f"{_plan.SM90_TILES[kernel_dim]}; tile: {tile}")
-    print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}")
+    print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}"
+          + (f" {'tile err':>10}" if tile else ""))  # max |out - sm90's out|
     for seqlen in (1024, 2048, 4096, 8192, 16384):
         batch = max(1, args.batch_tokens // seqlen)
         for causal in (False, True):
@@ -63,8 +65,9 @@ def main() -> None:
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             calls = {"sm90": forward_call(q, k, v, out, causal, True),
                      "mma.sync": forward_call(q, k, v, out, causal, False)}
-            if tile:
-                calls["tile"] = forward_call(q, k, v, out, causal, True, tile)
+            if tile:  # (into an output of its own, held against the planner's tile's below)
+                tile_out = torch.empty_like(q)
+                calls["tile"] = forward_call(q, k, v, tile_out, causal, True, tile)
             if args.blocks:
                 calls["blocks"] = forward_call(q, k, v, out, causal, True, persistent=False)
             for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
@@ -75,8 +78,12 @@ def main() -> None:
             ms = bench._median_ms_each(calls, torch)
             flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
             tflops = {name: flops / (t * 1e9) for name, t in ms.items()}
+            differs = ""
+            if tile:
+                calls["sm90"](), calls["tile"]()
+                differs = f" {(out.float() - tile_out.float()).abs().max().item():10.2e}"
             print(f"{seqlen:6d} {str(causal):>6} " + " ".join(f"{tflops[c]:11.1f}" for c in columns)
-                  + f" {tflops['sm90'] / tflops['sdpa-cudnn']:10.2f}", flush=True)
+                  + f" {tflops['sm90'] / tflops['sdpa-cudnn']:10.2f}" + differs, flush=True)
 
 
 if __name__ == "__main__":

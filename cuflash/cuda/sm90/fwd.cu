@@ -245,8 +245,9 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
 template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras>
 __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     attention_forward_sm90(const __grid_constant__ Sm90Params args) {
-  static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) && (kBlockN == 64 || kBlockN == 128),
-                "the products: m64n64 and m64n128 (two for a head dim of 256)");
+  static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
+                    (kBlockN == 64 || kBlockN == 80 || kBlockN == 128),
+                "the products: m64n64, m64n80 and m64n128 (two for a head dim of 256)");
   static_assert(kConsumers == 2, "turn taking between two consumers");
   constexpr int kBlockM = 64 * kConsumers;
   using Block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>;

@@ -70,8 +70,8 @@ __device__ __forceinline__ void set_max_registers() {
 
 // The products, m64nNk16 with fp32 accumulators d[0][kFirst + j][0..3] (j < N / 8: the
 // accumulator tiles of a larger array from tile kFirst on, so that a product of N = 256 can
-// be two of N = 128), for N = 64 and 128 (the key tiles and head dims of
-// _plan.SM90_TILES):
+// be two of N = 128), for N = 64, 80 and 128 (the key tiles and head dims of
+// _plan.SM90_TILES; 80 keys is FlashAttention-3's tile at d 256):
 //   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory; D is overwritten
 //                        where accumulate is 0.
 //   Wgmma<T, N>::rs_bt   D += A B, A in registers (the mma.sync A fragment of each warp's
@@ -120,6 +120,14 @@ CUFLASH_WGMMA_N(64,
                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
                 "%32", "%33", "%34", "{%32, %33, %34, %35}, %36")
 #undef CUFLASH_WGMMA_D64
+
+#define CUFLASH_WGMMA_D80 \
+  CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4), \
+  CUFLASH_WGMMA_D4(5), CUFLASH_WGMMA_D4(6), CUFLASH_WGMMA_D4(7), CUFLASH_WGMMA_D4(8), CUFLASH_WGMMA_D4(9)
+CUFLASH_WGMMA_N(80,
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}",
+                "%40", "%41", "%42", "{%40, %41, %42, %43}, %44")
+#undef CUFLASH_WGMMA_D80
 
 #define CUFLASH_WGMMA_D128 \
   CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4), \
