@@ -1,7 +1,10 @@
 """A cached first call in a new process: import cuflash, load the kernel from the disk
 cache, launch. Run it twice (the first run fills the cache); the CUDA context and the
-input are made before the clock starts, as an application would have them.
+input are made before the clock starts, as an application would have them. Where Python
+writes no bytecode (PYTHONDONTWRITEBYTECODE, a fresh copy of the tree) every import
+compiles cuflash's sources; compile them first, as a pip install does:
 
+    python -m compileall -q cuflash
     PYTHONPATH=. python scripts/first_call.py [cupy|torch]
 """
 import sys
