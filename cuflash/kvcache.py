@@ -76,14 +76,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         return (out, lse) if return_lse else out
     q_info = infos["q"]
     lse_shape = (q_info.shape[0], q_info.shape[2], q_info.shape[1])
-    launchers = []
-
-    def launcher_for(out):
-        launchers.append(_kernels.decode_launcher(arrays, out, cache, options))
-        return launchers[0]
-    out, lse = _decode_gpu(infos, lse_shape, return_lse, launcher_for)
+    out, lse, launcher = _decode_gpu(infos, lse_shape, return_lse,
+                                     lambda out: _kernels.decode_launcher(arrays, out, cache, options))
     if key is not None:
-        _warm_calls.remember(_warm, key, _Warm(launchers[0], _arrays.library(q), q_info.device, tuple(infos),
+        _warm_calls.remember(_warm, key, _Warm(launcher, _arrays.library(q), q_info.device, tuple(infos),
                                                q_info.shape, q_info.dtype, lse_shape if return_lse else None))
     return (out, lse) if return_lse else out
 
@@ -102,10 +98,7 @@ class _Warm:
     def __init__(self, launcher, calls, device: int, arrays: tuple, out_shape: tuple, dtype: str, lse_shape):
         self.launcher, self.calls, self.device, self.arrays = launcher, calls, device, arrays
         self.out_shape, self.dtype, self.lse_shape = out_shape, calls.dtype(dtype), lse_shape
-        self.work = None
-        if launcher.plan.workspace:  # the splits' results, in one allocation: (floats, partial_lse's offset)
-            (_, o_shape, _), (_, partial_lse_shape, _) = launcher.plan.workspace
-            self.work = (math.prod(o_shape) + math.prod(partial_lse_shape), 4 * math.prod(o_shape))
+        self.work = _workspace(launcher)
 
 
 _warm: dict = {}
@@ -140,24 +133,32 @@ def _is_array(x) -> bool:
     return hasattr(x, "shape") and not isinstance(x, np.generic)
 
 
+def _workspace(launcher) -> tuple[int, int] | None:
+    """The splits' results (partial O, then partial LSE) as one float32 allocation: its
+    length and partial LSE's byte offset; None where the plan has a single split."""
+    if not launcher.plan.workspace:
+        return None
+    (_, o_shape, _), (_, partial_lse_shape, _) = launcher.plan.workspace
+    return math.prod(o_shape) + math.prod(partial_lse_shape), 4 * math.prod(o_shape)
+
+
 def _decode_gpu(infos: dict, lse_shape: tuple, return_lse: bool, launcher_for):
     """``_decode_warm`` for described arrays of any library (JAX's too): ``launcher_for(out)``
-    the launcher. Returns (out, lse or None), the caller's kind."""
+    the launcher. Returns (out, lse or None) of the caller's kind, and the launcher."""
     q = infos["q"]
     framework = _arrays.Framework(q)
     out = framework.empty(q.shape, q.dtype)
     lse = framework.empty(lse_shape, "float32") if return_lse else None
     launcher = launcher_for(out)
     partial_o = partial_lse = 0
-    if launcher.plan.workspace:  # the splits' results, in one allocation
-        (_, o_shape, _), (_, partial_lse_shape, _) = launcher.plan.workspace
-        o_size = math.prod(o_shape)
-        work = framework.empty((o_size + math.prod(partial_lse_shape),), "float32")
-        partial_o, partial_lse = work.ptr, work.ptr + 4 * o_size
+    sizes = _workspace(launcher)
+    if sizes is not None:  # (held until the launch)
+        work = framework.empty((sizes[0],), "float32")
+        partial_o, partial_lse = work.ptr, work.ptr + sizes[1]
     pointers = {name: a.ptr for name, a in infos.items()}
     launcher(framework.stream, *_kernels.decode_pointers(pointers, out.ptr, 0 if lse is None else lse.ptr,
                                                          partial_o, partial_lse))
-    return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
+    return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj), launcher
 
 
 def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, *,
@@ -193,8 +194,8 @@ def attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if options.alibi is not None:
         infos["alibi_slopes"] = options.alibi
     arrays = {name: infos[name] for name in ("q", "k_cache", "v_cache")}
-    out, lse = _decode_gpu(infos, (q.shape[1], q.shape[0]), return_lse,
-                           lambda out: _kernels.decode_launcher(arrays, out, cache, options, varlen))
+    out, lse, _ = _decode_gpu(infos, (q.shape[1], q.shape[0]), return_lse,
+                              lambda out: _kernels.decode_launcher(arrays, out, cache, options, varlen))
     return (out, lse) if return_lse else out
 
 
