@@ -250,8 +250,9 @@ class Sm90Forward(NamedTuple):
 
     @classmethod
     def of(cls, dtype: str, head_dim: int, local: bool, extras: bool) -> Sm90Forward:
-        """The variant with SM90_TILES' tile."""
-        return cls(dtype, head_dim, local, extras, *SM90_TILES[head_dim])
+        """The variant with the planner's tile (SM90_TILES, SM90_BANDED_EXTRAS_TILES)."""
+        tile = SM90_BANDED_EXTRAS_TILES.get(head_dim) if local and extras else None
+        return cls(dtype, head_dim, local, extras, *(tile or SM90_TILES[head_dim]))
 
     @property
     def block_m(self) -> int:
@@ -296,9 +297,13 @@ SM90_PERSISTENT = True
 # Head dim -> (keys a tile, K/V stages). Three stages at d 128 (225 KiB of shared memory
 # with Q): a consumer holds a tile's V until its next turn, so two stages left the copy
 # engine one tile ahead and its latency exposed (H200, bf16, 16k tokens: 2 -> 3 stages,
-# 16k 502 -> 651 TFLOP/s, 1k 390 -> 472). At d 256 a tile of 64 keys keeps S, P and O
-# in a consumer's 240 registers, and two stages fit beside Q.
-SM90_TILES = {64: (128, 3), 128: (128, 3), 256: (64, 2)}
+# 16k 502 -> 651 TFLOP/s, 1k 390 -> 472). At d 256 FlashAttention-3's tile of 80 keys
+# keeps S, P and O in a consumer's 240 registers, and two stages fit beside Q (225 KiB):
+# 1.03-1.08x the 64-key tile at 1k-16k, causal or not (bf16, same run). The causal or
+# windowed variant with softcap, ALiBi or dropout spills 4 bytes with 80 keys and keeps
+# 64 (SM90_BANDED_EXTRAS_TILES).
+SM90_TILES = {64: (128, 3), 128: (128, 3), 256: (80, 2)}
+SM90_BANDED_EXTRAS_TILES = {256: (64, 2)}
 SM90_HEAD_DIMS = tuple(SM90_TILES)
 
 
