@@ -300,11 +300,12 @@ def device_arch(device_id: int) -> str:
 
 
 @functools.cache
-def load_kernel(source: str, instance: str, device_id: int, shared_bytes: int, arch: str = "") -> int:
+def load_kernel(source: str, instance: str, device_id: int, shared_bytes: int, arch: str = "",
+                clustered: bool = False) -> int:
     """The CUfunction handle of ``instance`` on ``device_id``, compiled on first
     use (for ``arch``, or the device's own) and allowed ``shared_bytes`` of dynamic
-    shared memory."""
+    shared memory (and, ``clustered``, clusters of up to 16 CTAs)."""
     from . import _driver
     with _lock:
         compiled = compile_kernel(source, instance, arch or device_arch(device_id))
-        return _driver.load_function(compiled.cubin, compiled.lowered_name, device_id, shared_bytes)
+        return _driver.load_function(compiled.cubin, compiled.lowered_name, device_id, shared_bytes, clustered)

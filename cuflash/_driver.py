@@ -20,6 +20,11 @@ COMPUTE_CAPABILITY_MAJOR = 75
 COMPUTE_CAPABILITY_MINOR = 76
 MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 _FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # (clusters of more than 8 CTAs, up to 16 on Hopper)
+# CUlaunchAttributeID and CUclusterSchedulingPolicy values (cuda.h)
+_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE = 5
+_CLUSTER_SCHEDULING_POLICY_SPREAD = 1
 
 _SIGNATURES = {
     "cuInit": (_u,),
@@ -36,6 +41,7 @@ _SIGNATURES = {
     "cuModuleGetFunction": (ctypes.POINTER(_p), _p, ctypes.c_char_p),
     "cuFuncSetAttribute": (_p, _i, _i),
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": (ctypes.POINTER(_i), _p, _i, ctypes.c_size_t),
+    "cuOccupancyMaxActiveClusters": (ctypes.POINTER(_i), _p, _p),
 }  # (launcher() takes its own handles of cuLaunchKernel and cuCtxGetCurrent, without argtypes)
 
 
@@ -133,10 +139,11 @@ def in_context(device: int) -> _Current:
     return _Current(device)
 
 
-def load_function(cubin: bytes, lowered_name: str, device: int, shared_bytes: int) -> int:
+def load_function(cubin: bytes, lowered_name: str, device: int, shared_bytes: int, clustered: bool = False) -> int:
     """Load ``cubin`` into the device's primary context (never unloaded: the kernels
     stay for the life of the process) and return the CUfunction of ``lowered_name``,
-    allowed ``shared_bytes`` of dynamic shared memory."""
+    allowed ``shared_bytes`` of dynamic shared memory and, ``clustered``, clusters larger
+    than the portable 8 CTAs."""
     lib = _lib()
     with in_context(device):
         module, function = _p(), _p()
@@ -144,7 +151,50 @@ def load_function(cubin: bytes, lowered_name: str, device: int, shared_bytes: in
         _check(lib.cuModuleGetFunction(ctypes.byref(function), module, lowered_name.encode()), "cuModuleGetFunction")
         _check(lib.cuFuncSetAttribute(function, _FUNC_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
                "cuFuncSetAttribute")
+        if clustered:
+            _check(lib.cuFuncSetAttribute(function, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1), "cuFuncSetAttribute")
     return function.value
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", _i), ("pad", ctypes.c_char * 4), ("value", _u * 16)]  # (the value: a 64-byte union)
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", _u * 3), ("block", _u * 3), ("shared", _u), ("stream", _p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("count", _u)]
+
+
+class ClusterLaunch:
+    """A kernel launched in thread block clusters of ``cluster`` CTAs along x, spread over
+    the multiprocessors of a GPC (cuLaunchKernelEx; a plain launch cannot ask for a
+    cluster the kernel was not compiled with). Built once; ``launch(stream, arguments)``
+    launches it (the driver copies the configuration, so one serves every call)."""
+
+    def __init__(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, cluster: int):
+        self.function = _p(function)
+        self.attributes = (_LaunchAttribute * 2)()
+        self.attributes[0].id = _LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        self.attributes[0].value[:3] = (cluster, 1, 1)
+        self.attributes[1].id = _LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
+        self.attributes[1].value[0] = _CLUSTER_SCHEDULING_POLICY_SPREAD
+        self.config = _LaunchConfig((_u * 3)(*grid), (_u * 3)(threads, 1, 1), shared, None, self.attributes, 2)
+        self._launch = _lib()["cuLaunchKernelEx"]
+        self._launch.restype = _i
+
+    def launch(self, stream: int, arguments: int) -> None:
+        self.config.stream = stream
+        status = self._launch(ctypes.byref(self.config), self.function, _p(arguments), None)
+        if status:
+            _check(status, "cuLaunchKernelEx")
+
+    def resident_clusters(self) -> int:
+        """Clusters of this launch the GPU holds at once (its GPCs' multiprocessors, their
+        shared memory, registers and threads)."""
+        count = _i()
+        _check(_lib().cuOccupancyMaxActiveClusters(ctypes.byref(count), self.function, ctypes.byref(self.config)),
+               "cuOccupancyMaxActiveClusters")
+        return count.value
 
 
 def resident_blocks(function: int, threads: int, shared_bytes: int) -> int:

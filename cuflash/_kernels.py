@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import struct
 import threading
@@ -51,7 +52,18 @@ def sm90a(device: int) -> bool:
     the environment's CUFLASH_PORTABLE is set (to anything but 0): then every call takes
     the mma.sync kernels, as on other GPUs (for comparisons and bug reports; read when a
     call signature is first planned)."""
-    return _compute_capability(device) == (9, 0) and os.environ.get("CUFLASH_PORTABLE", "0") in ("", "0")
+    return _compute_capability(device) == (9, 0) and not _portable()
+
+
+def clusters(device: int) -> bool:
+    """Do the KV-cache call's splits merge in thread block clusters on this device? From
+    compute capability 9.0, unless CUFLASH_PORTABLE is set (then a merge kernel, as on
+    older GPUs)."""
+    return _compute_capability(device) >= (9, 0) and not _portable()
+
+
+def _portable() -> bool:
+    return os.environ.get("CUFLASH_PORTABLE", "0") not in ("", "0")
 
 
 @functools.cache
@@ -95,10 +107,27 @@ def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Optio
     key = _decode_key(arrays, out, cache, options) if varlen is None else None
     launcher = _launchers.get(key) if key else None
     if launcher is None:
-        plan = _plan.decode(q, arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"), out, cache,
-                            options, shared_limit(q.device), multiprocessors(q.device), varlen)
-        launcher = _remember(key, Launcher(plan, q.device))
+        def plan(clustered: bool) -> _plan.Plan:
+            return _plan.decode(q, arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"), out,
+                                cache, options, shared_limit(q.device), multiprocessors(q.device), varlen, clustered)
+        chosen = plan(clusters(q.device))
+        if not all(_one_wave_of_clusters(step, q.device) for step in chosen.steps):
+            chosen = plan(False)
+        launcher = _remember(key, Launcher(chosen, q.device))
     return launcher
+
+
+def _one_wave_of_clusters(step: _plan.Step, device: int) -> bool:
+    """Does the GPU hold every cluster of ``step`` at once (true of a step without clusters)?
+    The splits of a cluster wait for each other, so a second wave would wait for the first.
+    (The planner gives clusters only to grids of a CTA a multiprocessor or less; a GPC
+    short of multiprocessors for a cluster of large CTAs can still hold fewer.)"""
+    if step.cluster == 1:
+        return True
+    launch = _driver.ClusterLaunch(_function(step.kernel, device), step.grid, step.kernel.threads,
+                                   step.kernel.shared_bytes, step.cluster)
+    with _driver.in_context(device):
+        return launch.resident_clusters() * step.cluster >= math.prod(step.grid)
 
 
 def decode_pointers(pointers: dict, out: int, lse: int, partial_o: int, partial_lse: int) -> tuple[int, ...]:
@@ -174,7 +203,7 @@ class Launcher:
                 self.params.tile_group = tile_group(step.kernel, step.grouped_heads, device)
         self._steps = [(_function(s.kernel, device), s.grid, s.kernel.threads, s.kernel.shared_bytes,
                         field_offset(plan.struct, s.argument) if s.argument else 0,
-                        tuple(map(ctypes.c_int, s.args))) for s in plan.steps]
+                        tuple(map(ctypes.c_int, s.args)), s.cluster) for s in plan.steps]
         self._maps = [(field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m) for m in plan.maps]
         self._mapped = None  # the pointers self.params' maps were encoded for
         self._lock = threading.Lock()
@@ -183,10 +212,11 @@ class Launcher:
     def _bind(self, params: ctypes.Structure) -> list[tuple]:
         """cuLaunchKernel's arguments but the stream, for each step, over ``params``."""
         calls = []
-        for function, grid, threads, shared, at, args in self._steps:
+        for function, grid, threads, shared, at, args, cluster in self._steps:
             arguments = (ctypes.c_void_p * (1 + len(args)))(ctypes.addressof(params) + at,
                                                              *map(ctypes.addressof, args))
-            calls.append((function, *grid, threads, shared, arguments, ctypes.addressof(arguments)))
+            clustered = _driver.ClusterLaunch(function, grid, threads, shared, cluster) if cluster > 1 else None
+            calls.append((function, *grid, threads, shared, arguments, ctypes.addressof(arguments), clustered))
         return calls
 
     def __call__(self, stream: int, *pointers: int) -> None:
@@ -223,12 +253,18 @@ class Launcher:
             _launch_observer(params.pointers(), stream)
         launch, current_context = _driver.launcher()
         if current_context() == self.context:
-            for function, x, y, z, threads, shared, _, arguments in calls:
-                launch(function, x, y, z, threads, 1, 1, shared, stream, arguments, 0)
+            self._launch_steps(launch, calls, stream)
         else:
             with _driver.in_context(self.device):
-                for function, x, y, z, threads, shared, _, arguments in calls:
-                    launch(function, x, y, z, threads, 1, 1, shared, stream, arguments, 0)
+                self._launch_steps(launch, calls, stream)
+
+    @staticmethod
+    def _launch_steps(launch, calls: list, stream: int) -> None:
+        for function, x, y, z, threads, shared, _, arguments, clustered in calls:
+            if clustered is None:
+                launch(function, x, y, z, threads, 1, 1, shared, stream, arguments, 0)
+            else:
+                clustered.launch(stream, arguments)
 
 
 def tile_group(kernel: _plan.Kernel, heads: int, device: int) -> int:
@@ -261,5 +297,6 @@ def shared_limit(device: int) -> int:
 
 @functools.cache
 def _function(kernel, device: int) -> int:
+    clustered = isinstance(kernel, _plan.Kernel) and _plan.KINDS[kernel.kind].clustered
     return _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes,
-                                getattr(kernel, "arch", ""))
+                                getattr(kernel, "arch", ""), clustered)

@@ -62,6 +62,10 @@ class Kind(NamedTuple):
     layout: str
     # Tiles of the instances with softcap, ALiBi or dropout where they differ (None: the same).
     extras_tiles: dict[int, tuple[Tile, ...]] | None = None
+    # Template arguments after the flags (and col_split).
+    suffix: tuple[str, ...] = ()
+    # Launched in thread block clusters (Step.cluster CTAs along x): sm_90 and later only.
+    clustered: bool = False
 
     def candidates(self, bucket: int, extras: bool) -> tuple[Tile, ...]:
         tiles = self.extras_tiles if extras and self.extras_tiles is not None else self.tiles
@@ -69,6 +73,23 @@ class Kind(NamedTuple):
 
 
 _T = Tile
+# The KV-cache call (decode/split_kv.cu): 16 packed query rows + stages x (K tile + V
+# tile); the warps split each key tile, 16 keys each. Two stages of about 32 KB: three
+# CTAs share a multiprocessor (at d 128), so that their warps hide each other's
+# latencies while about 100 KB of loads are in flight. (One CTA of four warps with four
+# stages kept 96 KB in flight but issued one instruction at a time: 1.3 TB/s at batch
+# 64; with the strided copies, at batch 1 and 64k keys, 2.1 TB/s against 3.3.)
+DECODE_TILES = {
+    **{d: (_T(16, 128, 4, 2),) for d in (32, 64)},
+    **{d: (_T(16, 64, 4, 2),) for d in (96, 128)},
+    **{d: (_T(16, 32, 2, 2),) for d in (160, 192, 224, 256)},
+}
+
+
+def _decode_shared(t: Tile, d: int) -> int:
+    return (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d)
+
+
 KINDS = {
     # Q tile + stages x (K tile + V tile)
     "forward": Kind("fwd.cu", "attention_forward", {
@@ -126,17 +147,14 @@ KINDS = {
         **{d: (_T(64, 32, 4, 2), _T(64, 32, 4, 1), _T(32, 32, 2, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (2 * t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", True,
         "BackwardDqShared"),
-    # The KV-cache call (decode/split_kv.cu): 16 packed query rows + stages x (K tile + V
-    # tile); the warps split each key tile, 16 keys each. Two stages of about 32 KB: three
-    # CTAs share a multiprocessor (at d 128), so that their warps hide each other's
-    # latencies while about 100 KB of loads are in flight. (One CTA of four warps with four
-    # stages kept 96 KB in flight but issued one instruction at a time: 1.3 TB/s at batch
-    # 64; with the strided copies, at batch 1 and 64k keys, 2.1 TB/s against 3.3.)
-    "decode": Kind("decode/split_kv.cu", "attention_decode", {
-        **{d: (_T(16, 128, 4, 2),) for d in (32, 64)},
-        **{d: (_T(16, 64, 4, 2),) for d in (96, 128)},
-        **{d: (_T(16, 32, 2, 2),) for d in (160, 192, 224, 256)},
-    }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False, "DecodeShared"),
+    "decode": Kind("decode/split_kv.cu", "attention_decode", DECODE_TILES, _decode_shared, "block_m", False,
+                   "DecodeShared", suffix=("false",)),
+    # The same with the splits of a row block in one thread block cluster, merging their
+    # results in shared memory (sm_90): no merge kernel, no workspace.
+    # (Four stages, 135 KB at d 128, ran 0.59-0.64x two at batch 1: a cluster of 16 CTAs
+    # then needs 16 multiprocessors of one GPC, which not every GPC has.)
+    "decode_cluster": Kind("decode/split_kv.cu", "attention_decode", DECODE_TILES, _decode_shared, "block_m", False,
+                           "DecodeShared", suffix=("true",), clustered=True),
 }
 
 # Untiled helpers of the backward, one instance per dtype.
@@ -180,6 +198,7 @@ class Kernel(NamedTuple):
                 *(str(flag).lower() for flag in (self.local, self.vectorized, self.extras))]
         if kind.has_col_split:
             args.append(t.col_split)
+        args.extend(kind.suffix)
         return f"cuflash::{kind.template}<{', '.join(map(str, args))}>"
 
     @property
@@ -331,9 +350,10 @@ def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge | Sm90Forward]:
         return [Sm90Forward.of(*v) for v in itertools.product(DTYPES, SM90_HEAD_DIMS, (False, True), (False, True))]
     limit = shared_memory_limit(arch)
     flags = (False, True)
+    kinds = [kind for kind in KINDS if not KINDS[kind].clustered or int(arch[3:5]) >= 90]
     tiled = [kernel(kind, dtype, bucket, local, vec, extras, limit)
              for kind, dtype, bucket, local, vec, extras in
-             itertools.product(KINDS, DTYPES, HEAD_DIM_BUCKETS, flags, flags, flags)
+             itertools.product(kinds, DTYPES, HEAD_DIM_BUCKETS, flags, flags, flags)
              if has_tile(kind, bucket, extras, limit)]
     return (tiled + [Elementwise(kind, dtype) for kind, dtype in itertools.product(ELEMENTWISE, DTYPES)]
             + [Merge(*pair) for pair in MERGES])
@@ -365,13 +385,15 @@ def covering_sample(archs: tuple[str, ...]) -> list[tuple[str, Kernel | Elementw
 
 class Step(NamedTuple):
     """One kernel launch: the variant, its grid, its int arguments after the Params, the
-    (head, batch) pairs its tile-major grid groups (``_kernels.tile_group``; 0: none), and
-    the field of the plan's struct that is its argument ("": the whole struct)."""
+    (head, batch) pairs its tile-major grid groups (``_kernels.tile_group``; 0: none), the
+    field of the plan's struct that is its argument ("": the whole struct) and the CTAs of
+    a thread block cluster along x (1: no clusters)."""
     kernel: Kernel | Elementwise | Merge
     grid: tuple[int, int, int]
     args: tuple[int, ...] = ()
     grouped_heads: int = 0
     argument: str = ""
+    cluster: int = 1
 
 
 class TensorMapSpec(NamedTuple):
@@ -496,6 +518,10 @@ DECODE_POINTERS = ("q", "o", "k_cache", "v_cache", "k_new", "v_new", "lse", "par
                    "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "merge.parts", "merge.lses", "merge.out",
                    "merge.out_lse")
 MAX_SPLITS = 256
+# Splits of a row block that merge in a thread block cluster at most (split_kv.cu,
+# kMaxClusterSplits): Hopper schedules clusters of up to 16 CTAs (above 8 by the kernel's
+# leave, _driver.NON_PORTABLE_CLUSTER_SIZE_ALLOWED).
+MAX_CLUSTER_SPLITS = 16
 # Parts of a sequence's keys in a deterministic call: each sequence's tiles cut into
 # min(DETERMINISTIC_PARTS, tiles / MIN_SPLIT_TILES) parts (as many as a batch of one needs to
 # fill the GPU), whatever the batch and the splits.
@@ -509,13 +535,15 @@ SPLIT_TILES_TWO_PER_SM = 8
 
 def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | None, v: ArrayInfo | None,
            out: ArrayInfo, cache: KVCache, options: Options, shared_limit: int, multiprocessors: int,
-           varlen: Varlen | None = None) -> Plan:
+           varlen: Varlen | None = None, clusters: bool = False) -> Plan:
     """The KV-cache call: the split kernel, then, with more than one part of the keys, the
-    merge of their results (the workspace's partial_o and partial_lse) into ``out``. The
-    launch is given DECODE_POINTERS: the merge's parts and lses are the workspace, its out
-    and out_lse the call's. With ``varlen``, the varlen call over a paged cache: q and out
-    packed (total_q, nheads, d), sequence b's keys the first cu_seqlens_k[b + 1] -
-    cu_seqlens_k[b] rows of its pages (cu_seqlens_q and cu_seqlens_k given at launch)."""
+    merge of their results (the workspace's partial_o and partial_lse) into ``out``; or,
+    where the GPU has thread block ``clusters`` (sm_90), the splits of a row block merge in
+    their cluster. The launch is given DECODE_POINTERS: the merge's parts and lses are the
+    workspace, its out and out_lse the call's. With ``varlen``, the varlen call over a
+    paged cache: q and out packed (total_q, nheads, d), sequence b's keys the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (cu_seqlens_q and cu_seqlens_k
+    given at launch)."""
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = q.shape
         query_rows = batch * seqlen_q
@@ -558,7 +586,18 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     p.num_splits, p.parts = splits, parts
     if not (batch and seqlen_q and nheads and query_rows):
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
-    steps = [Step(chosen, (splits * row_blocks, nheads_k, batch))]
+    grid = (splits * row_blocks, nheads_k, batch)
+    # Clusters where the grid is one wave of a CTA a multiprocessor (H200, GQA 32/8 d 128,
+    # graph replay: batch 1 and 4k keys, 16 splits, 1,374 GB/s against 1,071 with the merge
+    # kernel; 16k 2,470 against 2,181). With two CTAs a multiprocessor they ran 0.78-0.87x
+    # (batch 4 at 16k keys, MHA at 4k): a cluster's CTAs wait for its slowest at the
+    # merge, holding their multiprocessors. A deterministic call merges in the merge
+    # kernel's order whatever its splits.
+    ctas = splits * row_blocks * nheads_k * batch
+    if clusters and not cache.deterministic and 1 < splits <= MAX_CLUSTER_SPLITS and ctas <= multiprocessors:
+        clustered = kernel("decode_cluster", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
+        return Plan(bytes(p), DECODE_POINTERS, (Step(clustered, grid, cluster=splits),), DecodeParams)
+    steps = [Step(chosen, grid)]
     workspace = ()
     if parts > 1:
         # Parts (parts, query rows, nheads, d) and LSEs (parts, nheads, query rows), the

@@ -151,6 +151,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     workspace = {}
     if _platform(q) != "cpu":  # the split kernel's partial results: shapes from the plan
+        # (planned without thread block clusters, which need none: the launch may merge
+        # in the merge kernel, _kernels.decode_launcher)
         gpu_options = options._replace(alibi=None if alibi_slopes is None else _describe(optional["alibi_slopes"], q))
         plan = _plan.decode(*(described.get(n) for n in ("q", "k_cache", "v_cache", "k", "v")), described["q"],
                             cache, gpu_options, _kernels.shared_limit(0), _kernels.multiprocessors(0))

@@ -141,6 +141,29 @@ def test_long_calls_match_the_oracle(call, dtype):
     check(call, dtype)
 
 
+@pytest.fixture(params=["cluster", "merge kernel"])
+def merge_step(request, monkeypatch):
+    """Where a split call's parts merge: in the splits' thread block cluster (the default
+    from sm_90) or in the merge kernel (before sm_90, and with CUFLASH_PORTABLE). The
+    planned calls are forgotten on both sides of the test."""
+    from cuflash import _kernels, kvcache
+    if request.param == "cluster" and _kernels._compute_capability(0) < (9, 0):
+        pytest.skip("thread block clusters need compute capability 9.0")
+    monkeypatch.setattr(_kernels, "clusters", lambda device: request.param == "cluster")
+    for table in (_kernels._launchers, kvcache._warm):
+        table.clear()
+    yield request.param
+    for table in (_kernels._launchers, kvcache._warm):
+        table.clear()
+
+
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(call=long_calls(), dtype=st.sampled_from(["float16", "bfloat16"]))
+def test_both_merge_steps_match_the_oracle(merge_step, call, dtype):
+    check({**call, "num_splits": max(call.get("num_splits", 0), 2)}, dtype)
+
+
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(call=long_calls(), dtype=st.sampled_from(["float16", "bfloat16"]))
 def test_rows_outside_the_sequences_are_never_read(call, dtype):
@@ -166,11 +189,11 @@ def test_paged_is_bitwise_the_contiguous_call(page_size):
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])
-def test_every_split_count_agrees_and_each_is_reproducible(seqlen_q):
+def test_every_split_count_agrees_and_each_is_reproducible(merge_step, seqlen_q):
     rng = np.random.default_rng(seqlen_q)
     q, k_cache, v_cache, lengths = decode_case(rng, seqlen_q=seqlen_q)
     results = {}
-    for splits in (1, 2, 7, 0, 40):
+    for splits in (1, 2, 7, 16, 0, 40):
         runs = [cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
                                                num_splits=splits, return_lse=True) for _ in range(2)]
         assert (runs[0][0] == runs[1][0]).all() and (runs[0][1] == runs[1][1]).all(), splits

@@ -135,7 +135,8 @@ def test_planned_shared_memory_is_the_kernels_own_layout():
 @pytest.mark.parametrize("num_splits,batch,splits", [(0, 1, 16), (0, 64, 1), (5, 1, 5)])
 def test_a_decode_plan(no_compiler, num_splits, batch, splits):
     """The KV-cache call: GQA 32/8 packed four heads a row block, splits from the shapes
-    (a CTA for each of 132 multiprocessors, four key tiles a split or more), a merge step into the call's output with more than one."""
+    (a CTA for each of 132 multiprocessors, four key tiles a split or more), a merge step
+    into the call's output with more than one."""
     q = info((batch, 1, 32, 128))
     k_cache, v_cache = info((batch, 4096, 8, 128)), info((batch, 4096, 8, 128))
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -157,6 +158,40 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
         assert dict((n, s) for n, s, _ in plan.workspace) == {"partial_o": (splits, batch, 32, 128),
                                                              "partial_lse": (splits, 32, batch)}
         assert (p.merge.count, p.merge.part_stride, p.merge.lse_part_stride) == (splits, batch * 32 * 128, batch * 32)
+
+
+@pytest.mark.parametrize("num_splits,deterministic,batch,clustered", [
+    (0, False, 1, True), (16, False, 1, True), (17, False, 1, False), (0, True, 1, False), (1, False, 1, False),
+    (0, False, 4, False)])
+def test_a_decode_plan_on_a_gpu_with_clusters(no_compiler, num_splits, deterministic, batch, clustered):
+    """From sm_90 the splits of a row block (up to 16) run as one thread block cluster and
+    merge there, where the grid is a CTA a multiprocessor or less: one launch, no
+    workspace. A deterministic call keeps the merge kernel's order; more splits than a
+    cluster holds, one split, or two CTAs a multiprocessor (batch 4: 8 splits) plan as
+    before."""
+    q = info((batch, 1, 32, 128))
+    k_cache = info((batch, 4096, 8, 128))
+    arrays = dict(q=q, k_cache=k_cache, v_cache=k_cache)
+    cache = _options.kvcache(arrays, 1000, None, None, None, None, None, True, True, (-1, -1), num_splits,
+                             deterministic)
+    options = _options.make_options(q, k_cache, True, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False,
+                                    seqlen_k=cache.capacity)
+    plan = _plan.decode(q, k_cache, k_cache, None, None, info(q.shape), cache, options,
+                        _plan.shared_memory_limit("sm_90"), 132, clusters=True)
+    splits = num_splits or 16
+    if clustered:
+        (step,) = plan.steps
+        assert step.kernel.kind == "decode_cluster" and step.cluster == splits and step.grid == (splits, 8, batch)
+        assert step.kernel.instance.endswith(", true>") and not plan.workspace
+    else:
+        assert all(step.cluster == 1 and getattr(step.kernel, "kind", "") != "decode_cluster" for step in plan.steps)
+        assert len(plan.steps) == (1 if splits == 1 else 2)
+
+
+def test_clustered_kernels_are_compiled_for_sm_90_only():
+    kinds = {arch: {k.kind for k in _plan.all_kernels(arch) if isinstance(k, _plan.Kernel)}
+             for arch in ("sm_80", "sm_86", "sm_90")}
+    assert "decode_cluster" in kinds["sm_90"] and not {"decode_cluster"} & (kinds["sm_80"] | kinds["sm_86"])
 
 
 @pytest.mark.parametrize("num_splits,batch,splits,parts", [(0, 1, 16, 16), (0, 16, 1, 16), (3, 1, 3, 16)])

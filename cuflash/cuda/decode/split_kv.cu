@@ -13,15 +13,19 @@
 //     m' = max(m, rowmax S);  P = exp(scale (S - m'));  l = ...;  O = ... + P V_n
 //   each warp: O /= l, LSE = scale m + log l;  the warps merged (partial.cuh)
 //
-// then the part's O and LSE go to the output (one part) or to the partial results that
-// the merge step combines in part order (merge.cu). Keys are the rows [leftpad, length +
-// seqlen_new) of the sequence's cache (cache.cuh: contiguous or paged); rows outside are
-// zero-filled, never read, and masked. New keys and values are read from k and v (rotated in shared
-// memory), never from the cache rows this call writes: one CTA per (sequence, KV head)
-// writes them into the cache, and no other reads them there.
+// then the part's O and LSE go to the output (one part), to the partial results that
+// the merge step combines in part order (merge.cu), or, where the splits of a row block
+// run as one thread block cluster (sm_90, kClusterMerge), to shared memory, where the
+// cluster's CTAs merge them (each CTA some of the rows, reading the others' results).
+// Keys are the rows [leftpad, length + seqlen_new) of the sequence's cache (cache.cuh:
+// contiguous or paged); rows outside are zero-filled, never read, and masked. New keys and
+// values are read from k and v (rotated in shared memory), never from the cache rows this
+// call writes: one CTA per (sequence, KV head) writes them into the cache, and no other
+// reads them there.
 #include "common.cuh"
 #include "copy.cuh"
 #include "decode/cache.cuh"
+#include "decode/cluster.cuh"
 #include "decode/decode_params.cuh"
 #include "decode/partial.cuh"
 #include "decode/rotary.cuh"
@@ -34,9 +38,15 @@
 
 namespace cuflash {
 
+// Splits that merge in a cluster at most (the largest cluster Hopper schedules; _plan's
+// MAX_CLUSTER_SPLITS).
+constexpr int kMaxClusterSplits = 16;
+
 // Shared memory: the forward's (the Q tile, then kStages K tiles, then kStages V tiles).
 // After the key loop the K/V buffers hold each warp's normalised O (fp32 rows of
-// kHeadDim + 4, off the banks' period) and LSE. _plan.KINDS["decode"] states the size.
+// kHeadDim + 4, off the banks' period) and LSE, then, in a cluster, the CTA's merged O
+// (fp32 rows of kHeadDim) and LSE for the other CTAs to read, and the weights of the
+// parts in the row it merges. _plan.KINDS["decode"] states the size.
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct DecodeShared : ForwardShared<kHeadDim, kBlockM, kBlockN, kStages> {
   using Base = ForwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
@@ -45,8 +55,12 @@ struct DecodeShared : ForwardShared<kHeadDim, kBlockM, kBlockN, kStages> {
   template <int kWarps>
   static __host__ __device__ constexpr int warp_lse() { return kWarpO + kWarps * kBlockM * kWarpORow * 4; }
   template <int kWarps>
-  static __host__ __device__ constexpr bool warps_fit() {
-    return warp_lse<kWarps>() + kWarps * kBlockM * 4 <= Base::kBytes;
+  static __host__ __device__ constexpr int cluster_o() { return warp_lse<kWarps>() + kWarps * kBlockM * 4; }
+  template <int kWarps>
+  static __host__ __device__ constexpr int cluster_lse() { return cluster_o<kWarps>() + kBlockM * kHeadDim * 4; }
+  template <int kWarps>
+  static __host__ __device__ constexpr bool results_fit() {
+    return cluster_lse<kWarps>() + (kBlockM + kMaxClusterSplits + 2) * 4 <= Base::kBytes;
   }
 };
 
@@ -76,16 +90,20 @@ __device__ __forceinline__ void append_to_cache(const DecodeParams& p, const Cac
 // @tparam kLocal    causal or sliding window (also: q rotates at each query's position)
 // @tparam kVec      rows 16-byte aligned and headdim % 8 == 0: cp.async 16-byte chunks
 // @tparam kExtras   softcap or ALiBi may be on
+// @tparam kClusterMerge  the grid's x runs in clusters of num_splits CTAs, the splits of a
+//                   row block, which merge their results (one part each; sm_90)
 // Up to d 128 three CTAs share a multiprocessor (by shared memory, on Hopper): registers
-// held to 168.
+// held to 168; split grids, clustered or not, place at most two (_plan.decode_splits), and
+// the cluster's merge needs more than 168.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
-          bool kExtras>
-__global__ void __launch_bounds__(kWarps * 32, kHeadDim <= 128 ? 3 : 1) attention_decode(const DecodeParams p) {
+          bool kExtras, bool kClusterMerge>
+__global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 ? 1 : kClusterMerge ? 2 : 3)
+    attention_decode(const DecodeParams p) {
   constexpr int kThreads = kWarps * 32, kWarpKeys = kBlockN / kWarps, kDTiles = kHeadDim / 8;
   using L = HeadDimLayout<kHeadDim>;
   using Shared = DecodeShared<kHeadDim, kBlockM, kBlockN, kStages>;
   static_assert(kBlockM == 16 && kWarpKeys % 16 == 0 && kWarpKeys * kWarps == kBlockN, "tile shape");
-  static_assert(kStages >= 2 && Shared::template warps_fit<kWarps>(), "stages, and the warps' results");
+  static_assert(kStages >= 2 && Shared::template results_fit<kWarps>(), "stages, and the warps' results");
   extern __shared__ __align__(128) unsigned char smem[];
   const SharedTile<L> q_tile{reinterpret_cast<elem_t*>(smem + Shared::kQ)};
   const StagedTiles<L, kBlockN, kStages> k_tiles{reinterpret_cast<elem_t*>(smem + Shared::kK)};
@@ -121,7 +139,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim <= 128 ? 3 : 1) attentio
   // nor the rest of the batch; a part beyond the sequence's is empty.
   const int seq_parts = p.deterministic ? min(p.max_parts, ceil_div(tiles, p.min_part_tiles)) : p.num_splits;
   const int part_tiles = ceil_div(tiles, max(seq_parts, 1));
-  const bool split_result = p.parts > 1;
+  const bool split_result = !kClusterMerge && p.parts > 1;
 
   auto query_row = [&](int r, int) -> const elem_t* {
     const int row = row0 + r;
@@ -204,6 +222,16 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim <= 128 ? 3 : 1) attentio
 
   // Query row (b, i) of the partial results: b * seqlen_q + i, or packed, q's row.
   auto result_row = [&](int query) { return (p.cu_seqlens_q ? 0 : int64(batch) * p.seqlen_q) + q_start + query; };
+  // Column c of packed row `row` of the block's rows, and its LSE, into the output.
+  auto store_result = [&](int row, int c, float o, float lse) {
+    const int query = row / group, head = kv_head * group + row % group;
+    p.o.ptr[batch * p.o.batch_stride + int64(q_start + query) * p.o.row_stride + int64(head) * p.o.head_stride + c] =
+        DType<T>::from_float(o);
+    if (c == 0 && p.lse != nullptr)
+      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + q_start + query] = lse;
+  };
+  float* cluster_o = reinterpret_cast<float*>(smem + Shared::template cluster_o<kWarps>());
+  float* cluster_lse = reinterpret_cast<float*>(smem + Shared::template cluster_lse<kWarps>());
   bool q_rotated = false;
   for (int part = split; part < p.parts; part += p.num_splits) {
     const int n_begin = tile_first + min(tiles, part * part_tiles);
@@ -297,17 +325,50 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim <= 128 ? 3 : 1) attentio
       }
       o *= merge.out_scale();
       const int query = row / group, head = kv_head * group + row % group;
-      if (split_result) {
+      if constexpr (kClusterMerge) {
+        cluster_o[r * kHeadDim + c] = o;
+        if (c == 0) cluster_lse[r] = merge.lse();
+      } else if (split_result) {
         p.partial_o[((int64(part) * p.query_rows + result_row(query)) * p.nheads + head) * p.headdim + c] = o;
         if (c == 0) p.partial_lse[(int64(part) * p.nheads + head) * p.query_rows + result_row(query)] = merge.lse();
       } else {
-        p.o.ptr[batch * p.o.batch_stride + int64(q_start + query) * p.o.row_stride + int64(head) * p.o.head_stride +
-                c] = DType<T>::from_float(o);
-        if (c == 0 && p.lse != nullptr)
-          p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + q_start + query] = merge.lse();
+        store_result(row, c, o, merge.lse());
       }
     }
     __syncthreads();  // the next part's loads overwrite the warps' results
+  }
+
+  if constexpr (kClusterMerge) {
+    // The cluster's parts, in rank (= part) order, row by row: this CTA merges rows
+    // rank, rank + size, ... of the block, reading every CTA's result where it lies.
+    cluster::sync();  // every CTA's result written
+    const int rank = cluster::rank(), ranks = cluster::size();
+    float* weights = cluster_lse + kBlockM;  // each part's weight in the row, then 1 / total and the LSE
+    for (int r = rank; r < kBlockM && row0 + r < rows; r += ranks) {
+      if (warp == 0) {  // lane s: part s's LSE and weight
+        const float lse = lane < ranks ? cluster::load(cluster_lse + r, lane) : kInf;
+        PartialMerge merge;
+        merge.see(lse);
+        merge.top_of_warp();
+        const float weight = merge.weigh(lse);
+        merge.total_of_warp();
+        if (lane < ranks) weights[lane] = weight;
+        if (lane == 0) weights[kMaxClusterSplits] = merge.out_scale(), weights[kMaxClusterSplits + 1] = merge.lse();
+      }
+      __syncthreads();
+      for (int c = threadIdx.x; c < p.headdim; c += kThreads) {
+        float o = 0.f;
+#pragma unroll
+        for (int s = 0; s < kMaxClusterSplits; ++s)
+          if (s < ranks) {
+            const float x = cluster::load(cluster_o + r * kHeadDim + c, s);
+            o += weights[s] != 0.f ? weights[s] * x : 0.f;  // an empty part's O is never used
+          }
+        store_result(row0 + r, c, o * weights[kMaxClusterSplits], weights[kMaxClusterSplits + 1]);
+      }
+      __syncthreads();  // (the next row's weights)
+    }
+    cluster::sync();  // no CTA leaves while another reads its shared memory
   }
 }
 

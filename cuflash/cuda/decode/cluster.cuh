@@ -1,0 +1,42 @@
+// A thread block cluster (sm_90): CTAs launched together on one GPC that may read each
+// other's shared memory and wait for each other at a barrier. The KV-cache call's splits
+// of one (sequence, KV head, row block) run as one cluster and merge their partial
+// results there (split_kv.cu), with no second kernel and no workspace.
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+namespace cluster {
+
+// This CTA's rank in its cluster, and the cluster's CTAs.
+__device__ __forceinline__ int rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return int(r);
+}
+__device__ __forceinline__ int size() {
+  unsigned n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return int(n);
+}
+
+// Every thread of every CTA of the cluster: the shared-memory writes before it are seen
+// by the reads after it, in any CTA (release / acquire at cluster scope).
+__device__ __forceinline__ void sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The float at `local` (this CTA's shared memory) in CTA `rank`'s shared memory.
+__device__ __forceinline__ float load(const float* local, int rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote)
+               : "r"(unsigned(__cvta_generic_to_shared(local))), "r"(rank));
+  float x;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote));
+  return x;
+}
+
+}  // namespace cluster
+}  // namespace cuflash
