@@ -13,11 +13,11 @@ import time
 framework = sys.argv[1] if len(sys.argv) > 1 else "cupy"
 if framework == "torch":
     import torch
-    q = torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.float16)
+    q = torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.float16)
     sync = torch.cuda.synchronize
 else:
     import cupy
-    q = cupy.random.rand(1, 128, 8, 64).astype(cupy.float16)
+    q = cupy.random.rand(1, 128, 1, 64).astype(cupy.float16)
     sync = cupy.cuda.Device().synchronize
 sync()
 start = time.perf_counter()
