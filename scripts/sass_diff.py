@@ -117,10 +117,10 @@ def defining_source(cuda_dir: Path, preferred: str, instance: str) -> str:
     """The .cu file of cuda_dir that defines the __global__ template of ``instance``:
     ``preferred`` (the plan's) when it does, else the first that does."""
     pattern = re.compile(rf"__global__[^;{{]*?\b{template_name(instance)}\s*\(")
-    candidates = [cuda_dir / preferred] + sorted(p for p in cuda_dir.glob("*.cu") if p.name != preferred)
+    candidates = [cuda_dir / preferred] + sorted(p for p in cuda_dir.rglob("*.cu") if p != cuda_dir / preferred)
     for path in candidates:
         if path.is_file() and pattern.search(path.read_text()):
-            return path.name
+            return path.relative_to(cuda_dir).as_posix()  # (a family's folder included: sm90/fwd.cu)
     raise SystemExit(f"no .cu file of {cuda_dir} defines {template_name(instance)}")
 
 
