@@ -151,8 +151,8 @@ KINDS = {
                    "DecodeShared", suffix=("false",)),
     # The same with the splits of a row block in one thread block cluster, merging their
     # results in shared memory (sm_90): no merge kernel, no workspace.
-    # (Four stages, 135 KB at d 128, ran 0.59-0.64x two at batch 1: a cluster of 16 CTAs
-    # then needs 16 multiprocessors of one GPC, which not every GPC has.)
+    # (More stages ran slower at batch 1, GQA d 128: three (100 KB) 0.92-0.94x two, four
+    # (135 KB) 0.59-0.64x, when a cluster of 16 CTAs needs 16 multiprocessors of one GPC.)
     "decode_cluster": Kind("decode/split_kv.cu", "attention_decode", DECODE_TILES, _decode_shared, "block_m", False,
                            "DecodeShared", suffix=("true",), clustered=True),
 }
