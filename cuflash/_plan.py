@@ -86,6 +86,19 @@ DECODE_TILES = {
 }
 
 
+# Grids that are not split (batch x KV heads fill the GPU) take eight warps over 128-key
+# tiles: one CTA a multiprocessor (135 KB at d 128), two warps a scheduler, where four warps
+# of a CTA each left one warp a scheduler to issue a tile's chain of dependent
+# instructions alone (ncu, batch 16, 4k keys, 128 CTAs: 6% of warp slots active, the warps
+# stalled most on fixed-latency dependencies). H200, GQA 32/8, bf16, graph replay, GB/s,
+# 64-key four-warp tile -> this one (cuDNN, same run): d 128 batch 16 4k 3,722 -> 3,879
+# (4,015), 16k 4,165 -> 4,370 (4,395), batch 64 4k 3,876 -> 4,194, 16k 3,997 -> 4,479
+# (4,415); MHA batch 16 4k 3,778 -> 4,283 (4,338); d 64 (against its 128-key four-warp
+# tile) batch 64 4k 3,885 -> 4,118, batch 16 4k 3,509 -> 3,482. Split grids keep
+# DECODE_TILES: with 128-key tiles a split holds half the tiles, and batch 1 read 0.76-0.96x.
+DECODE_WIDE_TILES = {d: (_T(16, 128, 8, 2),) for d in (64, 128)}
+
+
 def _decode_shared(t: Tile, d: int) -> int:
     return (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d)
 
@@ -149,6 +162,9 @@ KINDS = {
         "BackwardDqShared"),
     "decode": Kind("decode/split_kv.cu", "attention_decode", DECODE_TILES, _decode_shared, "block_m", False,
                    "DecodeShared", suffix=("false",)),
+    # The same kernel for grids that are not split (DECODE_WIDE_TILES).
+    "decode_wide": Kind("decode/split_kv.cu", "attention_decode", DECODE_WIDE_TILES, _decode_shared, "block_m",
+                        False, "DecodeShared", suffix=("false",)),
     # The same with the splits of a row block in one thread block cluster, merging their
     # results in shared memory (sm_90): no merge kernel, no workspace.
     # (More stages ran slower at batch 1, GQA d 128: three (100 KB) 0.92-0.94x two, four
@@ -586,6 +602,10 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     p.num_splits, p.parts = splits, parts
     if not (batch and seqlen_q and nheads and query_rows):
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
+    # A deterministic call keeps one kernel whatever the grid: its bits may not depend on
+    # the batch.
+    if parts == 1 and not cache.deterministic and has_tile("decode_wide", head_dim, extras, shared_limit):
+        chosen = kernel("decode_wide", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
     grid = (splits * row_blocks, nheads_k, batch)
     # Clusters where the grid is one wave of a CTA a multiprocessor (H200, GQA 32/8 d 128,
     # graph replay: batch 1 and 4k keys, 16 splits, 1,374 GB/s against 1,071 with the merge

@@ -136,7 +136,8 @@ def test_planned_shared_memory_is_the_kernels_own_layout():
 def test_a_decode_plan(no_compiler, num_splits, batch, splits):
     """The KV-cache call: GQA 32/8 packed four heads a row block, splits from the shapes
     (a CTA for each of 132 multiprocessors, four key tiles a split or more), a merge step
-    into the call's output with more than one."""
+    into the call's output with more than one; a grid that is not split takes the wide
+    tile (eight warps, 128 keys)."""
     q = info((batch, 1, 32, 128))
     k_cache, v_cache = info((batch, 4096, 8, 128)), info((batch, 4096, 8, 128))
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -146,7 +147,9 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
     plan = _plan.decode(q, k_cache, v_cache, None, None, info(q.shape), cache, options,
                         _plan.shared_memory_limit("sm_90"), 132)
     decode_step, *merge_steps = plan.steps
-    assert decode_step.kernel.kind == "decode" and decode_step.grid == (splits, 8, batch)
+    assert decode_step.kernel.kind == ("decode_wide" if splits == 1 else "decode")
+    assert decode_step.grid == (splits, 8, batch)
+    assert decode_step.kernel.tile == (_plan.Tile(16, 128, 8, 2) if splits == 1 else _plan.Tile(16, 64, 4, 2))
     p = DecodeParams.from_buffer_copy(plan.params)
     assert (p.num_splits, p.heads_per_kv, p.seqlen_cache_all, p.capacity) == (splits, 4, 1000, 4096)
     assert (p.window_left, p.window_right) == (-1, 0)
@@ -209,6 +212,7 @@ def test_a_deterministic_decode_plan_holds_every_sequence_s_parts(no_compiler, n
     p = DecodeParams.from_buffer_copy(plan.params)
     assert (p.deterministic, p.num_splits, p.parts, p.max_parts, p.min_part_tiles) == (1, splits, parts, 16, 4)
     assert plan.steps[0].grid == (splits, 8, batch) and p.merge.count == parts
+    assert plan.steps[0].kernel.kind == "decode"  # whatever the batch: the bits may not depend on it
     assert dict((n, s) for n, s, _ in plan.workspace)["partial_o"] == (parts, batch, 32, 128)
 
 

@@ -97,7 +97,7 @@ __device__ __forceinline__ void append_to_cache(const DecodeParams& p, const Cac
 // the cluster's merge needs more than 168.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
           bool kExtras, bool kClusterMerge>
-__global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 ? 1 : kClusterMerge ? 2 : 3)
+__global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 : kClusterMerge ? 2 : 3)
     attention_decode(const DecodeParams p) {
   constexpr int kThreads = kWarps * 32, kWarpKeys = kBlockN / kWarps, kDTiles = kHeadDim / 8;
   using L = HeadDimLayout<kHeadDim>;

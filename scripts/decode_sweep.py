@@ -1,0 +1,94 @@
+"""Time the KV-cache call's candidate tiles, split counts and merge steps beside cuDNN, in one
+process, on the GPU machine (graph replay, ``bench --decode``'s timing rules):
+
+    PYTHONPATH=. python scripts/decode_sweep.py --tiles 16x64x4x2,16x128x8x2 --splits 0,1,2 \
+        --merge cluster,kernel --cells 1x4096,16x4096,64x16384 [--d 128] [--heads-k 8] [--page-size 16]
+
+Every combination of tiles (block_m x block_n x warps x stages, for both decode kinds),
+num_splits (0: the planner's) and merge step (``cluster``: where the planner gives one; ``kernel``: the merge
+kernel always) is timed on each ``batch x L`` cell, GB/s of K+V read. Used to choose the
+entries of ``cuflash/_plan.py``; not part of the package.
+"""
+import argparse
+import itertools
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+import cuflash.torch
+from cuflash import _kernels, _plan, bench_decode, kvcache
+
+NHEADS = bench_decode.NHEADS
+
+
+def caches_of(batch: int, length: int, heads_k: int, d: int, page_size: int):
+    kv_bytes = 2 * batch * length * heads_k * d * 2
+    copies = max(2, min(16, int(-(-bench_decode.CYCLE_BYTES // kv_bytes))))
+    dense = [tuple(torch.randn(batch, length, heads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+             for _ in range(copies)]
+    if not page_size:
+        return dense, None, kv_bytes
+    per_seq = -(-length // page_size)
+    order = torch.randperm(batch * per_seq, device="cuda")
+    table = order.reshape(batch, per_seq).to(torch.int32)
+    return ([(bench_decode.paged(torch, k, page_size, order), bench_decode.paged(torch, v, page_size, order))
+             for k, v in dense], table, kv_bytes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiles", default="16x64x4x2")
+    parser.add_argument("--splits", default="0")
+    parser.add_argument("--merge", default="cluster")
+    parser.add_argument("--cells", default="1x4096,1x16384,16x4096,64x4096")
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--heads-k", type=int, default=8)
+    parser.add_argument("--page-size", type=int, default=0)
+    args = parser.parse_args()
+    bucket = _plan.head_dim_bucket(args.d)
+    original = _plan.KINDS["decode"].tiles[bucket]
+    tiles = [_plan.Tile(*map(int, t.split("x"))) for t in args.tiles.split(",")]
+    clusters = _kernels.clusters
+    print(f"KV-cache call, GQA {NHEADS}/{args.heads_k}, d {args.d}, bf16, pages {args.page_size or '-'}: GB/s "
+          "(graph replay) by tile / num_splits / merge step")
+    for cell in args.cells.split(","):
+        batch, length = map(int, cell.split("x"))
+        caches, table, kv_bytes = caches_of(batch, length, args.heads_k, args.d, args.page_size)
+        q = torch.randn(batch, 1, NHEADS, args.d, device="cuda", dtype=torch.bfloat16)
+        lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+        views = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in caches] if table is None else []
+        row = []
+        if views:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                us, _ = bench_decode.graph_and_plain(torch, [
+                    lambda k=k, v=v: sdpa(q.transpose(1, 2), k, v, enable_gqa=args.heads_k != NHEADS)
+                    for k, v in views])
+            row.append(f"cudnn {kv_bytes / (us * 1e3):6.0f}")
+        for tile, splits, merge in itertools.product(tiles, map(int, args.splits.split(",")), args.merge.split(",")):
+            for kind in ("decode", "decode_cluster"):
+                _plan.KINDS[kind].tiles[bucket] = (tile,)
+            _plan.kernel.cache_clear()
+            _kernels.clusters = clusters if merge == "cluster" else (lambda device: False)
+            kvcache._warm.clear()
+            name = f"{tile.block_n}x{tile.warps}x{tile.stages}/{splits}/{merge}"
+            _kernels._launchers.clear()
+            try:
+                us, _ = bench_decode.graph_and_plain(torch, [
+                    lambda k=k, v=v: cuflash.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
+                                                                          block_table=table, num_splits=splits)
+                    for k, v in caches])
+                row.append(f"{name} {kv_bytes / (us * 1e3):6.0f}")
+            except Exception as e:  # a tile that does not fit or fails to compile
+                row.append(f"{name} {type(e).__name__}: {str(e)[:60]}")
+        for kind in ("decode", "decode_cluster"):
+            _plan.KINDS[kind].tiles[bucket] = original
+        _plan.kernel.cache_clear()
+        _kernels.clusters = clusters
+        print(f"batch {batch:3d} L {length:6d}: " + "  ".join(row), flush=True)
+        caches.clear()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
