@@ -95,7 +95,8 @@ DECODE_TILES = {
 # (4,015), 16k 4,165 -> 4,370 (4,395), batch 64 4k 3,876 -> 4,194, 16k 3,997 -> 4,479
 # (4,415); MHA batch 16 4k 3,778 -> 4,283 (4,338); d 64 (against its 128-key four-warp
 # tile) batch 64 4k 3,885 -> 4,118, batch 16 4k 3,509 -> 3,482. Split grids keep
-# DECODE_TILES: with 128-key tiles a split holds half the tiles, and batch 1 read 0.76-0.96x.
+# DECODE_TILES: with 128-key tiles a split holds half the tiles, and batch 1 read 0.76-0.96x;
+# so do pages shorter than 128 rows (decode).
 DECODE_WIDE_TILES = {d: (_T(16, 128, 8, 2),) for d in (64, 128)}
 
 
@@ -604,8 +605,12 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
     # A deterministic call keeps one kernel whatever the grid: its bits may not depend on
     # the batch.
+    # Pages shorter than its tile keep the four-warp kernel (their row-by-row copies: MHA,
+    # d 128, pages of 16 rows, batch 64 and 4k keys read 2,824 GB/s with it, 3,680 without).
     if parts == 1 and not cache.deterministic and has_tile("decode_wide", head_dim, extras, shared_limit):
-        chosen = kernel("decode_wide", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
+        wide = kernel("decode_wide", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
+        if not 0 < cache.page_size < wide.tile.block_n:
+            chosen = wide
     grid = (splits * row_blocks, nheads_k, batch)
     # Clusters where the grid is one wave of a CTA a multiprocessor (H200, GQA 32/8 d 128,
     # graph replay: batch 1 and 4k keys, 16 splits, 1,374 GB/s against 1,071 with the merge

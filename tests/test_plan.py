@@ -163,6 +163,23 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
         assert (p.merge.count, p.merge.part_stride, p.merge.lse_part_stride) == (splits, batch * 32 * 128, batch * 32)
 
 
+@pytest.mark.parametrize("page_size,kind", [(16, "decode"), (64, "decode"), (128, "decode_wide"),
+                                            (256, "decode_wide")])
+def test_a_paged_decode_plan_takes_the_wide_tile_where_pages_hold_its_keys(no_compiler, page_size, kind):
+    """An unsplit grid over pages shorter than the wide tile's 128 keys keeps the four-warp
+    kernel (the row-by-row copy of a tile across pages)."""
+    q = info((64, 1, 32, 128))
+    pool = info((64 * 4096 // page_size, page_size, 8, 128))
+    table = info((64, 4096 // page_size), "int32")
+    arrays = dict(q=q, k_cache=pool, v_cache=pool)
+    cache = _options.kvcache(arrays, 1000, None, None, table, None, None, True, False, (-1, -1), 1)
+    options = _options.make_options(q, pool, False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False,
+                                    seqlen_k=cache.capacity)
+    plan = _plan.decode(q, pool, pool, None, None, info(q.shape), cache, options, _plan.shared_memory_limit("sm_90"),
+                        132)
+    assert [step.kernel.kind for step in plan.steps] == [kind]
+
+
 @pytest.mark.parametrize("num_splits,deterministic,batch,clustered", [
     (0, False, 1, True), (16, False, 1, True), (17, False, 1, False), (0, True, 1, False), (1, False, 1, False),
     (0, False, 4, False)])
