@@ -19,6 +19,14 @@ from .test_kvcache import make_call  # noqa: E402
 CPU = jax.devices("cpu")[0]
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """These are CPU-path tests: arrays made without a device stay on the CPU, also where
+    JAX's default device is a GPU."""
+    with jax.default_device(CPU):
+        yield
+
+
 def _jax(kw: dict) -> dict:
     return {name: jax.device_put(x, CPU) if isinstance(x, np.ndarray) else x for name, x in kw.items()}
 
