@@ -603,10 +603,10 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     p.num_splits, p.parts = splits, parts
     if not (batch and seqlen_q and nheads and query_rows):
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
-    # A deterministic call keeps one kernel whatever the grid: its bits may not depend on
-    # the batch.
-    # Pages shorter than its tile keep the four-warp kernel (their row-by-row copies: MHA,
-    # d 128, pages of 16 rows, batch 64 and 4k keys read 2,824 GB/s with it, 3,680 without).
+    # An unsplit grid takes the wide tile, except in a deterministic call (one kernel
+    # whatever the grid: its bits may not depend on the batch) and over pages shorter than
+    # the tile (copied row by row: MHA, d 128, pages of 16 rows, batch 64 and 4k keys read
+    # 2,824 GB/s with it, 3,730 without).
     if parts == 1 and not cache.deterministic and has_tile("decode_wide", head_dim, extras, shared_limit):
         wide = kernel("decode_wide", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
         if not 0 < cache.page_size < wide.tile.block_n:

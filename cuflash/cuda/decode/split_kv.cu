@@ -92,9 +92,10 @@ __device__ __forceinline__ void append_to_cache(const DecodeParams& p, const Cac
 // @tparam kExtras   softcap or ALiBi may be on
 // @tparam kClusterMerge  the grid's x runs in clusters of num_splits CTAs, the splits of a
 //                   row block, which merge their results (one part each; sm_90)
-// Up to d 128 three CTAs share a multiprocessor (by shared memory, on Hopper): registers
-// held to 168; split grids, clustered or not, place at most two (_plan.decode_splits), and
-// the cluster's merge needs more than 168.
+// Up to d 128 three CTAs of four warps share a multiprocessor (by shared memory, on
+// Hopper): registers held to 168; split grids, clustered or not, place at most two
+// (_plan.decode_splits), and the cluster's merge needs more than 168. Eight warps (the wide
+// tile of grids that are not split) take a multiprocessor alone.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
           bool kExtras, bool kClusterMerge>
 __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 : kClusterMerge ? 2 : 3)
