@@ -65,25 +65,31 @@ def paged(torch, cache, page_size: int, order):
     return pages
 
 
+def cycled_caches(torch, batch: int, length: int, nheads_k: int, d: int, page_size: int = 0):
+    """(caches, block_table, K+V bytes of one): copies of a bf16 (batch, length, nheads_k, d)
+    K/V cache, at least CYCLE_BYTES together, contiguous or (``page_size``) every copy in the
+    same shuffled pages, whose block table is returned (else None)."""
+    kv_bytes = 2 * batch * length * nheads_k * d * 2
+    copies = max(2, min(16, int(-(-CYCLE_BYTES // kv_bytes))))
+    dense = [tuple(torch.randn(batch, length, nheads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+             for _ in range(copies)]
+    if not page_size:
+        return dense, None, kv_bytes
+    per_seq = -(-length // page_size)
+    order = torch.randperm(batch * per_seq, device="cuda")
+    table = order.reshape(batch, per_seq).to(torch.int32)
+    return [(paged(torch, k, page_size, order), paged(torch, v, page_size, order)) for k, v in dense], table, kv_bytes
+
+
 def cell(torch, batch: int, length: int, nheads_k: int, d: int, layout: str) -> dict:
     """GB/s of every column for one shape (the SDPA columns with the contiguous layout only)."""
     import cuflash.torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
-    kv_bytes = 2 * batch * length * nheads_k * d * 2
-    copies = max(2, min(16, int(-(-CYCLE_BYTES // kv_bytes))))
-    dense = [tuple(torch.randn(batch, length, nheads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-             for _ in range(copies)]
+    page_size = 0 if layout == "contiguous" else int(layout.removeprefix("paged"))
+    caches, table, kv_bytes = cycled_caches(torch, batch, length, nheads_k, d, page_size)
     q = torch.randn(batch, 1, NHEADS, d, device="cuda", dtype=torch.bfloat16)
     lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-    caches, table = dense, None
-    if layout != "contiguous":  # every copy in the same shuffled pages: one block table
-        page_size = int(layout.removeprefix("paged"))
-        per_seq = -(-length // page_size)
-        order = torch.randperm(batch * per_seq, device="cuda")
-        table = order.reshape(batch, per_seq).to(torch.int32)
-        caches = [(paged(torch, k, page_size, order), paged(torch, v, page_size, order)) for k, v in dense]
-        dense.clear()
     us = {}
     calls = [lambda k=k, v=v: cuflash.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table)
              for k, v in caches]

@@ -12,10 +12,7 @@ import cuflash.torch
 from cuflash import bench_decode
 
 batch, length = (int(a) for a in (sys.argv[1:3] if len(sys.argv) > 2 else (1, 4096)))
-kv_bytes = 2 * batch * length * 8 * 128 * 2
-copies = max(2, min(16, int(-(-bench_decode.CYCLE_BYTES // kv_bytes))))
-caches = [tuple(torch.randn(batch, length, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-          for _ in range(copies)]
+caches, _, kv_bytes = bench_decode.cycled_caches(torch, batch, length, 8, 128)
 q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
 new_k, new_v = (torch.randn(batch, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
 full = torch.full((batch,), length, device="cuda", dtype=torch.int32)

@@ -22,20 +22,6 @@ from cuflash import _kernels, _plan, bench_decode, kvcache
 NHEADS = bench_decode.NHEADS
 
 
-def caches_of(batch: int, length: int, heads_k: int, d: int, page_size: int):
-    kv_bytes = 2 * batch * length * heads_k * d * 2
-    copies = max(2, min(16, int(-(-bench_decode.CYCLE_BYTES // kv_bytes))))
-    dense = [tuple(torch.randn(batch, length, heads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-             for _ in range(copies)]
-    if not page_size:
-        return dense, None, kv_bytes
-    per_seq = -(-length // page_size)
-    order = torch.randperm(batch * per_seq, device="cuda")
-    table = order.reshape(batch, per_seq).to(torch.int32)
-    return ([(bench_decode.paged(torch, k, page_size, order), bench_decode.paged(torch, v, page_size, order))
-             for k, v in dense], table, kv_bytes)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiles", default="16x64x4x2")
@@ -54,7 +40,8 @@ def main() -> None:
           "(graph replay) by tile / num_splits / merge step")
     for cell in args.cells.split(","):
         batch, length = map(int, cell.split("x"))
-        caches, table, kv_bytes = caches_of(batch, length, args.heads_k, args.d, args.page_size)
+        caches, table, kv_bytes = bench_decode.cycled_caches(torch, batch, length, args.heads_k, args.d,
+                                                             args.page_size)
         q = torch.randn(batch, 1, NHEADS, args.d, device="cuda", dtype=torch.bfloat16)
         lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
         views = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in caches] if table is None else []
