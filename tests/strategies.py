@@ -399,7 +399,7 @@ class Launches:
 @st.composite
 def kvcache_calls(draw, paged: bool = False):
     """The sizes and options of a KV-cache call (``attention_with_kvcache``), as a dict:
-    GQA/MQA, seqlen_q 1-5 with 0, 1 or seqlen_q new keys, lengths from 0 to full, left
+    GQA/MQA, seqlen_q 1-5 with 0, 1, seqlen_q or seqlen_q + 2 new keys, lengths from 0 to full, left
     padding, cache_batch_idx, rotary of every width and both layouts, causal, windows,
     softcap, ALiBi; with ``paged``, a page size (1, 3, 16, 17, ...) instead of batch_idx."""
     batch = draw(st.integers(1, 3))
@@ -407,7 +407,7 @@ def kvcache_calls(draw, paged: bool = False):
     nheads = nheads_k * draw(st.sampled_from([1, 3]))
     d = draw(st.sampled_from([4, 8, 12]))
     seqlen_q = draw(st.integers(1, 5))
-    seqlen_new = draw(st.sampled_from([0, 1, seqlen_q]))
+    seqlen_new = draw(st.sampled_from([0, 1, seqlen_q, seqlen_q + 2]))
     capacity = draw(st.integers(max(seqlen_new, 1), 24))
     lengths = [draw(st.integers(0, capacity - seqlen_new)) for _ in range(batch)]
     leftpads = [draw(st.integers(0, n)) if draw(st.booleans()) else 0 for n in lengths]

@@ -85,13 +85,16 @@ __device__ __forceinline__ void load_tile(SharedTile<L> tile, const elem_t* src,
 // first element, or null for a row of zeros (the KV-cache call's paged caches and packed
 // query heads); i counts the rows this thread copies (r = first_row() + i * kRowStep, for
 // what the caller read ahead of them). Threads share the chunks as in load_tile; `any` is
-// a valid global address, the source of the zero-filling copies.
-template <int kRows, int kThreads, bool kVec, typename L, typename Source>
+// a valid global address, the source of the zero-filling copies. kUnrolled = false keeps
+// the rows' loop rolled: for tiles copied once a call (the KV-cache call's edge tiles),
+// whose unrolled code would cost more in instruction fetches than it saves.
+template <int kRows, int kThreads, bool kVec, bool kUnrolled = true, typename L, typename Source>
 __device__ __forceinline__ void load_rows(SharedTile<L> tile, Source source, int headdim, const elem_t* any) {
   using Lanes = ChunkLanes<L::kCols, kThreads>;
   const int c_first = Lanes::first_chunk(), r_first = Lanes::first_row();
   const int s_first = L::at(r_first, c_first * kChunkElems);
-  constexpr int kUnroll = kVec ? ceil_div(kRows, Lanes::kRowStep) : 1, kChunkUnroll = kVec ? Lanes::kPerLane : 1;
+  constexpr int kUnroll = kVec && kUnrolled ? ceil_div(kRows, Lanes::kRowStep) : 1;
+  constexpr int kChunkUnroll = kVec ? Lanes::kPerLane : 1;
 #pragma unroll kUnroll
   for (int it = 0; it < ceil_div(kRows, Lanes::kRowStep); ++it) {
     const int r = r_first + it * Lanes::kRowStep;
@@ -103,6 +106,31 @@ __device__ __forceinline__ void load_rows(SharedTile<L> tile, Source source, int
       const bool ok = row != nullptr && c < headdim;
       load_chunk<kVec>(tile.data + L::moved(s_first, dc) + L::fixed(it * Lanes::kRowStep, dc), ok ? row + c : any,
                        any, ok, headdim - c);
+    }
+  }
+}
+
+// The shared tile's rows -> anywhere: row r to dest(r), a pointer to its first element,
+// or null for a row not stored; the threads share the chunks as in load_rows.
+template <int kRows, int kThreads, bool kVec, typename L, typename Dest>
+__device__ __forceinline__ void store_rows(SharedTile<L> tile, Dest dest, int headdim) {
+  using Lanes = ChunkLanes<L::kCols, kThreads>;
+  const int c_first = Lanes::first_chunk(), r_first = Lanes::first_row();
+  const int s_first = L::at(r_first, c_first * kChunkElems);
+#pragma unroll 1
+  for (int r = r_first; r < kRows; r += Lanes::kRowStep) {
+    elem_t* row = dest(r);
+    if (row == nullptr) continue;
+#pragma unroll
+    for (int j = 0; j < Lanes::kPerLane; ++j) {
+      const int c = (c_first + j * Lanes::kLanes) * kChunkElems, dc = j * Lanes::kLanes * kChunkElems;
+      if (c >= headdim) continue;
+      const elem_t* s = tile.data + L::moved(s_first, dc) + L::fixed(r - r_first, dc);
+      if constexpr (kVec) {
+        *reinterpret_cast<uint4*>(row + c) = *reinterpret_cast<const uint4*>(s);
+      } else {
+        for (int e = 0; e < kChunkElems && c + e < headdim; ++e) row[c + e] = s[e];
+      }
     }
   }
 }

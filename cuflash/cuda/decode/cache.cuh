@@ -43,41 +43,41 @@ struct CachedSequence {
   __device__ __forceinline__ int row_in_page(int t) const {
     return page_shift >= 0 ? t & (page_size - 1) : t % page_size;
   }
-  // The page of a cached row t: -1 for a row outside [leftpad, length), a page index out
-  // of range, or a contiguous cache. A global load that the row's copy depends on, which a
-  // caller may issue early (TilePages).
+  // The page-table entry of a cached row t, as stored (checked where it is used,
+  // row_offset): -1 for a row outside [leftpad, length) or a contiguous cache. A global
+  // load that the row's copy depends on, which a caller issues a tile early (TilePages).
   __device__ __forceinline__ int page(int t) const {
-    const int at = pages != nullptr && t >= leftpad && t < length ? pages[page_of(t)] : -1;
-    return at < pages_total ? at : -1;
+    return pages != nullptr && t >= leftpad && t < length ? pages[page_of(t)] : -1;
   }
+  // Is `page` (a page-table entry) a page of the cache?
+  __device__ __forceinline__ bool valid(int page) const { return unsigned(page) < unsigned(pages_total); }
 
   // Element offset of logical row t (head 0) in a cache laid out as `a`; -1 where its page
   // index is out of range (the row then reads as zeros and is never written).
   __device__ __forceinline__ int64 offset(const ArrayView& a, int t) const {
     if (pages == nullptr) return cache_row * a.batch_stride + int64(t) * a.row_stride;
     const int page = pages[page_of(t)];
-    if (page < 0 || page >= pages_total) return -1;
-    return int64(page) * a.batch_stride + int64(row_in_page(t)) * a.row_stride;
+    return valid(page) ? row_offset(a, t, page) : -1;
   }
-  // The same for a cached row of a paged cache whose page size is a power of two, `page`
-  // its page (page(t), checked): a few instructions, for tiles copied row by row.
-  __device__ __forceinline__ int64 paged_offset(const ArrayView& a, int t, int page) const {
-    return int64(page) * a.batch_stride + int64(t & (page_size - 1)) * a.row_stride;
+  // The same for a row t of a paged cache whose page-table entry `page` is valid; with
+  // kPowerOfTwo, a page size known to be one (a mask, not a division: a tile's rows are
+  // copied row by row).
+  template <bool kPowerOfTwo = false>
+  __device__ __forceinline__ int64 row_offset(const ArrayView& a, int t, int page) const {
+    const int row = kPowerOfTwo ? t & (page_size - 1) : row_in_page(t);
+    return int64(page) * a.batch_stride + int64(row) * a.row_stride;
   }
 
   // Are rows [t, t + rows) all cached rows of this call (past the left padding, before
   // the new ones)?
   __device__ __forceinline__ bool cached(int t, int rows) const { return t >= leftpad && t + rows <= length; }
-  // ... lying one row stride apart: in a contiguous cache, or in one page? Then a tile of
-  // them is one strided copy from the first (most tiles of a long cache).
-  __device__ __forceinline__ bool strided(int t, int rows) const {
-    return cached(t, rows) && (pages == nullptr || page_of(t) == page_of(t + rows - 1));
-  }
 };
 
-// The pages of the rows one thread copies in a key tile (load_rows: rows first + i * kStep),
-// read a tile ahead: a page index is a global load that the tile's copies would otherwise
-// wait on, once a tile (FlashInfer's paged decode reads its page offsets ahead likewise).
+// The page-table entries of the rows one thread copies in a key tile (load_rows: rows
+// first + i * kStep), read a tile ahead: a page index is a global load that the tile's
+// copies would otherwise wait on, once a tile (FlashInfer's paged decode reads its page
+// offsets ahead likewise). Stored unchecked: a check here would wait on the loads at once
+// (ptxas placed the compare three instructions after each load).
 template <int kRows, int kStep>
 struct TilePages {
   static constexpr int kPerThread = ceil_div(kRows, kStep);
@@ -90,6 +90,14 @@ struct TilePages {
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) pages.row[i] = seq.page(t0 + first_row + i * kStep);
     return pages;
+  }
+  // row[i] for an i known only at run time (a rolled loop), without moving the array to
+  // local memory.
+  __device__ __forceinline__ int at(int i) const {
+    int page = row[0];
+#pragma unroll
+    for (int j = 1; j < kPerThread; ++j) page = i == j ? row[j] : page;
+    return page;
   }
 };
 

@@ -37,6 +37,18 @@ __device__ __forceinline__ float load(const float* local, int rank) {
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote));
   return x;
 }
+// The four floats at `local` (16-byte aligned) in CTA `rank`'s shared memory.
+__device__ __forceinline__ float4 load4(const float* local, int rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote)
+               : "r"(unsigned(__cvta_generic_to_shared(local))), "r"(rank));
+  float4 x;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+               : "r"(remote));
+  return x;
+}
 
 }  // namespace cluster
 }  // namespace cuflash

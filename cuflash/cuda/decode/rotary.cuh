@@ -82,17 +82,6 @@ struct Rotary {
       asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(sin) + row + at));
     }
   }
-
-  // Feature e (< dim) of a row after rotation, from the row's features in global memory.
-  template <typename T>
-  __device__ __forceinline__ float rotated(const elem_t* row, int e, int pos) const {
-    const int half = dim / 2;
-    const int i = interleaved ? e / 2 : e % half;
-    const bool first = interleaved ? e % 2 == 0 : e < half;
-    const int2 f = pair(i);
-    const float2 xy = rotate(DType<T>::to_float(row[f.x]), DType<T>::to_float(row[f.y]), angle<T>(pos, i));
-    return first ? xy.x : xy.y;
-  }
 };
 
 }  // namespace cuflash

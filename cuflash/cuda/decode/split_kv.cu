@@ -20,8 +20,8 @@
 // Keys are the rows [leftpad, length + seqlen_new) of the sequence's cache (cache.cuh:
 // contiguous or paged); rows outside are zero-filled, never read, and masked. New keys and
 // values are read from k and v (rotated in shared memory), never from the cache rows this
-// call writes: one CTA per (sequence, KV head) writes them into the cache, and no other
-// reads them there.
+// call writes: the CTA that holds a new row's tile (one per row, `append`) writes it from
+// shared memory into the cache, and no CTA reads those rows there.
 #include "common.cuh"
 #include "copy.cuh"
 #include "decode/cache.cuh"
@@ -45,8 +45,8 @@ constexpr int kMaxClusterSplits = 16;
 // Shared memory: the forward's (the Q tile, then kStages K tiles, then kStages V tiles).
 // After the key loop the K/V buffers hold each warp's normalised O (fp32 rows of
 // kHeadDim + 4, off the banks' period) and LSE, then, in a cluster, the CTA's merged O
-// (fp32 rows of kHeadDim) and LSE for the other CTAs to read, and the weights of the
-// parts in the row it merges. _plan.KINDS["decode"] states the size.
+// (fp32 rows of kHeadDim) and LSE for the other CTAs to read. _plan.KINDS["decode"]
+// states the size.
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct DecodeShared : ForwardShared<kHeadDim, kBlockM, kBlockN, kStages> {
   using Base = ForwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
@@ -60,29 +60,9 @@ struct DecodeShared : ForwardShared<kHeadDim, kBlockM, kBlockN, kStages> {
   static __host__ __device__ constexpr int cluster_lse() { return cluster_o<kWarps>() + kBlockM * kHeadDim * 4; }
   template <int kWarps>
   static __host__ __device__ constexpr bool results_fit() {
-    return cluster_lse<kWarps>() + (kBlockM + kMaxClusterSplits + 2) * 4 <= Base::kBytes;
+    return cluster_lse<kWarps>() + kBlockM * 4 <= Base::kBytes;
   }
 };
-
-// The new keys and values of one (sequence, KV head) into the cache, the keys rotated at
-// positions length + j.
-template <typename T>
-__device__ __forceinline__ void append_to_cache(const DecodeParams& p, const CachedSequence& seq,
-                                                const Rotary& rotary, int batch, int kv_head, int threads) {
-  const int d = p.headdim;
-  for (int item = threadIdx.x; item < p.seqlen_new * d; item += threads) {
-    const int j = item / d, e = item % d, t = seq.length + j;
-    const elem_t* k = p.k_new.ptr + batch * p.k_new.batch_stride + int64(j) * p.k_new.row_stride +
-                      int64(kv_head) * p.k_new.head_stride;
-    const elem_t* v = p.v_new.ptr + batch * p.v_new.batch_stride + int64(j) * p.v_new.row_stride +
-                      int64(kv_head) * p.v_new.head_stride;
-    const int64 k_at = seq.offset(p.k_cache, t), v_at = seq.offset(p.v_cache, t);
-    if (k_at >= 0)
-      p.k_cache.ptr[k_at + int64(kv_head) * p.k_cache.head_stride + e] =
-          rotary.on() && e < rotary.dim ? DType<T>::from_float(rotary.rotated<T>(k, e, t)) : k[e];
-    if (v_at >= 0) p.v_cache.ptr[v_at + int64(kv_head) * p.v_cache.head_stride + e] = v[e];
-  }
-}
 
 // @tparam kBlockM   packed query rows per CTA (one 16-row mma tile, shared by the warps)
 // @tparam kBlockN   keys per tile; each of the kWarps warps takes kBlockN / kWarps of them
@@ -115,7 +95,6 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const CachedSequence seq = CachedSequence::of(p, batch);
   const Rotary rotary = Rotary::of(p);
-  if (split == 0 && m_block == 0 && p.seqlen_new > 0) append_to_cache<T>(p, seq, rotary, batch, kv_head, kThreads);
 
   // This sequence's queries: dense, or packed (rows q_start .. of q; the grid covers the longest).
   const int q_start = p.cu_seqlens_q ? p.cu_seqlens_q[batch] : 0;
@@ -130,7 +109,10 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
   const int seqlen_k = seq.end - seq.leftpad;
   const auto mask = p.cu_seqlens_q ? Mask<kLocal>::of(seqlen_q, seqlen_k, p.window_left, p.window_right)
                                    : Mask<kLocal>::bounded(seqlen_q, seqlen_k, p.window_left, p.window_right);
-  const int t_begin = seq.leftpad + mask.key_begin(q_first), t_end = seq.leftpad + mask.key_end(q_end);
+  // Row block 0 also takes the new keys ahead of every query's diagonal (more new keys than
+  // queries), seen or not, to write them into the cache (`append`).
+  const int t_seen = seq.leftpad + mask.key_begin(q_first), t_end = seq.leftpad + mask.key_end(q_end);
+  const int t_begin = row0 == 0 && p.seqlen_new > seqlen_q ? min(t_seen, seq.length) : t_seen;
   const int tile_first = t_begin / kBlockN, tiles = t_end > t_begin ? ceil_div(t_end, kBlockN) - tile_first : 0;
   // The parts of these tiles, each its own softmax and partial result (the merge step
   // combines them in part order), and this CTA's share of them: parts split, split +
@@ -148,18 +130,19 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
     return p.q.ptr + batch * p.q.batch_stride + int64(q_start + row / group) * p.q.row_stride +
            int64(kv_head * group + row % group) * p.q.head_stride;
   };
-  // Key (or value) t: from the cache below length, from the new rows above.
+  // Key (or value) t of a contiguous cache: from the cache below length, from the new rows above.
+  auto fresh_row = [&](const ArrayView& fresh, int t) -> const elem_t* {
+    return fresh.ptr + batch * fresh.batch_stride + int64(t - seq.length) * fresh.row_stride +
+           int64(kv_head) * fresh.head_stride;
+  };
   auto key_row = [&](const ArrayView& cache, const ArrayView& fresh, int t) -> const elem_t* {
     if (t < seq.leftpad || t >= seq.end) return nullptr;
-    if (t >= seq.length)
-      return fresh.ptr + batch * fresh.batch_stride + int64(t - seq.length) * fresh.row_stride +
-             int64(kv_head) * fresh.head_stride;
-    const int64 at = seq.offset(cache, t);
-    return at < 0 ? nullptr : cache.ptr + at + int64(kv_head) * cache.head_stride;
+    if (t >= seq.length) return fresh_row(fresh, t);
+    return cache.ptr + seq.offset(cache, t) + int64(kv_head) * cache.head_stride;
   };
-  // Key tile n's K and V into a stage: one strided copy where its rows allow (cache.cuh);
-  // a tile of cached rows across pages of a power-of-two size, row by row from the pages
-  // read a tile ahead; any other tile (left padding, new keys, its end) row by row.
+  // Key tile n's K and V into a stage. A contiguous cache: one strided copy where the tile
+  // holds only cached rows (most tiles of a long cache), else row by row. A paged one, of
+  // any page size: row by row, from the pages read a tile ahead.
   using Pages = TilePages<kBlockN, ChunkLanes<L::kCols, kThreads>::kRowStep>;
   const int first_row = ChunkLanes<L::kCols, kThreads>::first_row();
   const elem_t* k_head = p.k_cache.ptr + int64(kv_head) * p.k_cache.head_stride;
@@ -168,30 +151,59 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
   ahead.tile = -1;
   auto issue = [&](int n, int stage) {
     const int t0 = n * kBlockN;
-    if (seq.strided(t0, kBlockN)) {
-      const int64 k_at = seq.offset(p.k_cache, t0), v_at = seq.offset(p.v_cache, t0);
-      if (k_at >= 0) {
-        load_tile<kBlockN, kThreads, kVec>(k_tiles[stage], k_head + k_at, p.k_cache.row_stride, 0, kBlockN, p.headdim);
-        load_tile<kBlockN, kThreads, kVec>(v_tiles[stage], v_head + v_at, p.v_cache.row_stride, 0, kBlockN, p.headdim);
-        return;
+    if (seq.pages == nullptr) {
+      if (seq.cached(t0, kBlockN)) {
+        load_tile<kBlockN, kThreads, kVec>(k_tiles[stage], k_head + seq.offset(p.k_cache, t0), p.k_cache.row_stride,
+                                           0, kBlockN, p.headdim);
+        load_tile<kBlockN, kThreads, kVec>(v_tiles[stage], v_head + seq.offset(p.v_cache, t0), p.v_cache.row_stride,
+                                           0, kBlockN, p.headdim);
+      } else {  // an edge tile: left padding, new keys, the end
+        load_rows<kBlockN, kThreads, kVec, false>(
+            k_tiles[stage], [&](int r, int) { return key_row(p.k_cache, p.k_new, t0 + r); }, p.headdim, p.q.ptr);
+        load_rows<kBlockN, kThreads, kVec, false>(
+            v_tiles[stage], [&](int r, int) { return key_row(p.v_cache, p.v_new, t0 + r); }, p.headdim, p.q.ptr);
       }
-    }
-    if (seq.pages != nullptr && seq.page_shift >= 0 && seq.cached(t0, kBlockN)) {
-      const Pages pages = ahead.tile == n ? ahead : Pages::of(seq, n, t0, first_row);
-      ahead = Pages::of(seq, n + 1, t0 + kBlockN, first_row);
-      auto row_of = [&](const elem_t* head, const ArrayView& cache, int r, int i) -> const elem_t* {
-        return pages.row[i] < 0 ? nullptr : head + seq.paged_offset(cache, t0 + r, pages.row[i]);
-      };
-      load_rows<kBlockN, kThreads, kVec>(k_tiles[stage], [&](int r, int i) { return row_of(k_head, p.k_cache, r, i); },
-                                         p.headdim, p.q.ptr);
-      load_rows<kBlockN, kThreads, kVec>(v_tiles[stage], [&](int r, int i) { return row_of(v_head, p.v_cache, r, i); },
-                                         p.headdim, p.q.ptr);
       return;
     }
-    load_rows<kBlockN, kThreads, kVec>(
-        k_tiles[stage], [&](int r, int) { return key_row(p.k_cache, p.k_new, t0 + r); }, p.headdim, p.q.ptr);
-    load_rows<kBlockN, kThreads, kVec>(
-        v_tiles[stage], [&](int r, int) { return key_row(p.v_cache, p.v_new, t0 + r); }, p.headdim, p.q.ptr);
+    const Pages pages = ahead.tile == n ? ahead : Pages::of(seq, n, t0, first_row);
+    ahead = Pages::of(seq, n + 1, t0 + kBlockN, first_row);
+    if (seq.page_shift >= 0 && seq.cached(t0, kBlockN)) {  // most tiles: every row cached, pages of 2^k rows
+      auto cached_row = [&](const elem_t* head, const ArrayView& cache, int r, int i) -> const elem_t* {
+        return seq.valid(pages.row[i]) ? head + seq.row_offset<true>(cache, t0 + r, pages.row[i]) : nullptr;
+      };
+      load_rows<kBlockN, kThreads, kVec>(
+          k_tiles[stage], [&](int r, int i) { return cached_row(k_head, p.k_cache, r, i); }, p.headdim, p.q.ptr);
+      load_rows<kBlockN, kThreads, kVec>(
+          v_tiles[stage], [&](int r, int i) { return cached_row(v_head, p.v_cache, r, i); }, p.headdim, p.q.ptr);
+      return;
+    }
+    // An edge tile, or pages of another size. Row r (this thread's i-th): cached (its page
+    // read ahead; -1 before leftpad), new, or past the end.
+    auto row_of = [&](const elem_t* head, const ArrayView& cache, const ArrayView& fresh, int r,
+                      int i) -> const elem_t* {
+      const int t = t0 + r, page = pages.at(i);
+      if (t >= seq.length) return t < seq.end ? fresh_row(fresh, t) : nullptr;
+      return seq.valid(page) ? head + seq.row_offset(cache, t, page) : nullptr;
+    };
+    load_rows<kBlockN, kThreads, kVec, false>(
+        k_tiles[stage], [&](int r, int i) { return row_of(k_head, p.k_cache, p.k_new, r, i); }, p.headdim, p.q.ptr);
+    load_rows<kBlockN, kThreads, kVec, false>(
+        v_tiles[stage], [&](int r, int i) { return row_of(v_head, p.v_cache, p.v_new, r, i); }, p.headdim, p.q.ptr);
+  };
+  // The new keys and values of a tile, rows [begin, end) of its stage (the keys rotated),
+  // into the cache at rows t0 + r. Each is written once: by the row block holding its
+  // diagonal query (query seqlen_q - seqlen_new + j for new key j), which sees it whatever
+  // the mask, or row block 0 for a key ahead of every diagonal; there by the split whose
+  // part holds the tile.
+  auto append = [&](int t0, int stage, int begin, int end) {
+    auto into = [&](const ArrayView& cache, int r) -> elem_t* {
+      const int t = t0 + r, diagonal_query = max(p.seqlen_q - p.seqlen_new + t - seq.length, 0);
+      if (r < begin || r >= end || diagonal_query * group / kBlockM != m_block) return nullptr;
+      const int64 at = seq.offset(cache, t);
+      return at < 0 ? nullptr : cache.ptr + at + int64(kv_head) * cache.head_stride;
+    };
+    store_rows<kBlockN, kThreads, kVec>(k_tiles[stage], [&](int r) { return into(p.k_cache, r); }, p.headdim);
+    store_rows<kBlockN, kThreads, kVec>(v_tiles[stage], [&](int r) { return into(p.v_cache, r); }, p.headdim);
   };
 
   // Q, then for each part one K/V tile a group, kStages - 1 ahead. The rotary table rows
@@ -249,6 +261,12 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       if (n_begin + s < n_end) issue(n_begin + s, s);
       LoadPipeline::commit();
     }
+    constexpr int kItems = ceil_div(kBlockM * kHeadDim / 2, kThreads), kBatch = kItems < 4 ? kItems : 4;
+    if (rotary.on() && !q_rotated) {  // q once, while the first tiles load (the key loop's wait syncs)
+      LoadPipeline::wait<kStages - 1>();
+      rotary.rotate_rows<T, kBatch>(q_tile, 0, q_rows, q_position, kThreads);
+      q_rotated = true;
+    }
 
     float acc_o[1][kDTiles][4] = {};
     OnlineSoftmax<1, true> softmax;
@@ -258,17 +276,15 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       if (n + kStages - 1 < n_end) issue(n + kStages - 1, (i + kStages - 1) % kStages);
       LoadPipeline::commit();
       LoadPipeline::wait<kStages - 1>();  // tile n (and with the first, Q) has landed
-      if (rotary.on()) {  // q once, at its first tile; the new keys in the tiles that hold them
-        const int new_begin = max(seq.length, n * kBlockN) - n * kBlockN;
-        const int new_end = min(seq.end, (n + 1) * kBlockN) - n * kBlockN;
-        const bool rotate_q = !q_rotated;
-        q_rotated = true;
-        constexpr int kItems = ceil_div(kBlockM * kHeadDim / 2, kThreads), kBatch = kItems < 4 ? kItems : 4;
-        if (rotate_q) rotary.rotate_rows<T, kBatch>(q_tile, 0, q_rows, q_position, kThreads);
-        if (new_begin < new_end)
-          rotary.rotate_rows<T, kBatch>(k_tiles[stage], new_begin, new_end, [&](int r) { return n * kBlockN + r; },
-                                        kThreads);
-        if (rotate_q || new_begin < new_end) LoadPipeline::sync();
+      // The tile's new keys, rows [new_begin, new_end): rotated, and into the cache.
+      const int t0 = n * kBlockN;
+      const int new_begin = max(seq.length, t0) - t0, new_end = min(seq.end, t0 + kBlockN) - t0;
+      if (new_begin < new_end) {
+        if (rotary.on()) {
+          rotary.rotate_rows<T, kBatch>(k_tiles[stage], new_begin, new_end, [&](int r) { return t0 + r; }, kThreads);
+          LoadPipeline::sync();
+        }
+        append(t0, stage, new_begin, new_end);
       }
 
       // This warp's keys of the tile: columns col0 .. col0 + kWarpKeys.
@@ -312,62 +328,78 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
     }
     __syncthreads();
 
-    for (int item = threadIdx.x; item < kBlockM * p.headdim; item += kThreads) {
-      const int r = item / p.headdim, c = item % p.headdim, row = row0 + r;
+    // Four columns of a row an item: the warps' weights, then their sum of O.
+    constexpr int kQuads = kHeadDim / 4;
+    for (int item = threadIdx.x; item < kBlockM * kQuads; item += kThreads) {
+      const int r = item / kQuads, c = item % kQuads * 4, row = row0 + r;
       if (row >= rows) break;
+      if (c >= p.headdim) continue;
       PartialMerge merge;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) merge.see(warp_lse[w * kBlockM + r]);
-      float o = 0.f;
+      float o[4] = {};
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
         const float weight = merge.weigh(warp_lse[w * kBlockM + r]);
-        if (weight != 0.f) o += weight * warp_o[(w * kBlockM + r) * Shared::kWarpORow + c];
+        const float4 x = *reinterpret_cast<const float4*>(warp_o + (w * kBlockM + r) * Shared::kWarpORow + c);
+        if (weight != 0.f) o[0] += weight * x.x, o[1] += weight * x.y, o[2] += weight * x.z, o[3] += weight * x.w;
       }
-      o *= merge.out_scale();
+      const float scale = merge.out_scale(), lse = merge.lse();
       const int query = row / group, head = kv_head * group + row % group;
       if constexpr (kClusterMerge) {
-        cluster_o[r * kHeadDim + c] = o;
-        if (c == 0) cluster_lse[r] = merge.lse();
-      } else if (split_result) {
-        p.partial_o[((int64(part) * p.query_rows + result_row(query)) * p.nheads + head) * p.headdim + c] = o;
-        if (c == 0) p.partial_lse[(int64(part) * p.nheads + head) * p.query_rows + result_row(query)] = merge.lse();
-      } else {
-        store_result(row, c, o, merge.lse());
+        *reinterpret_cast<float4*>(cluster_o + r * kHeadDim + c) =
+            make_float4(o[0] * scale, o[1] * scale, o[2] * scale, o[3] * scale);
+        if (c == 0) cluster_lse[r] = lse;
+        continue;
       }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (c + e >= p.headdim) break;
+        if (split_result)
+          p.partial_o[((int64(part) * p.query_rows + result_row(query)) * p.nheads + head) * p.headdim + c + e] =
+              o[e] * scale;
+        else
+          store_result(row, c + e, o[e] * scale, lse);
+      }
+      if (split_result && c == 0)
+        p.partial_lse[(int64(part) * p.nheads + head) * p.query_rows + result_row(query)] = lse;
     }
     __syncthreads();  // the next part's loads overwrite the warps' results
   }
 
   if constexpr (kClusterMerge) {
-    // The cluster's parts, in rank (= part) order, row by row: this CTA merges rows
-    // rank, rank + size, ... of the block, reading every CTA's result where it lies.
+    // The cluster's parts, in rank (= part) order, row by row: warp w of this CTA merges
+    // rows rank + (w + i kWarps) size of the block, reading every CTA's result where it
+    // lies; lane s weighs part s, then each lane takes four columns.
     cluster::sync();  // every CTA's result written
     const int rank = cluster::rank(), ranks = cluster::size();
-    float* weights = cluster_lse + kBlockM;  // each part's weight in the row, then 1 / total and the LSE
-    for (int r = rank; r < kBlockM && row0 + r < rows; r += ranks) {
-      if (warp == 0) {  // lane s: part s's LSE and weight
-        const float lse = lane < ranks ? cluster::load(cluster_lse + r, lane) : kInf;
-        PartialMerge merge;
-        merge.see(lse);
-        merge.top_of_warp();
-        const float weight = merge.weigh(lse);
-        merge.total_of_warp();
-        if (lane < ranks) weights[lane] = weight;
-        if (lane == 0) weights[kMaxClusterSplits] = merge.out_scale(), weights[kMaxClusterSplits + 1] = merge.lse();
-      }
-      __syncthreads();
-      for (int c = threadIdx.x; c < p.headdim; c += kThreads) {
-        float o = 0.f;
+    for (int r = rank + warp * ranks; r < kBlockM && row0 + r < rows; r += kWarps * ranks) {
+      const float lse = lane < ranks ? cluster::load(cluster_lse + r, lane) : kInf;
+      PartialMerge merge;
+      merge.see(lse);
+      merge.top_of_warp();
+      const float weight = merge.weigh(lse);
+      merge.total_of_warp();
+      float weights[kMaxClusterSplits];
 #pragma unroll
-        for (int s = 0; s < kMaxClusterSplits; ++s)
-          if (s < ranks) {
-            const float x = cluster::load(cluster_o + r * kHeadDim + c, s);
-            o += weights[s] != 0.f ? weights[s] * x : 0.f;  // an empty part's O is never used
-          }
-        store_result(row0 + r, c, o * weights[kMaxClusterSplits], weights[kMaxClusterSplits + 1]);
+      for (int s = 0; s < kMaxClusterSplits; ++s) weights[s] = __shfl_sync(0xffffffffu, weight, s);
+      const float scale = merge.out_scale(), row_lse = merge.lse();
+      for (int c = lane * 4; c < p.headdim; c += 32 * 4) {
+        float o[4] = {};
+        // Every load issued before any is used (no branch between them: a part past the
+        // cluster reads the last CTA's, and weighs 0).
+        float4 x[kMaxClusterSplits];
+#pragma unroll
+        for (int s = 0; s < kMaxClusterSplits; ++s) x[s] = cluster::load4(cluster_o + r * kHeadDim + c, min(s, ranks - 1));
+#pragma unroll
+        for (int s = 0; s < kMaxClusterSplits; ++s) {
+          const float w = weights[s];  // an empty part's O is never used
+          o[0] += w != 0.f ? w * x[s].x : 0.f, o[1] += w != 0.f ? w * x[s].y : 0.f;
+          o[2] += w != 0.f ? w * x[s].z : 0.f, o[3] += w != 0.f ? w * x[s].w : 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 4 && c + e < p.headdim; ++e) store_result(row0 + r, c + e, o[e] * scale, row_lse);
       }
-      __syncthreads();  // (the next row's weights)
     }
     cluster::sync();  // no CTA leaves while another reads its shared memory
   }
