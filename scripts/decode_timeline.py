@@ -1,0 +1,174 @@
+"""A per-CTA timeline of the KV-cache decode kernel (GQA 32/8, d 128, bf16, caches cycled
+as in ``bench --decode``), on the GPU machine:
+
+    PYTHONPATH=. python scripts/decode_timeline.py [--cells 1x4096,16x4096]
+
+The kernel's source is patched in memory (its cubins are cached under their own key, the
+key being the source) so that thread 0
+of every CTA writes clock64() at fixed points: its start, its lengths read, the first
+part's loads issued, q rotated, each key tile landed and done, the part's result
+written, the cluster's barrier passed, its rows merged, its end (and %globaltimer at start and end, which
+places the CTAs on one time axis). Printed per variant (read only, append, append + causal,
+append + rotary + causal, pages of 16 shuffled and in order): the median and the slowest CTA's
+times of each point from the kernel's first CTA start, in microseconds, so that one sees
+which step a variant's extra time sits in. Not part of the package.
+"""
+import argparse
+import re
+import statistics
+
+import cupy
+import torch
+
+import cuflash.torch
+from cuflash import _compile, bench_decode
+
+SLOTS = 40
+POINTS = {"seq": 2, "issued": 3, "q ready": 4, "part": 5, "cluster": 6, "merged": 33, "end": 7}
+TILE0, TILES = 8, 12  # slots TILE0 + 2i (tile i landed), TILE0 + 2i + 1 (tile i done); 32: blockIdx.x;
+# 39: %globaltimer at the end
+
+
+def patched(text: str, address: int) -> str:
+    """split_kv.cu with the trace points written in (each anchor must be found once)."""
+    trace = (f"#define TRACE_AT(slot) do {{ if (threadIdx.x == 0) reinterpret_cast<unsigned long long*>({address}ULL)"
+             f"[(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * {SLOTS} + (slot)] = clock64(); }}"
+             " while (0)\n"
+             "#define TRACE_TIME(slot) do { unsigned long long t_; asm volatile(\"mov.u64 %0, %%globaltimer;\" : "
+             f"\"=l\"(t_)); if (threadIdx.x == 0) reinterpret_cast<unsigned long long*>({address}ULL)"
+             f"[(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * {SLOTS} + (slot)] = t_; }}"
+             " while (0)\n")
+    edits = [
+        ("namespace cuflash {\n", "namespace cuflash {\n" + trace),
+        ("  const Rotary rotary = Rotary::of(p);\n",
+         "  TRACE_TIME(0); TRACE_AT(1);\n  if (threadIdx.x == 0) reinterpret_cast<unsigned long long*>("
+         f"{address}ULL)[(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * {SLOTS} + 32] = "
+         "blockIdx.x + 1;\n  const Rotary rotary = Rotary::of(p);\n"
+         # a use of seq.end that the compiler cannot drop: slot 2 is stamped after the lengths land
+         "  if (seq.end == -7) p.o.ptr[0] = DType<T>::from_float(0.f); TRACE_AT(2);\n"),
+        ("    constexpr int kItems = ", "    if (part == split) TRACE_AT(3);\n    constexpr int kItems = "),
+        ("    float acc_o[1][kDTiles][4] = {};\n", "    if (part == split) TRACE_AT(4);\n"
+         "    float acc_o[1][kDTiles][4] = {};\n"),
+        ("LoadPipeline::wait<kStages - 1>();  // tile n (and with the first, Q) has landed\n",
+         "LoadPipeline::wait<kStages - 1>();\n"
+         f"      if (part == split && i < {TILES}) TRACE_AT({TILE0} + 2 * i);\n"),
+        ("LoadPipeline::release();  // the next issue overwrites this stage\n",
+         "LoadPipeline::release();\n"
+         f"      if (part == split && i < {TILES}) TRACE_AT({TILE0} + 2 * i + 1);\n"),
+        ("__syncthreads();  // the next part's loads overwrite the warps' results\n",
+         "__syncthreads();\n    if (part == split) TRACE_AT(5);\n"),
+        ("cluster::sync();  // every CTA's result written\n",
+         "cluster::sync();\n    TRACE_AT(6);\n"),
+        ("    cluster::sync();  // no CTA leaves while another reads its shared memory\n",
+         "    TRACE_AT(33);\n    cluster::sync();\n"),
+        ("\n}\n\n}  // namespace cuflash", "\n  TRACE_AT(7); TRACE_TIME(39);\n}\n\n}  // namespace cuflash"),
+    ]
+    for anchor, replacement in edits:
+        assert text.count(anchor) == 1, anchor
+        text = text.replace(anchor, replacement)
+    return text
+
+
+CALIBRATE = r"""
+extern "C" __global__ void calibrate(unsigned long long* out) {
+  unsigned long long t0, t1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  const long long c0 = clock64();
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)); } while (t1 - t0 < 2000000);
+  out[0] = clock64() - c0;
+  out[1] = t1 - t0;
+}
+"""
+
+
+def cycles_per_ns() -> float:
+    out = cupy.zeros(2, dtype=cupy.uint64)
+    kernel = cupy.RawKernel(CALIBRATE, "calibrate")
+    kernel((1,), (1,), (out,))
+    kernel((1,), (1,), (out,))
+    cycles, ns = out.get()
+    return float(cycles) / float(ns)
+
+
+def timeline(trace, ctas: int, rate: float) -> list[dict]:
+    """Each CTA's points in us from the first CTA's start."""
+    t = trace[: ctas * SLOTS].view(ctas, SLOTS).cpu().tolist()
+    first = min(row[0] for row in t)
+    rows = []
+    for row in t:
+        start_us = (row[0] - first) / 1e3
+        at = {"start": start_us, "x": row[32] - 1}
+        for name, slot in POINTS.items():
+            if row[slot]:
+                at[name] = start_us + (row[slot] - row[1]) / rate / 1e3
+        for i in range(TILES):
+            for what, slot in (("landed", TILE0 + 2 * i), ("done", TILE0 + 2 * i + 1)):
+                if row[slot]:
+                    at[f"t{i} {what}"] = start_us + (row[slot] - row[1]) / rate / 1e3
+        rows.append(at)
+    return rows
+
+
+def summary(label: str, runs: list[list[dict]]) -> None:
+    """Each point's median and latest over the CTAs (each the median over runs), and the
+    grid x (split) of the CTA whose part ends last."""
+    names = [n for n in runs[0][0] if n != "x" and all(n in cta for run in runs for cta in run)]
+    med = {n: statistics.median(statistics.median(cta[n] for cta in run) for run in runs) for n in names}
+    late = {n: statistics.median(max(cta[n] for cta in run) for run in runs) for n in names}
+    slowest = [max(run, key=lambda c: c.get("part", 0))["x"] for run in runs]
+    print(f"{label}: last CTA ends at {late['end']:.2f} us; latest part in grid x {slowest}")
+    print("   " + " ".join(f"{n[:9]:>9}" for n in names))
+    print("med" + " ".join(f"{med[n]:9.2f}" for n in names))
+    print("max" + " ".join(f"{late[n]:9.2f}" for n in names), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cells", default="1x4096,16x4096")
+    args = parser.parse_args()
+    trace = torch.zeros(SLOTS * (1 << 16), dtype=torch.int64, device="cuda")
+    sources = dict(_compile._sources())
+    sources["decode/split_kv.cu"] = patched(sources["decode/split_kv.cu"].decode(), trace.data_ptr()).encode()
+    _compile._sources = lambda: sources
+    _compile.load_kernel.cache_clear()
+    rate = cycles_per_ns()
+    print(f"SM clock {rate:.3f} GHz (clock64 per globaltimer ns)")
+    for cell in args.cells.split(","):
+        batch, length = map(int, cell.split("x"))
+        caches, _, _ = bench_decode.cycled_caches(torch, batch, length, 8, 128)
+        paged, table, _ = bench_decode.cycled_caches(torch, batch, length, 8, 128, 16)
+        in_order = torch.arange(table.numel(), device="cuda", dtype=torch.int32).reshape(table.shape)
+        ordered = [tuple(c.reshape(-1, 16, 8, 128) for c in pair) for pair in caches]  # page j of b: its rows
+        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        new_k, new_v = (torch.randn(batch, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        full = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+        before = full - 1
+        angle = torch.rand(length, 64, device="cuda")
+        cos, sin = angle.cos(), angle.sin()
+        call = cuflash.torch.attention_with_kvcache
+        variants = {
+            "read only": (caches, lambda k, v: call(q, k, v, cache_seqlens=full)),
+            "append": (caches, lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before)),
+            "append, causal": (caches, lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before, causal=True)),
+            "append + rotary, causal": (caches, lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before,
+                                                                  rotary_cos=cos, rotary_sin=sin, causal=True)),
+            "pages of 16, shuffled": (paged, lambda k, v: call(q, k, v, cache_seqlens=full, block_table=table)),
+            "pages of 16, in order": (ordered, lambda k, v: call(q, k, v, cache_seqlens=full, block_table=in_order)),
+        }
+        for label, (pairs, run) in variants.items():
+            runs = []
+            for _ in range(3):
+                for k, v in pairs:
+                    trace.zero_()
+                    run(k, v)
+                    torch.cuda.synchronize()
+                    ctas = int((trace.view(-1, SLOTS)[:, 0] != 0).sum())
+                    runs.append(timeline(trace, ctas, rate))
+            summary(f"batch {batch} L {length} {label} ({len(runs[0])} CTAs)", runs[2:])
+        caches.clear()
+        paged.clear()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
