@@ -34,7 +34,7 @@ def long_calls(draw):
     if c["rotary_dim"]:
         c["rotary_dim"] = draw(st.sampled_from([2, 16, c["d"] // 2 * 2]))
     if c["page_size"]:
-        c["page_size"] = draw(st.sampled_from([1, 3, 16, 17, 63, 65, 256]))
+        c["page_size"] = draw(st.sampled_from([1, 3, 16, 17, 24, 63, 65, 256]))
     c["num_splits"] = draw(st.sampled_from([0, 1, 2, 3]))
     return c
 
@@ -182,7 +182,7 @@ def decode_case(rng, dtype="bfloat16", batch=3, capacity=1000, nheads=8, nheads_
     return q, k_cache, v_cache, lengths
 
 
-@pytest.mark.parametrize("page_size", [1, 3, 16, 17, 63, 65, 256])
+@pytest.mark.parametrize("page_size", [1, 3, 8, 16, 17, 24, 63, 65, 256])
 def test_paged_is_bitwise_the_contiguous_call(page_size):
     import cupy
     check_paged_is_bitwise_contiguous(cupy, page_size, capacity=600, nheads=8, nheads_k=2, d=64, num_splits=3)

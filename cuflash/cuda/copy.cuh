@@ -110,6 +110,40 @@ __device__ __forceinline__ void load_rows(SharedTile<L> tile, Source source, int
   }
 }
 
+// A run of rows -> the whole shared tile: the threads that share a row's chunks (as in
+// load_tile) copy kRun = kRows / kRowStep consecutive rows, [first_row() kRun, + kRun),
+// from `src` (the run's first row, or null for zeros) down by row_stride, its rows from
+// the nrows-th on as zeros. A paged
+// cache's run then lies in one page: one page-table entry a thread a tile, where
+// load_rows's rows kRowStep apart take one a row (their addresses cost the KV-cache
+// call's copy of a tile about five times the instructions of load_tile's).
+template <int kRows, int kThreads, bool kVec, typename L>
+__device__ __forceinline__ void load_run(SharedTile<L> tile, const elem_t* src, int64 row_stride, int nrows,
+                                         int headdim, const elem_t* any) {
+  using Lanes = ChunkLanes<L::kCols, kThreads>;
+  static_assert(kRows % Lanes::kRowStep == 0, "whole runs");
+  constexpr int kRun = kRows / Lanes::kRowStep;
+  const int c_first = Lanes::first_chunk() * kChunkElems, r_first = Lanes::first_row() * kRun;
+  const bool ok = src != nullptr;
+  const elem_t* g = ok ? src : any;
+  // Element loads are synchronous: unrolled, all their registers would be live at once.
+  constexpr int kUnroll = kVec ? kRun : 1, kChunkUnroll = kVec ? Lanes::kPerLane : 1;
+#pragma unroll kUnroll
+  for (int j = 0; j < kRun; ++j, g += ok ? row_stride : 0) {
+#pragma unroll kChunkUnroll
+    for (int jj = 0; jj < Lanes::kPerLane; ++jj) {
+      // (A chunk not copied reads from the run's start: an offset fixed down the run, where
+      // a choice of pointer a row cost two selects.)
+      const int c = c_first + jj * Lanes::kLanes * kChunkElems, from = ok && c < headdim ? c : 0;
+      const bool copied = ok && j < nrows && c < headdim;
+      if constexpr (kVec)
+        cp_async_16(tile.data + L::at(r_first + j, c), g + from, copied);
+      else
+        load_chunk<kVec>(tile.data + L::at(r_first + j, c), g + from, any, copied, headdim - c);
+    }
+  }
+}
+
 // The shared tile's rows -> anywhere: row r to dest(r), a pointer to its first element,
 // or null for a row not stored; the threads share the chunks as in load_rows.
 template <int kRows, int kThreads, bool kVec, typename L, typename Dest>

@@ -59,36 +59,43 @@ struct CachedSequence {
     const int page = pages[page_of(t)];
     return valid(page) ? row_offset(a, t, page) : -1;
   }
-  // The same for a row t of a paged cache whose page-table entry `page` is valid; with
-  // kPowerOfTwo, a page size known to be one (a mask, not a division: a tile's rows are
-  // copied row by row).
-  template <bool kPowerOfTwo = false>
+  // The same for a row t of a paged cache whose page-table entry `page` is valid.
   __device__ __forceinline__ int64 row_offset(const ArrayView& a, int t, int page) const {
-    const int row = kPowerOfTwo ? t & (page_size - 1) : row_in_page(t);
-    return int64(page) * a.batch_stride + int64(row) * a.row_stride;
+    return int64(page) * a.batch_stride + int64(row_in_page(t)) * a.row_stride;
   }
 
-  // Are rows [t, t + rows) all cached rows of this call (past the left padding, before
-  // the new ones)?
-  __device__ __forceinline__ bool cached(int t, int rows) const { return t >= leftpad && t + rows <= length; }
+  // Do rows [t, t + rows) hold no left padding and no new rows: cached rows, then perhaps
+  // rows past the end (copied as zeros)? Most tiles, the last one of a call without new
+  // rows included.
+  __device__ __forceinline__ bool plain(int t, int rows) const {
+    return t >= leftpad && (t + rows <= length || end == length);
+  }
 };
 
-// The page-table entries of the rows one thread copies in a key tile (load_rows: rows
-// first + i * kStep), read a tile ahead: a page index is a global load that the tile's
-// copies would otherwise wait on, once a tile (FlashInfer's paged decode reads its page
-// offsets ahead likewise). Stored unchecked: a check here would wait on the loads at once
-// (ptxas placed the compare three instructions after each load).
+// The page-table entries of the rows one thread copies in a key tile, read a tile ahead:
+// a page index is a global load that the tile's copies would otherwise wait on, once a
+// tile (FlashInfer's paged decode reads its page offsets ahead likewise). With `runs`
+// (pages a whole number of runs long) a plain tile (CachedSequence::plain) is copied in runs
+// (load_run: rows first * kPerThread + j), and row[0] is the entry of the thread's run;
+// any other tile row by row (load_rows: rows first + i * kStep), row[i] the entry of
+// each. Stored unchecked: a check here would wait on the loads at once (ptxas placed the
+// compare three instructions after each load).
 template <int kRows, int kStep>
 struct TilePages {
-  static constexpr int kPerThread = ceil_div(kRows, kStep);
+  static constexpr int kPerThread = ceil_div(kRows, kStep);  // rows a thread copies (a run's length)
   int tile;                 // the tile read; -1: none
-  int row[kPerThread];      // the pages of this thread's rows
+  int row[kPerThread];
 
-  static __device__ __forceinline__ TilePages of(const CachedSequence& seq, int tile, int t0, int first_row) {
+  static __device__ __forceinline__ TilePages of(const CachedSequence& seq, int tile, int first, bool runs) {
     TilePages pages;
     pages.tile = tile;
+    const int t0 = tile * kRows;
+    if (runs && seq.plain(t0, kRows)) {
+      pages.row[0] = seq.page(t0 + first * kPerThread);
+    } else {
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) pages.row[i] = seq.page(t0 + first_row + i * kStep);
+      for (int i = 0; i < kPerThread; ++i) pages.row[i] = seq.page(t0 + first + i * kStep);
+    }
     return pages;
   }
   // row[i] for an i known only at run time (a rolled loop), without moving the array to

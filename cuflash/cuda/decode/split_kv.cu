@@ -141,23 +141,27 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
     return cache.ptr + seq.offset(cache, t) + int64(kv_head) * cache.head_stride;
   };
   // Key tile n's K and V into a stage. A contiguous cache: one strided copy where the tile
-  // holds only cached rows (most tiles of a long cache), else row by row. A paged one, of
-  // any page size: row by row, from the pages read a tile ahead.
+  // is plain (no left padding, no new keys: most tiles, CachedSequence::plain), else row
+  // by row. A paged one, of any page size, from the page-table entries read a tile ahead:
+  // in runs of rows where the tile is plain and the pages a whole number of runs, else
+  // row by row.
   using Pages = TilePages<kBlockN, ChunkLanes<L::kCols, kThreads>::kRowStep>;
   const int first_row = ChunkLanes<L::kCols, kThreads>::first_row();
   const elem_t* k_head = p.k_cache.ptr + int64(kv_head) * p.k_cache.head_stride;
   const elem_t* v_head = p.v_cache.ptr + int64(kv_head) * p.v_cache.head_stride;
+  const bool runs = p.page_size % Pages::kPerThread == 0;  // a run of rows never straddles two pages
   Pages ahead;
   ahead.tile = -1;
   auto issue = [&](int n, int stage) {
     const int t0 = n * kBlockN;
     if (seq.pages == nullptr) {
-      if (seq.cached(t0, kBlockN)) {
+      if (seq.plain(t0, kBlockN)) {
+        const int rows = seq.length - t0;
         load_tile<kBlockN, kThreads, kVec>(k_tiles[stage], k_head + seq.offset(p.k_cache, t0), p.k_cache.row_stride,
-                                           0, kBlockN, p.headdim);
+                                           0, rows, p.headdim);
         load_tile<kBlockN, kThreads, kVec>(v_tiles[stage], v_head + seq.offset(p.v_cache, t0), p.v_cache.row_stride,
-                                           0, kBlockN, p.headdim);
-      } else {  // an edge tile: left padding, new keys, the end
+                                           0, rows, p.headdim);
+      } else {  // an edge tile: left padding or new keys
         load_rows<kBlockN, kThreads, kVec, false>(
             k_tiles[stage], [&](int r, int) { return key_row(p.k_cache, p.k_new, t0 + r); }, p.headdim, p.q.ptr);
         load_rows<kBlockN, kThreads, kVec, false>(
@@ -165,16 +169,15 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       }
       return;
     }
-    const Pages pages = ahead.tile == n ? ahead : Pages::of(seq, n, t0, first_row);
-    ahead = Pages::of(seq, n + 1, t0 + kBlockN, first_row);
-    if (seq.page_shift >= 0 && seq.cached(t0, kBlockN)) {  // most tiles: every row cached, pages of 2^k rows
-      auto cached_row = [&](const elem_t* head, const ArrayView& cache, int r, int i) -> const elem_t* {
-        return seq.valid(pages.row[i]) ? head + seq.row_offset<true>(cache, t0 + r, pages.row[i]) : nullptr;
-      };
-      load_rows<kBlockN, kThreads, kVec>(
-          k_tiles[stage], [&](int r, int i) { return cached_row(k_head, p.k_cache, r, i); }, p.headdim, p.q.ptr);
-      load_rows<kBlockN, kThreads, kVec>(
-          v_tiles[stage], [&](int r, int i) { return cached_row(v_head, p.v_cache, r, i); }, p.headdim, p.q.ptr);
+    const Pages pages = ahead.tile == n ? ahead : Pages::of(seq, n, first_row, runs);
+    ahead = Pages::of(seq, n + 1, first_row, runs);
+    if (runs && seq.plain(t0, kBlockN)) {  // most tiles: a thread's run in one page
+      const int t = t0 + first_row * Pages::kPerThread, page = pages.row[0];
+      const bool ok = seq.valid(page);
+      load_run<kBlockN, kThreads, kVec>(k_tiles[stage], ok ? k_head + seq.row_offset(p.k_cache, t, page) : nullptr,
+                                        p.k_cache.row_stride, seq.length - t, p.headdim, p.q.ptr);
+      load_run<kBlockN, kThreads, kVec>(v_tiles[stage], ok ? v_head + seq.row_offset(p.v_cache, t, page) : nullptr,
+                                        p.v_cache.row_stride, seq.length - t, p.headdim, p.q.ptr);
       return;
     }
     // An edge tile, or pages of another size. Row r (this thread's i-th): cached (its page
