@@ -83,12 +83,10 @@ struct CachedSequence {
 template <int kRows, int kStep>
 struct TilePages {
   static constexpr int kPerThread = ceil_div(kRows, kStep);  // rows a thread copies (a run's length)
-  int tile;                 // the tile read; -1: none
   int row[kPerThread];
 
   static __device__ __forceinline__ TilePages of(const CachedSequence& seq, int tile, int first, bool runs) {
     TilePages pages;
-    pages.tile = tile;
     const int t0 = tile * kRows;
     if (runs && seq.plain(t0, kRows)) {
       pages.row[0] = seq.page(t0 + first * kPerThread);

@@ -150,9 +150,8 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
   const elem_t* k_head = p.k_cache.ptr + int64(kv_head) * p.k_cache.head_stride;
   const elem_t* v_head = p.v_cache.ptr + int64(kv_head) * p.v_cache.head_stride;
   const bool runs = p.page_size % Pages::kPerThread == 0;  // a run of rows never straddles two pages
-  Pages ahead;
-  ahead.tile = -1;
-  auto issue = [&](int n, int stage) {
+  Pages ahead;  // the next tile's
+  auto issue = [&](int n, int stage, bool first) {  // first: a part's first tile, not read ahead
     const int t0 = n * kBlockN;
     if (seq.pages == nullptr) {
       if (seq.plain(t0, kBlockN)) {
@@ -169,7 +168,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       }
       return;
     }
-    const Pages pages = ahead.tile == n ? ahead : Pages::of(seq, n, first_row, runs);
+    const Pages pages = first ? Pages::of(seq, n, first_row, runs) : ahead;
     ahead = Pages::of(seq, n + 1, first_row, runs);
     if (runs && seq.plain(t0, kBlockN)) {  // most tiles: a thread's run in one page
       const int t = t0 + first_row * Pages::kPerThread, page = pages.row[0];
@@ -261,7 +260,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
     }
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      if (n_begin + s < n_end) issue(n_begin + s, s);
+      if (n_begin + s < n_end) issue(n_begin + s, s, s == 0);
       LoadPipeline::commit();
     }
     constexpr int kItems = ceil_div(kBlockM * kHeadDim / 2, kThreads), kBatch = kItems < 4 ? kItems : 4;
@@ -276,7 +275,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
     softmax.init();
     for (int i = 0, n = n_begin; n < n_end; ++i, ++n) {
       const int stage = i % kStages;
-      if (n + kStages - 1 < n_end) issue(n + kStages - 1, (i + kStages - 1) % kStages);
+      if (n + kStages - 1 < n_end) issue(n + kStages - 1, (i + kStages - 1) % kStages, false);
       LoadPipeline::commit();
       LoadPipeline::wait<kStages - 1>();  // tile n (and with the first, Q) has landed
       // The tile's new keys, rows [new_begin, new_end): rotated, and into the cache.
