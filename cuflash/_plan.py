@@ -194,6 +194,15 @@ def shared_memory_limit(arch: str) -> int:
     return SHARED_MEMORY_LIMIT.get(arch, 99 * 1024)
 
 
+def copy_run_rows(head_dim: int, tile: Tile) -> int:
+    """Rows a thread copies one after another in a key tile of a paged cache (copy.cuh's
+    ChunkLanes and load_run): pages a whole number of them long are copied in runs, a
+    page-table entry a thread a tile, as fast as a contiguous cache."""
+    chunks, threads = head_dim // 8, 32 * tile.warps
+    lanes = min(chunks & -chunks, threads // 8)
+    return tile.block_n // (threads // lanes)
+
+
 class Kernel(NamedTuple):
     """One template instance of a tiled kernel with its launch shape."""
     kind: str
@@ -592,7 +601,10 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     chosen = kernel("decode", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
     row_blocks = -(-p.heads_per_kv * seqlen_q // chosen.tile.block_m)
     tiles = -(-cache.capacity // chosen.tile.block_n)
-    small_pages = 0 < cache.page_size < chosen.tile.block_n
+    # Pages shorter than a tile and not a whole number of runs are copied row by row.
+    def row_by_row(k: Kernel) -> bool:
+        return 0 < cache.page_size < k.tile.block_n and cache.page_size % copy_run_rows(k.head_dim, k.tile) != 0
+    small_pages = row_by_row(chosen)
     splits = cache.num_splits or decode_splits(batch * nheads_k * row_blocks, tiles, multiprocessors, small_pages)
     parts = splits
     p.max_parts, p.min_part_tiles = DETERMINISTIC_PARTS, MIN_SPLIT_TILES
@@ -604,12 +616,12 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     if not (batch and seqlen_q and nheads and query_rows):
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
     # An unsplit grid takes the wide tile, except in a deterministic call (one kernel
-    # whatever the grid: its bits may not depend on the batch) and over pages shorter than
-    # the tile (copied row by row: MHA, d 128, pages of 16 rows, batch 64 and 4k keys read
-    # 2,824 GB/s with it, 3,730 without).
+    # whatever the grid: its bits may not depend on the batch) and over pages copied row
+    # by row (MHA, d 128, pages of 16 rows before they were copied in runs, batch 64 and
+    # 4k keys read 2,824 GB/s with it, 3,730 without).
     if parts == 1 and not cache.deterministic and has_tile("decode_wide", head_dim, extras, shared_limit):
         wide = kernel("decode_wide", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
-        if not 0 < cache.page_size < wide.tile.block_n:
+        if not row_by_row(wide):
             chosen = wide
     grid = (splits * row_blocks, nheads_k, batch)
     # Clusters where the grid is one wave of a CTA a multiprocessor (H200, GQA 32/8 d 128,
@@ -646,8 +658,9 @@ def decode_splits(ctas: int, tiles: int, multiprocessors: int, small_pages: bool
     """Splits of the keys for a KV-cache call whose unsplit grid has ``ctas`` CTAs, over a
     cache of ``tiles`` key tiles, from the shapes alone (no sequence's length: those stay on
     the device). A grid that fills half the multiprocessors is not split (the merge would
-    cost more than it brings), nor, with ``small_pages`` (pages shorter than a key tile,
-    copied row by row, a longer wait a tile), one that fills two CTAs a multiprocessor;
+    cost more than it brings), nor, with ``small_pages`` (pages copied row by row: shorter
+    than a key tile and not a whole number of runs, copy_run_rows; a longer wait a tile),
+    one that fills two CTAs a multiprocessor;
     else two CTAs a multiprocessor where that leaves a split SPLIT_TILES_TWO_PER_SM tiles,
     or one, each MIN_SPLIT_TILES tiles or more; then as few splits as take the same tiles
     each (no split left empty). Measured on the H200 (GQA 32/8 and MHA, d 128, graph

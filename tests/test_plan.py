@@ -163,11 +163,11 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
         assert (p.merge.count, p.merge.part_stride, p.merge.lse_part_stride) == (splits, batch * 32 * 128, batch * 32)
 
 
-@pytest.mark.parametrize("page_size,kind", [(16, "decode"), (64, "decode"), (128, "decode_wide"),
-                                            (256, "decode_wide")])
-def test_a_paged_decode_plan_takes_the_wide_tile_where_pages_hold_its_keys(no_compiler, page_size, kind):
-    """An unsplit grid over pages shorter than the wide tile's 128 keys keeps the four-warp
-    kernel (the row-by-row copy of a tile across pages)."""
+@pytest.mark.parametrize("page_size,kind", [(17, "decode"), (20, "decode"), (16, "decode_wide"), (8, "decode_wide"),
+                                            (64, "decode_wide"), (256, "decode_wide")])
+def test_a_paged_decode_plan_takes_the_wide_tile_where_pages_hold_whole_runs(no_compiler, page_size, kind):
+    """An unsplit grid keeps the four-warp kernel over pages copied row by row (shorter
+    than the wide tile's 128 keys and not a whole number of its 8-row runs)."""
     q = info((64, 1, 32, 128))
     pool = info((64 * 4096 // page_size, page_size, 8, 128))
     table = info((64, 4096 // page_size), "int32")
@@ -255,3 +255,18 @@ def test_a_decode_plan_of_no_query_plans_no_launch(no_compiler):
     plan = _plan.decode(q, pool, pool, None, None, q, cache, options, _plan.shared_memory_limit("sm_90"), 132,
                         Varlen(cu, cu, 0, 0))
     assert plan.steps == () and plan.workspace == ()
+
+
+@pytest.mark.parametrize("kind", ["decode", "decode_wide"])
+def test_copy_runs_fill_the_tile(kind):
+    """copy_run_rows as copy.cuh's ChunkLanes and load_run count: a whole number of rows a
+    thread, the threads' runs covering the tile once."""
+    for d in _plan.HEAD_DIM_BUCKETS:
+        if not _plan.has_tile(kind, d, False, _plan.shared_memory_limit("sm_90")):
+            continue
+        k = _plan.kernel(kind, "bfloat16", d, False, True, False, _plan.shared_memory_limit("sm_90"))
+        chunks, threads = d // 8, 32 * k.tile.warps
+        lanes = min(chunks & -chunks, threads // 8)
+        run = _plan.copy_run_rows(d, k.tile)
+        assert run >= 2 and run * (threads // lanes) == k.tile.block_n
+    assert _plan.copy_run_rows(128, _plan.kernel("decode", "bfloat16", 128, False, True, False, 232448).tile) == 8
