@@ -433,18 +433,18 @@ def paged_caches(rng, batch, capacity, page_size, nheads_k, d, dtype, spare=3):
     return table, k_pages, v_pages, k_dense, v_dense
 
 
-def check_paged_is_bitwise_contiguous(xp, page_size, capacity, nheads, nheads_k, d, **options) -> None:
+def check_paged_is_bitwise_contiguous(xp, page_size, capacity, nheads, nheads_k, d, batch=2, **options) -> None:
     """One KV-cache call over paged caches and over the contiguous caches they hold, with
-    an append (rotary, causal) to an empty and to an almost full sequence, on ``xp``'s
-    arrays (NumPy or CuPy): the same output and LSE bits, the same cache rows written."""
+    an append (rotary, causal) to empty and to almost full sequences (``batch`` even), on
+    ``xp``'s arrays (NumPy or CuPy): the same output and LSE bits, the same cache rows
+    written."""
     import cuflash
     rng = np.random.default_rng(page_size)
-    batch = 2
     table, k_pages, v_pages, k_dense, v_dense = paged_caches(rng, batch, capacity, page_size, nheads_k, d, np.float16)
     q = rng.standard_normal((batch, 3, nheads, d)).astype(np.float16)
     k, v = (rng.standard_normal((batch, 3, nheads_k, d)).astype(np.float16) for _ in "kv")
     angle = rng.uniform(0, 6, (capacity + 3, d // 4))
-    kw = dict(cache_seqlens=xp.asarray(np.array([0, capacity - 3], np.int32)),
+    kw = dict(cache_seqlens=xp.asarray(np.array([0, capacity - 3] * (batch // 2), np.int32)),
               rotary_cos=xp.asarray(np.cos(angle).astype(np.float16)),
               rotary_sin=xp.asarray(np.sin(angle).astype(np.float16)), causal=True, return_lse=True, **options)
     q, k, v, k_dense, v_dense, k_pages, v_pages, table = (

@@ -188,6 +188,15 @@ def test_paged_is_bitwise_the_contiguous_call(page_size):
     check_paged_is_bitwise_contiguous(cupy, page_size, capacity=600, nheads=8, nheads_k=2, d=64, num_splits=3)
 
 
+@pytest.mark.parametrize("page_size", [8, 16, 20, 256])
+def test_paged_is_bitwise_the_contiguous_call_on_the_wide_tile(page_size):
+    """An unsplit grid of 128 CTAs (the eight-warp tile where pages are whole runs of 8
+    rows; pages of 20 copied row by row by the four-warp one)."""
+    import cupy
+    check_paged_is_bitwise_contiguous(cupy, page_size, capacity=700, nheads=32, nheads_k=8, d=128, batch=16,
+                                      num_splits=1)
+
+
 @pytest.mark.parametrize("seqlen_q", [1, 4])
 def test_every_split_count_agrees_and_each_is_reproducible(merge_step, seqlen_q):
     rng = np.random.default_rng(seqlen_q)
