@@ -27,26 +27,26 @@ __device__ __forceinline__ void sync() {
                "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
+// The shared-memory address in CTA `rank` of what lies at `local` in this CTA's.
+__device__ __forceinline__ unsigned remote(const float* local, int rank) {
+  unsigned address;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(address)
+               : "r"(unsigned(__cvta_generic_to_shared(local))), "r"(rank));
+  return address;
+}
 // The float at `local` (this CTA's shared memory) in CTA `rank`'s shared memory.
 __device__ __forceinline__ float load(const float* local, int rank) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-               : "=r"(remote)
-               : "r"(unsigned(__cvta_generic_to_shared(local))), "r"(rank));
   float x;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote(local, rank)));
   return x;
 }
 // The four floats at `local` (16-byte aligned) in CTA `rank`'s shared memory.
 __device__ __forceinline__ float4 load4(const float* local, int rank) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-               : "=r"(remote)
-               : "r"(unsigned(__cvta_generic_to_shared(local))), "r"(rank));
   float4 x;
   asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
                : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
-               : "r"(remote));
+               : "r"(remote(local, rank)));
   return x;
 }
 
