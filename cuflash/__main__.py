@@ -67,19 +67,24 @@ def compile_all(args) -> int:
     # NVRTC holds the GIL: compile in processes.
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs, initializer=_quiet_worker)
     futures = []
+    finished = False
     try:
         for arch, kernel in jobs:
             futures.append(pool.submit(_compile.compile_kernel, kernel.source, kernel.instance, arch, refresh=True))
         for future in concurrent.futures.as_completed(futures):
             future.result()  # the first failure ends the run
             progress.step()
+        finished = True
     finally:
         # After Ctrl-C or a failure, drop the queued variants (here: shutdown's
         # cancel_futures misses them once the pool object is gone); those under way
-        # finish, each entry written whole, while this process exits.
-        for future in futures:
-            future.cancel()
-        pool.shutdown(wait=False)
+        # finish, each entry written whole, while this process exits. After a whole
+        # run, wait for the idle workers: a pool left running races the interpreter's
+        # exit and can print an ignored exception from its manager thread.
+        if not finished:
+            for future in futures:
+                future.cancel()
+        pool.shutdown(wait=finished)
         progress.end()
     spilled = 0
     print(f"{'arch':6} {'regs':>4} {'smem KiB':>8} {'spill B':>7}  variant")
