@@ -13,6 +13,7 @@ a new key and value appended and rotated (the decode step of a serving loop), gr
 """
 from __future__ import annotations
 
+import collections
 import csv
 import statistics
 import time
@@ -89,6 +90,20 @@ def cycled_caches(torch, batch: int, length: int, nheads_k: int, d: int, page_si
     return [(paged(torch, k, page_size, order), paged(torch, v, page_size, order)) for k, v in dense], table, kv_bytes
 
 
+# A decode step's other arguments: q (batch, 1, NHEADS, d), one new key and value a sequence,
+# the cache lengths with (``lengths``) and before (``before``) that token, and rotary tables
+# over the L positions, all bf16 / int32 / float32 on the GPU.
+StepInputs = collections.namedtuple("StepInputs", "q new_k new_v lengths before cos sin")
+
+
+def step_inputs(torch, batch: int, length: int, nheads_k: int, d: int) -> StepInputs:
+    def randn(heads):
+        return torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    angle = torch.rand(length, d // 2, device="cuda")
+    return StepInputs(randn(NHEADS), randn(nheads_k), randn(nheads_k), lengths, lengths - 1, angle.cos(), angle.sin())
+
+
 def cell(torch, batch: int, length: int, nheads_k: int, d: int, layout: str) -> dict:
     """GB/s of every column for one shape (the SDPA columns with the contiguous layout only)."""
     import cuflash.torch
@@ -96,17 +111,12 @@ def cell(torch, batch: int, length: int, nheads_k: int, d: int, layout: str) -> 
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     page_size = 0 if layout == "contiguous" else int(layout.removeprefix("paged"))
     caches, table, kv_bytes = cycled_caches(torch, batch, length, nheads_k, d, page_size)
-    q = torch.randn(batch, 1, NHEADS, d, device="cuda", dtype=torch.bfloat16)
-    lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    q, new_k, new_v, lengths, before, cos, sin = step_inputs(torch, batch, length, nheads_k, d)
     us = {}
     calls = [lambda k=k, v=v: cuflash.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table)
              for k, v in caches]
     us["cuflash"], us["cuflash-plain"] = graph_and_plain(torch, calls)
     # The decode step: the new token appended (rotated) at length - 1, then attended to.
-    new_k, new_v = (torch.randn(batch, 1, nheads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-    before = torch.full((batch,), length - 1, device="cuda", dtype=torch.int32)
-    angle = torch.rand(length, d // 2, device="cuda")
-    cos, sin = angle.cos(), angle.sin()
     calls = [lambda k=k, v=v: cuflash.torch.attention_with_kvcache(q, k, v, new_k, new_v, cache_seqlens=before,
                                                                    block_table=table, rotary_cos=cos, rotary_sin=sin,
                                                                    causal=True) for k, v in caches]

@@ -103,12 +103,7 @@ def main() -> None:
         batch, length = map(int, cell.split("x"))
         caches, _, kv_bytes = bench_decode.cycled_caches(torch, batch, length, 8, 128)
         paged, table, _ = bench_decode.cycled_caches(torch, batch, length, 8, 128, 16)
-        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-        new_k, new_v = (torch.randn(batch, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-        full = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-        before = full - 1
-        angle = torch.rand(length, 64, device="cuda")
-        cos, sin = angle.cos(), angle.sin()
+        q, new_k, new_v, full, before, cos, sin = bench_decode.step_inputs(torch, batch, length, 8, 128)
         page_splits = _plan.decode_splits(batch * 8, length // 64, torch.cuda.get_device_properties(0)
                                           .multi_processor_count, small_pages=True)
         call = cuflash.torch.attention_with_kvcache

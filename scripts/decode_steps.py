@@ -13,12 +13,7 @@ from cuflash import bench_decode
 
 batch, length = (int(a) for a in (sys.argv[1:3] if len(sys.argv) > 2 else (1, 4096)))
 caches, _, kv_bytes = bench_decode.cycled_caches(torch, batch, length, 8, 128)
-q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-new_k, new_v = (torch.randn(batch, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-full = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-before = full - 1
-angle = torch.rand(length, 64, device="cuda")
-cos, sin = angle.cos(), angle.sin()
+q, new_k, new_v, full, before, cos, sin = bench_decode.step_inputs(torch, batch, length, 8, 128)
 steps = {
     "read only": dict(cache_seqlens=full),
     "causal": dict(cache_seqlens=full, causal=True),

@@ -139,12 +139,7 @@ def main() -> None:
         paged, table, _ = bench_decode.cycled_caches(torch, batch, length, 8, 128, 16)
         in_order = torch.arange(table.numel(), device="cuda", dtype=torch.int32).reshape(table.shape)
         ordered = [tuple(c.reshape(-1, 16, 8, 128) for c in pair) for pair in caches]  # page j of b: its rows
-        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-        new_k, new_v = (torch.randn(batch, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-        full = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-        before = full - 1
-        angle = torch.rand(length, 64, device="cuda")
-        cos, sin = angle.cos(), angle.sin()
+        q, new_k, new_v, full, before, cos, sin = bench_decode.step_inputs(torch, batch, length, 8, 128)
         call = cuflash.torch.attention_with_kvcache
         variants = {
             "read only": (caches, lambda k, v: call(q, k, v, cache_seqlens=full)),
