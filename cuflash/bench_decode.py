@@ -13,7 +13,6 @@ a new key and value appended and rotated (the decode step of a serving loop), gr
 """
 from __future__ import annotations
 
-import collections
 import csv
 import statistics
 import time
@@ -90,18 +89,15 @@ def cycled_caches(torch, batch: int, length: int, nheads_k: int, d: int, page_si
     return [(paged(torch, k, page_size, order), paged(torch, v, page_size, order)) for k, v in dense], table, kv_bytes
 
 
-# A decode step's other arguments: q (batch, 1, NHEADS, d), one new key and value a sequence,
-# the cache lengths with (``lengths``) and before (``before``) that token, and rotary tables
-# over the L positions, all bf16 / int32 / float32 on the GPU.
-StepInputs = collections.namedtuple("StepInputs", "q new_k new_v lengths before cos sin")
-
-
-def step_inputs(torch, batch: int, length: int, nheads_k: int, d: int) -> StepInputs:
+def step_inputs(torch, batch: int, length: int, nheads_k: int, d: int) -> tuple:
+    """A decode step's other arguments, on the GPU: (q (batch, 1, NHEADS, d), the new key and
+    value (batch, 1, nheads_k, d), bf16; the cache lengths with and before that token, int32;
+    rotary cos and sin over the L positions, float32)."""
     def randn(heads):
         return torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
     lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     angle = torch.rand(length, d // 2, device="cuda")
-    return StepInputs(randn(NHEADS), randn(nheads_k), randn(nheads_k), lengths, lengths - 1, angle.cos(), angle.sin())
+    return randn(NHEADS), randn(nheads_k), randn(nheads_k), lengths, lengths - 1, angle.cos(), angle.sin()
 
 
 def cell(torch, batch: int, length: int, nheads_k: int, d: int, layout: str) -> dict:
