@@ -4,10 +4,13 @@ as in ``bench --decode``), on the GPU machine:
     PYTHONPATH=. python scripts/decode_timeline.py [--cells 1x4096,16x4096]
 
 The kernel's source is patched in memory (its cubins are cached under their own key, the
-key being the source) so that thread 0
-of every CTA writes clock64() at fixed points: its start, its lengths read, the first
-part's loads issued, q rotated, each key tile landed and done, the part's result
-written, the cluster's barrier passed, its rows merged, its end (and %globaltimer at start and end, which
+key being the source) so that thread 0 of every CTA writes clock64() at fixed points: its
+start, its lengths read, Q's copy issued, the part loop entered, the first part's loads
+issued, q rotated, each key tile landed (every thread's copies, past the barrier) and
+done, the part's last tile issued, the new rows written into the cache, the part's
+result written, the cluster's barrier passed, in the cluster merge of a row its LSEs
+read, its weights, its O summed and stored (points that wait for their loads: they add
+to the merge's time), its rows merged, its end (and %globaltimer at start and end, which
 places the CTAs on one time axis). Printed per variant (read only, append, append + causal,
 append + rotary + causal, pages of 16 shuffled and in order): the median and the slowest CTA's
 times of each point from the kernel's first CTA start, in microseconds, so that one sees
@@ -23,8 +26,10 @@ import torch
 import cuflash.torch
 from cuflash import _compile, bench_decode
 
-SLOTS = 40
-POINTS = {"seq": 2, "issued": 3, "q ready": 4, "part": 5, "cluster": 6, "merged": 33, "end": 7}
+SLOTS = 48
+POINTS = {"seq": 2, "q issued": 40, "loop": 41, "issued": 3, "q ready": 4, "part": 5, "cluster": 6,
+          "lse read": 42, "weighed": 43, "summed": 44, "stored": 45, "merged": 33, "end": 7,
+          "last issued": 47, "appended": 46}
 TILE0, TILES = 8, 12  # slots TILE0 + 2i (tile i landed), TILE0 + 2i + 1 (tile i done); 32: blockIdx.x;
 # 39: %globaltimer at the end
 
@@ -46,6 +51,22 @@ def patched(text: str, address: int) -> str:
          "blockIdx.x + 1;\n  const Rotary rotary = Rotary::of(p);\n"
          # a use of seq.end that the compiler cannot drop: slot 2 is stamped after the lengths land
          "  if (seq.end == -7) p.o.ptr[0] = DType<T>::from_float(0.f); TRACE_AT(2);\n"),
+        ("  LoadPipeline::commit();\n  const int q_rows", "  LoadPipeline::commit();\n  TRACE_AT(40);\n  const int q_rows"),
+        ("  bool q_rotated = false;\n", "  bool q_rotated = false;\n  TRACE_AT(41);\n"),
+        ("      const float lse = lane < ranks ? cluster::load(cluster_lse + r, lane) : kInf;\n",
+         "      const float lse = lane < ranks ? cluster::load(cluster_lse + r, lane) : kInf;\n"
+         "      if (lse == 12345.f) p.o.ptr[1] = DType<T>::from_float(0.f); TRACE_AT(42);\n"),
+        ("      const float scale = merge.out_scale(), row_lse = merge.lse();\n",
+         "      const float scale = merge.out_scale(), row_lse = merge.lse();\n      TRACE_AT(43);\n"),
+        ("#pragma unroll\n        for (int e = 0; e < 4 && c + e < p.headdim; ++e) store_result(row0 + r, c + e, o[e] * scale, row_lse);\n",
+         "        if (o[0] == 12345.f) p.o.ptr[2] = DType<T>::from_float(0.f); TRACE_AT(44);\n"
+         "#pragma unroll\n        for (int e = 0; e < 4 && c + e < p.headdim; ++e) store_result(row0 + r, c + e, o[e] * scale, row_lse);\n"
+         "        TRACE_AT(45);\n"),
+        ("      if (n + kStages - 1 < n_end) issue(n + kStages - 1, (i + kStages - 1) % kStages, false);\n",
+         "      if (n + kStages - 1 < n_end) issue(n + kStages - 1, (i + kStages - 1) % kStages, false);\n"
+         "      if (part == split && n + kStages == n_end) TRACE_AT(47);\n"),
+        ("        append(t0, stage, new_begin, new_end);\n",
+         "        append(t0, stage, new_begin, new_end);\n        TRACE_AT(46);\n"),
         ("    constexpr int kItems = ", "    if (part == split) TRACE_AT(3);\n    constexpr int kItems = "),
         ("    float acc_o[1][kDTiles][4] = {};\n", "    if (part == split) TRACE_AT(4);\n"
          "    float acc_o[1][kDTiles][4] = {};\n"),
@@ -112,9 +133,10 @@ def timeline(trace, ctas: int, rate: float) -> list[dict]:
 def summary(label: str, runs: list[list[dict]]) -> None:
     """Each point's median and latest over the CTAs (each the median over runs), and the
     grid x (split) of the CTA whose part ends last."""
-    names = [n for n in runs[0][0] if n != "x" and all(n in cta for run in runs for cta in run)]
-    med = {n: statistics.median(statistics.median(cta[n] for cta in run) for run in runs) for n in names}
-    late = {n: statistics.median(max(cta[n] for cta in run) for run in runs) for n in names}
+    names = [n for n in ("start", *POINTS, *(f"t{i} {w}" for i in range(TILES) for w in ("landed", "done")))
+             if all(any(n in cta for cta in run) for run in runs)]
+    med = {n: statistics.median(statistics.median(cta[n] for cta in run if n in cta) for run in runs) for n in names}
+    late = {n: statistics.median(max(cta[n] for cta in run if n in cta) for run in runs) for n in names}
     slowest = [max(run, key=lambda c: c.get("part", 0))["x"] for run in runs]
     print(f"{label}: last CTA ends at {late['end']:.2f} us; latest part in grid x {slowest}")
     print("   " + " ".join(f"{n[:9]:>9}" for n in names))
