@@ -41,6 +41,10 @@ namespace cuflash {
 // Splits that merge in a cluster at most (the largest cluster Hopper schedules; _plan's
 // MAX_CLUSTER_SPLITS).
 constexpr int kMaxClusterSplits = 16;
+// What a part's new-key tile costs its CTA beyond a cached tile, in tiles (H200, batch 1,
+// GQA 32/8, d 128, 4k keys, 16 parts of 4 tiles: that CTA ended its part 3.3 us after
+// the others, against 0.9 us a tile; scripts/decode_timeline.py).
+constexpr int kAppendTiles = 3;
 
 // Shared memory: the forward's (the Q tile, then kStages K tiles, then kStages V tiles).
 // After the key loop the K/V buffers hold each warp's normalised O (fp32 rows of
@@ -122,6 +126,16 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
   // nor the rest of the batch; a part beyond the sequence's is empty.
   const int seq_parts = p.deterministic ? min(p.max_parts, ceil_div(tiles, p.min_part_tiles)) : p.num_splits;
   const int part_tiles = ceil_div(tiles, max(seq_parts, 1));
+  // The part holding the new keys (the last tiles) copies its new-key tile row by row and
+  // writes the new rows into the cache, code run once a call that costs its CTA about
+  // kAppendTiles tiles' time while the others wait for it (at the cluster's barrier, or
+  // for the merge). Where the partition is free (not deterministic), the parts share
+  // tiles + kAppendTiles evenly instead, the last one short by that much.
+  const int append_tiles = p.seqlen_new > 0 && !p.deterministic ? kAppendTiles : 0;
+  // Tile part_tile(part) is part `part`'s first, part_tile(part + 1) its end.
+  auto part_tile = [&](int part) {
+    return tile_first + min(tiles, append_tiles ? part * (tiles + append_tiles) / max(seq_parts, 1) : part * part_tiles);
+  };
   const bool split_result = !kClusterMerge && p.parts > 1;
 
   auto query_row = [&](int r, int) -> const elem_t* {
@@ -249,8 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
   float* cluster_lse = reinterpret_cast<float*>(smem + Shared::template cluster_lse<kWarps>());
   bool q_rotated = false;
   for (int part = split; part < p.parts; part += p.num_splits) {
-    const int n_begin = tile_first + min(tiles, part * part_tiles);
-    const int n_end = tile_first + min(tiles, (part + 1) * part_tiles);
+    const int n_begin = part_tile(part), n_end = part_tile(part + 1);
     if (n_begin == n_end && split_result) {  // an empty part: its LSE says so, its O is never read
       for (int r = threadIdx.x; r < kBlockM && row0 + r < rows; r += kThreads) {
         const int head = kv_head * group + (row0 + r) % group;
