@@ -2,6 +2,7 @@
 process on the GPU machine (A/B of decode kernel changes):
 
     mkdir -p build/ab/before && git archive HEAD~1 cuflash/cuda | tar -x -C build/ab/before --strip-components=2
+    CUFLASH_CACHE_DIR=build/kcache python scripts/decode_ab.py build/ab/before --compile sm_90 [--d 64,128]
     PYTHONPATH=. python scripts/decode_ab.py build/ab/before [--cells 1x4096,1x16384] [--d 128] [--heads-k 8] \
         [--page-size 16]
 
@@ -10,18 +11,15 @@ Each folder holds a copy of ``cuflash/cuda/``; the working tree's own is timed t
 of L2, graph replay), taking turns round by round, for the read-only call, the append call
 and the append + rotary + causal call (the serving loop's step), cuDNN beside them.
 Microseconds per call, the median of the rounds. The Python side (the planner) is the
-working tree's for every copy. Not part of the package.
+working tree's for every copy. ``--compile ARCH`` (no GPU, no torch needed) fills the
+kernel cache with every copy's bf16 decode kernels of the given head dims, so that a GPU
+run carrying the cache compiles none. Not part of the package.
 """
 import argparse
 import pathlib
 import statistics
 
-import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-import cuflash.torch
-from cuflash import _compile, _kernels, bench_decode, kvcache
+from cuflash import _compile, _plan
 
 ROUNDS = 3
 
@@ -30,8 +28,22 @@ def sources_of(folder: pathlib.Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*.cu*"))}
 
 
+def compile_copies(copies: dict[str, dict[str, bytes]], arch: str, head_dims: list[int]) -> None:
+    """Every copy's bf16 KV-cache split kernels (every kind, band and flag) of these head
+    dims into the kernel cache."""
+    buckets = {_plan.head_dim_bucket(d) for d in head_dims}
+    kernels = [k for k in _plan.all_kernels(arch) if isinstance(k, _plan.Kernel) and k.kind.startswith("decode")
+               and k.dtype == "bfloat16" and k.head_dim in buckets]
+    for name, sources in copies.items():
+        _compile._sources = lambda sources=sources: sources
+        for kernel in kernels:
+            _compile.compile_kernel(kernel.source, kernel.instance, arch)
+        print(f"{name}: {len(kernels)} variants in the cache", flush=True)
+
+
 def use(sources: dict[str, bytes]) -> None:
     """Launch from these sources from now on (cubins are cached under their source's key)."""
+    from cuflash import _kernels, kvcache
     _compile._sources = lambda: sources
     _compile.load_kernel.cache_clear()
     _kernels._function.cache_clear()  # (the loaded functions, by kernel variant)
@@ -44,21 +56,36 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--cells", default="1x4096,1x16384")
-    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--d", default="128", help="head dim (--compile: a comma-separated list)")
+    parser.add_argument("--compile", metavar="ARCH", help="only fill the kernel cache, for ARCH (e.g. sm_90)")
     parser.add_argument("--heads-k", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=0)
     args = parser.parse_args()
     copies = {"here": _compile._sources()}
     copies.update({pathlib.Path(f).name: sources_of(pathlib.Path(f)) for f in args.folders})
+    if args.compile:
+        compile_copies(copies, args.compile, [int(d) for d in args.d.split(",")])
+        return
+    time_copies(copies, args)
+
+
+def time_copies(copies: dict[str, dict[str, bytes]], args) -> None:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cuflash.torch
+    from cuflash import bench_decode
+    d = int(args.d)
     call = cuflash.torch.attention_with_kvcache
-    print(f"KV-cache call, GQA {bench_decode.NHEADS}/{args.heads_k}, d {args.d}, bf16, pages {args.page_size or '-'}, "
+    print(f"KV-cache call, GQA {bench_decode.NHEADS}/{args.heads_k}, d {d}, bf16, pages {args.page_size or '-'}, "
           "graph replay: us a call")
     print(f"{'cell':>12} {'call':>16} " + " ".join(f"{name:>10}" for name in (*copies, "cudnn")))
     for cell in args.cells.split(","):
         batch, length = map(int, cell.split("x"))
-        caches, table, _ = bench_decode.cycled_caches(torch, batch, length, args.heads_k, args.d, args.page_size)
-        dense = caches if table is None else bench_decode.cycled_caches(torch, batch, length, args.heads_k, args.d)[0]
-        q, new_k, new_v, full, before, cos, sin = bench_decode.step_inputs(torch, batch, length, args.heads_k, args.d)
+        caches, table, _ = bench_decode.cycled_caches(torch, batch, length, args.heads_k, d, args.page_size)
+        dense = caches if table is None else bench_decode.cycled_caches(torch, batch, length, args.heads_k, d)[0]
+        q, new_k, new_v, full, before, cos, sin = bench_decode.step_inputs(torch, batch, length, args.heads_k, d)
         variants = {
             "read only": lambda k, v: call(q, k, v, cache_seqlens=full, block_table=table),
             "append": lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before, block_table=table),
