@@ -24,27 +24,29 @@ from cuflash import _compile, _plan
 ROUNDS = 3
 
 
-def sources_of(folder: pathlib.Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*.cu*"))}
+def read_from(folder: pathlib.Path) -> None:
+    """Compile from this copy of cuflash/cuda from now on (as scripts/sass_diff.py does)."""
+    _compile.CUDA_DIR = folder
+    _compile._sources.cache_clear()
 
 
-def compile_copies(copies: dict[str, dict[str, bytes]], arch: str, head_dims: list[int]) -> None:
+def compile_copies(copies: dict[str, pathlib.Path], arch: str, head_dims: list[int]) -> None:
     """Every copy's bf16 KV-cache split kernels (every kind, band and flag) of these head
     dims into the kernel cache."""
     buckets = {_plan.head_dim_bucket(d) for d in head_dims}
     kernels = [k for k in _plan.all_kernels(arch) if isinstance(k, _plan.Kernel) and k.kind.startswith("decode")
                and k.dtype == "bfloat16" and k.head_dim in buckets]
-    for name, sources in copies.items():
-        _compile._sources = lambda sources=sources: sources
+    for name, folder in copies.items():
+        read_from(folder)
         for kernel in kernels:
             _compile.compile_kernel(kernel.source, kernel.instance, arch)
         print(f"{name}: {len(kernels)} variants in the cache", flush=True)
 
 
-def use(sources: dict[str, bytes]) -> None:
-    """Launch from these sources from now on (cubins are cached under their source's key)."""
+def use(folder: pathlib.Path) -> None:
+    """Launch from this copy's kernels from now on (cubins are cached under their source's key)."""
     from cuflash import _kernels, kvcache
-    _compile._sources = lambda: sources
+    read_from(folder)
     _compile.load_kernel.cache_clear()
     _kernels._function.cache_clear()  # (the loaded functions, by kernel variant)
     _kernels._resident_ctas.cache_clear()
@@ -61,15 +63,15 @@ def main() -> None:
     parser.add_argument("--heads-k", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=0)
     args = parser.parse_args()
-    copies = {"here": _compile._sources()}
-    copies.update({pathlib.Path(f).name: sources_of(pathlib.Path(f)) for f in args.folders})
+    copies = {"here": _compile.CUDA_DIR}
+    copies.update({pathlib.Path(f).name: pathlib.Path(f).resolve() for f in args.folders})
     if args.compile:
         compile_copies(copies, args.compile, [int(d) for d in args.d.split(",")])
         return
     time_copies(copies, args)
 
 
-def time_copies(copies: dict[str, dict[str, bytes]], args) -> None:
+def time_copies(copies: dict[str, pathlib.Path], args) -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -100,8 +102,8 @@ def time_copies(copies: dict[str, dict[str, bytes]], args) -> None:
         for label, run in variants.items():
             times = {name: [] for name in copies}
             for _ in range(ROUNDS):
-                for name, sources in copies.items():
-                    use(sources)
+                for name, folder in copies.items():
+                    use(folder)
                     us, _ = bench_decode.graph_and_plain(torch, [lambda k=k, v=v: run(k, v) for k, v in caches])
                     times[name].append(us)
             print(f"{cell:>12} {label:>16} " + " ".join(f"{statistics.median(t):10.2f}" for t in times.values())
