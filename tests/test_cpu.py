@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 
 from cuflash.cpu import attention_forward
 from cuflash.reference import attention_lowp, attention_reference, round_to
-from .strategies import Shape, assert_close, attention_shapes, blocks, cpu_path_draws, random_qkv, seeds
+from .strategies import (NO_INVALID_ARITHMETIC, Shape, assert_close, attention_shapes, blocks, cpu_path_draws,
+                         random_qkv, seeds)
 
-# NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
-pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+pytestmark = NO_INVALID_ARITHMETIC  # (strategies.py)
 
 shapes = attention_shapes(max_batch=2, max_seqlen=70, max_headdim=64, allow_zero=True)
 

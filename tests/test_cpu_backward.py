@@ -19,11 +19,10 @@ from cuflash.reference import (
     attention_textbook_backward,
     round_to,
 )
-from .strategies import (Shape, VarlenShape, assert_close, attention_shapes, blocks, cpu_path_draws, random_dout,
-                         random_qkv, reference_options, rounding_floor, scales, seeds)
+from .strategies import (NO_INVALID_ARITHMETIC, Shape, VarlenShape, assert_close, attention_shapes, blocks,
+                         cpu_path_draws, random_dout, random_qkv, reference_options, rounding_floor, scales, seeds)
 
-# NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
-pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+pytestmark = NO_INVALID_ARITHMETIC  # (strategies.py)
 
 shapes = attention_shapes(max_batch=2, max_seqlen=70, max_headdim=64, allow_zero=True)
 # Small enough for Python loops over every element (finite differences, the textbook).

@@ -16,11 +16,11 @@ from cuflash.reference import (attention_lowp, attention_lowp_backward, attentio
                                attention_reference_varlen, attention_reference_varlen_backward, attention_textbook,
                                attention_textbook_backward, normalized_window, round_to)
 from .test_cpu_backward import GRAD_TOL, _data, _finite_difference, _max_finite, _scale_of
-from .strategies import (Shape, Variant, VarlenShape, assert_close, attention_shapes, blocked_draws, cpu_path_draws,
-                         random_qkv, rounding_floor, scales, seeds, seqlens, variants, varlen_shapes, window_sizes)
+from .strategies import (NO_INVALID_ARITHMETIC, Shape, Variant, VarlenShape, assert_close, attention_shapes,
+                         blocked_draws, cpu_path_draws, random_qkv, rounding_floor, scales, seeds, seqlens, variants,
+                         varlen_shapes, window_sizes)
 
-# NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
-pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+pytestmark = NO_INVALID_ARITHMETIC  # (strategies.py)
 
 # Error allowed relative to the result's scale (see test_cpu.py and test_cpu_backward.py).
 OUT_TOL = {np.float32: 1e-5, np.float64: 1e-10}

@@ -11,10 +11,9 @@ from cuflash.reference import (
     attention_textbook,
     round_to,
 )
-from .strategies import Shape, assert_close, attention_shapes, random_qkv, scales, seeds
+from .strategies import NO_INVALID_ARITHMETIC, Shape, assert_close, attention_shapes, random_qkv, scales, seeds
 
-# NumPy reports invalid arithmetic (such as -inf - -inf) as RuntimeWarning: none may occur.
-pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+pytestmark = NO_INVALID_ARITHMETIC  # (strategies.py)
 
 # Small enough for the per-(batch, head, query) Python loop of the textbook version.
 tiny_shapes = attention_shapes(max_batch=2, max_seqlen=13, max_headdim=16, allow_zero=True)
