@@ -104,6 +104,18 @@ def _decode_shared(t: Tile, d: int) -> int:
     return (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d)
 
 
+# Splits of a row block that merge in a thread block cluster at most (split_kv.cu,
+# kMaxClusterSplits): Hopper schedules clusters of up to 16 CTAs (above 8 by the kernel's
+# leave, _driver.NON_PORTABLE_CLUSTER_SIZE_ALLOWED).
+MAX_CLUSTER_SPLITS = 16
+
+
+def _decode_cluster_shared(t: Tile, d: int) -> int:
+    """The stages, then the inbox of the rows this CTA merges: (block_m + MAX_CLUSTER_SPLITS)
+    entries of an fp32 row of d and an LSE (ClusterDecodeShared)."""
+    return _decode_shared(t, d) + (t.block_m + MAX_CLUSTER_SPLITS) * (d + 1) * 4
+
+
 KINDS = {
     # Q tile + stages x (K tile + V tile)
     "forward": Kind("fwd.cu", "attention_forward", {
@@ -170,8 +182,8 @@ KINDS = {
     # results in shared memory (sm_90): no merge kernel, no workspace.
     # (More stages ran slower at batch 1, GQA d 128: three (100 KB) 0.92-0.94x two, four
     # (135 KB) 0.59-0.64x, when a cluster of 16 CTAs needs 16 multiprocessors of one GPC.)
-    "decode_cluster": Kind("decode/split_kv.cu", "attention_decode", DECODE_TILES, _decode_shared, "block_m", False,
-                           "DecodeShared", suffix=("true",), clustered=True),
+    "decode_cluster": Kind("decode/split_kv.cu", "attention_decode", DECODE_TILES, _decode_cluster_shared, "block_m",
+                           False, "ClusterDecodeShared", suffix=("true",), clustered=True),
 }
 
 # Untiled helpers of the backward, one instance per dtype.
@@ -544,10 +556,6 @@ DECODE_POINTERS = ("q", "o", "k_cache", "v_cache", "k_new", "v_new", "lse", "par
                    "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "merge.parts", "merge.lses", "merge.out",
                    "merge.out_lse")
 MAX_SPLITS = 256
-# Splits of a row block that merge in a thread block cluster at most (split_kv.cu,
-# kMaxClusterSplits): Hopper schedules clusters of up to 16 CTAs (above 8 by the kernel's
-# leave, _driver.NON_PORTABLE_CLUSTER_SIZE_ALLOWED).
-MAX_CLUSTER_SPLITS = 16
 # Parts of a sequence's keys in a deterministic call: each sequence's tiles cut into
 # min(DETERMINISTIC_PARTS, tiles / MIN_SPLIT_TILES) parts (as many as a batch of one needs to
 # fill the GPU), whatever the batch and the splits.

@@ -32,10 +32,12 @@ def read_from(folder: pathlib.Path) -> None:
 
 def compile_copies(copies: dict[str, pathlib.Path], arch: str, head_dims: list[int]) -> None:
     """Every copy's bf16 KV-cache split kernels (every kind, band and flag) of these head
-    dims into the kernel cache."""
+    dims, and its merge kernel of bf16 outputs (grids too large for a cluster), into the
+    kernel cache."""
     buckets = {_plan.head_dim_bucket(d) for d in head_dims}
-    kernels = [k for k in _plan.all_kernels(arch) if isinstance(k, _plan.Kernel) and k.kind.startswith("decode")
-               and k.dtype == "bfloat16" and k.head_dim in buckets]
+    kernels = [k for k in _plan.all_kernels(arch)
+               if isinstance(k, _plan.Kernel) and k.kind.startswith("decode") and k.dtype == "bfloat16"
+               and k.head_dim in buckets or k == _plan.Merge("float32", "bfloat16")]
     for name, folder in copies.items():
         read_from(folder)
         for kernel in kernels:

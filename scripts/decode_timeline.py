@@ -10,7 +10,8 @@ issued, q rotated, each key tile landed (every thread's copies, past the barrier
 done, the part's last tile issued, the new rows written into the cache, the part's
 result written, the cluster's barrier passed, in the cluster merge of a row its LSEs
 read, its weights, its O summed and stored (points that wait for their loads: they add
-to the merge's time), its rows merged, its end (and %globaltimer at start and end, which
+to the merge's time), every CTA of its cluster started (before its rows go to their
+merging CTAs), its end (and %globaltimer at start and end, which
 places the CTAs on one time axis). Printed per variant (read only, append, append + causal,
 append + rotary + causal, pages of 16 shuffled and in order): the median and the slowest CTA's
 times of each point from the kernel's first CTA start, in microseconds, so that one sees
@@ -28,7 +29,7 @@ from cuflash import _compile, bench_decode
 
 SLOTS = 48
 POINTS = {"seq": 2, "q issued": 40, "loop": 41, "issued": 3, "q ready": 4, "part": 5, "cluster": 6,
-          "lse read": 42, "weighed": 43, "summed": 44, "stored": 45, "merged": 33, "end": 7,
+          "lse read": 42, "weighed": 43, "summed": 44, "stored": 45, "started": 33, "end": 7,
           "last issued": 47, "appended": 46}
 TILE0, TILES = 8, 12  # slots TILE0 + 2i (tile i landed), TILE0 + 2i + 1 (tile i done); 32: blockIdx.x;
 # 39: %globaltimer at the end
@@ -53,8 +54,8 @@ def patched(text: str, address: int) -> str:
          "  if (seq.end == -7) p.o.ptr[0] = DType<T>::from_float(0.f); TRACE_AT(2);\n"),
         ("  LoadPipeline::commit();\n  const int q_rows", "  LoadPipeline::commit();\n  TRACE_AT(40);\n  const int q_rows"),
         ("  bool q_rotated = false;\n", "  bool q_rotated = false;\n  TRACE_AT(41);\n"),
-        ("      const float lse = lane < ranks ? cluster::load(cluster_lse + r, lane) : kInf;\n",
-         "      const float lse = lane < ranks ? cluster::load(cluster_lse + r, lane) : kInf;\n"
+        ("      const float lse = lane < ranks ? inbox_lse[first + lane] : kInf;\n",
+         "      const float lse = lane < ranks ? inbox_lse[first + lane] : kInf;\n"
          "      if (lse == 12345.f) p.o.ptr[1] = DType<T>::from_float(0.f); TRACE_AT(42);\n"),
         ("      const float scale = merge.out_scale(), row_lse = merge.lse();\n",
          "      const float scale = merge.out_scale(), row_lse = merge.lse();\n      TRACE_AT(43);\n"),
@@ -78,10 +79,8 @@ def patched(text: str, address: int) -> str:
          f"      if (part == split && i < {TILES}) TRACE_AT({TILE0} + 2 * i + 1);\n"),
         ("__syncthreads();  // the next part's loads overwrite the warps' results\n",
          "__syncthreads();\n    if (part == split) TRACE_AT(5);\n"),
-        ("cluster::sync();  // every CTA's result written\n",
-         "cluster::sync();\n    TRACE_AT(6);\n"),
-        ("    cluster::sync();  // no CTA leaves while another reads its shared memory\n",
-         "    TRACE_AT(33);\n    cluster::sync();\n"),
+        ("cluster::wait();  // every CTA started\n", "cluster::wait();\n    TRACE_AT(33);\n"),
+        ("cluster::sync();  // every CTA's rows in their inboxes\n", "cluster::sync();\n    TRACE_AT(6);\n"),
         ("\n}\n\n}  // namespace cuflash", "\n  TRACE_AT(7); TRACE_TIME(39);\n}\n\n}  // namespace cuflash"),
     ]
     for anchor, replacement in edits:

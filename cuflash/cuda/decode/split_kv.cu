@@ -15,8 +15,8 @@
 //
 // then the part's O and LSE go to the output (one part), to the partial results that
 // the merge step combines in part order (merge.cu), or, where the splits of a row block
-// run as one thread block cluster (sm_90, kClusterMerge), to shared memory, where the
-// cluster's CTAs merge them (each CTA some of the rows, reading the others' results).
+// run as one thread block cluster (sm_90, kClusterMerge), into the shared memory of the
+// CTA that merges each row (each CTA some of the rows, from its own shared memory).
 // Keys are the rows [leftpad, length + seqlen_new) of the sequence's cache (cache.cuh:
 // contiguous or paged); rows outside are zero-filled, never read, and masked. New keys and
 // values are read from k and v (rotated in shared memory), never from the cache rows this
@@ -48,9 +48,11 @@ constexpr int kAppendTiles = 3;
 
 // Shared memory: the forward's (the Q tile, then kStages K tiles, then kStages V tiles).
 // After the key loop the K/V buffers hold each warp's normalised O (fp32 rows of
-// kHeadDim + 4, off the banks' period) and LSE, then, in a cluster, the CTA's merged O
-// (fp32 rows of kHeadDim) and LSE for the other CTAs to read. _plan.KINDS["decode"]
-// states the size.
+// kHeadDim + 4, off the banks' period) and LSE. In a cluster an inbox follows the stages:
+// the merged O (fp32 rows of kHeadDim) and LSE of block row q from the CTA of rank s, for
+// the CTA that merges that row (rank q % ranks), at entry (q / ranks) ranks + s; apart
+// from the stages, so that a CTA may write into another still in its key loop.
+// _plan.KINDS["decode"] and ["decode_cluster"] state the sizes.
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct DecodeShared : ForwardShared<kHeadDim, kBlockM, kBlockN, kStages> {
   using Base = ForwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
@@ -59,13 +61,18 @@ struct DecodeShared : ForwardShared<kHeadDim, kBlockM, kBlockN, kStages> {
   template <int kWarps>
   static __host__ __device__ constexpr int warp_lse() { return kWarpO + kWarps * kBlockM * kWarpORow * 4; }
   template <int kWarps>
-  static __host__ __device__ constexpr int cluster_o() { return warp_lse<kWarps>() + kWarps * kBlockM * 4; }
-  template <int kWarps>
-  static __host__ __device__ constexpr int cluster_lse() { return cluster_o<kWarps>() + kBlockM * kHeadDim * 4; }
-  template <int kWarps>
   static __host__ __device__ constexpr bool results_fit() {
-    return cluster_lse<kWarps>() + kBlockM * 4 <= Base::kBytes;
+    return warp_lse<kWarps>() + kWarps * kBlockM * 4 <= Base::kBytes;
   }
+  // (ranks ceil(kBlockM / ranks) entries at most: below kBlockM + kMaxClusterSplits.)
+  static constexpr int kInboxEntries = kBlockM + kMaxClusterSplits;
+  static constexpr int kInboxO = Base::kBytes, kInboxLse = kInboxO + kInboxEntries * kHeadDim * 4;
+};
+// The size with the inbox (kClusterMerge).
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
+struct ClusterDecodeShared : DecodeShared<kHeadDim, kBlockM, kBlockN, kStages> {
+  using Base = DecodeShared<kHeadDim, kBlockM, kBlockN, kStages>;
+  static constexpr int kBytes = Base::kInboxLse + Base::kInboxEntries * 4;
 };
 
 // @tparam kBlockM   packed query rows per CTA (one 16-row mma tile, shared by the warps)
@@ -106,6 +113,8 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
   // Packed rows: row r is query r / group of head kv_head * group + r % group.
   const int group = p.heads_per_kv, rows = group * seqlen_q, row0 = m_block * kBlockM;
   if (row0 >= rows) return;
+  // (A cluster's CTAs share their row block: all of them return above, or none.)
+  if constexpr (kClusterMerge) cluster::arrive();  // this CTA has started (cluster::wait below)
   const int q_first = row0 / group, q_end = (min(row0 + kBlockM, rows) - 1) / group + 1;
   // Key columns count from leftpad; the tiles from the cache's row 0 (t = leftpad + column).
   // The KV-cache call's window is normalised against the cache's length on the host; the
@@ -259,8 +268,8 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
     if (c == 0 && p.lse != nullptr)
       p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + q_start + query] = lse;
   };
-  float* cluster_o = reinterpret_cast<float*>(smem + Shared::template cluster_o<kWarps>());
-  float* cluster_lse = reinterpret_cast<float*>(smem + Shared::template cluster_lse<kWarps>());
+  float* inbox_o = reinterpret_cast<float*>(smem + Shared::kInboxO);
+  float* inbox_lse = reinterpret_cast<float*>(smem + Shared::kInboxLse);
   bool q_rotated = false;
   for (int part = split; part < p.parts; part += p.num_splits) {
     const int n_begin = part_tile(part), n_end = part_tile(part + 1);
@@ -343,7 +352,9 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
     }
     __syncthreads();
 
-    // Four columns of a row an item: the warps' weights, then their sum of O.
+    // Four columns of a row an item: the warps' weights, then their sum of O; in a
+    // cluster, into the inbox of the CTA that merges the row (one part a CTA: once).
+    if constexpr (kClusterMerge) cluster::wait();  // every CTA started
     constexpr int kQuads = kHeadDim / 4;
     for (int item = threadIdx.x; item < kBlockM * kQuads; item += kThreads) {
       const int r = item / kQuads, c = item % kQuads * 4, row = row0 + r;
@@ -362,9 +373,10 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       const float scale = merge.out_scale(), lse = merge.lse();
       const int query = row / group, head = kv_head * group + row % group;
       if constexpr (kClusterMerge) {
-        *reinterpret_cast<float4*>(cluster_o + r * kHeadDim + c) =
-            make_float4(o[0] * scale, o[1] * scale, o[2] * scale, o[3] * scale);
-        if (c == 0) cluster_lse[r] = lse;
+        const int ranks = cluster::size(), owner = r % ranks, entry = r / ranks * ranks + cluster::rank();
+        cluster::store4(inbox_o + entry * kHeadDim + c, owner,
+                        make_float4(o[0] * scale, o[1] * scale, o[2] * scale, o[3] * scale));
+        if (c == 0) cluster::store(inbox_lse + entry, owner, lse);
         continue;
       }
 #pragma unroll
@@ -383,13 +395,15 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
   }
 
   if constexpr (kClusterMerge) {
-    // The cluster's parts, in rank (= part) order, row by row: warp w of this CTA merges
-    // rows rank + (w + i kWarps) size of the block, reading every CTA's result where it
-    // lies; lane s weighs part s, then each lane takes four columns.
-    cluster::sync();  // every CTA's result written
+    // The cluster's parts, in rank (= part) order, row by row from the inbox: warp w of
+    // this CTA merges rows rank + (w + i kWarps) ranks of the block; lane s weighs part s,
+    // then each lane takes four columns. No CTA reads another's shared memory: none waits
+    // for the others before it leaves.
+    cluster::sync();  // every CTA's rows in their inboxes
     const int rank = cluster::rank(), ranks = cluster::size();
     for (int r = rank + warp * ranks; r < kBlockM && row0 + r < rows; r += kWarps * ranks) {
-      const float lse = lane < ranks ? cluster::load(cluster_lse + r, lane) : kInf;
+      const int first = r / ranks * ranks;  // the row's entries: first + s, part s
+      const float lse = lane < ranks ? inbox_lse[first + lane] : kInf;
       PartialMerge merge;
       merge.see(lse);
       merge.top_of_warp();
@@ -402,10 +416,11 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       for (int c = lane * 4; c < p.headdim; c += 32 * 4) {
         float o[4] = {};
         // Every load issued before any is used (no branch between them: a part past the
-        // cluster reads the last CTA's, and weighs 0).
+        // cluster reads the last part's entry, and weighs 0).
         float4 x[kMaxClusterSplits];
 #pragma unroll
-        for (int s = 0; s < kMaxClusterSplits; ++s) x[s] = cluster::load4(cluster_o + r * kHeadDim + c, min(s, ranks - 1));
+        for (int s = 0; s < kMaxClusterSplits; ++s)
+          x[s] = *reinterpret_cast<const float4*>(inbox_o + (first + min(s, ranks - 1)) * kHeadDim + c);
 #pragma unroll
         for (int s = 0; s < kMaxClusterSplits; ++s) {
           const float w = weights[s];  // an empty part's O is never used
@@ -416,7 +431,6 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
         for (int e = 0; e < 4 && c + e < p.headdim; ++e) store_result(row0 + r, c + e, o[e] * scale, row_lse);
       }
     }
-    cluster::sync();  // no CTA leaves while another reads its shared memory
   }
 }
 
