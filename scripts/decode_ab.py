@@ -58,7 +58,7 @@ def use(folder: pathlib.Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("folders", nargs="+")
+    parser.add_argument("folders", nargs="*")
     parser.add_argument("--cells", default="1x4096,1x16384")
     parser.add_argument("--d", default="128", help="head dim (--compile: a comma-separated list)")
     parser.add_argument("--compile", metavar="ARCH", help="only fill the kernel cache, for ARCH (e.g. sm_90)")
