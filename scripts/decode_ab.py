@@ -36,8 +36,8 @@ def compile_copies(copies: dict[str, pathlib.Path], arch: str, head_dims: list[i
     kernel cache."""
     buckets = {_plan.head_dim_bucket(d) for d in head_dims}
     kernels = [k for k in _plan.all_kernels(arch)
-               if isinstance(k, _plan.Kernel) and k.kind.startswith("decode") and k.dtype == "bfloat16"
-               and k.head_dim in buckets or k == _plan.Merge("float32", "bfloat16")]
+               if (isinstance(k, _plan.Kernel) and k.kind.startswith("decode") and k.dtype == "bfloat16"
+                   and k.head_dim in buckets) or k == _plan.Merge("float32", "bfloat16")]
     for name, folder in copies.items():
         read_from(folder)
         for kernel in kernels:
