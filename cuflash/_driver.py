@@ -25,9 +25,11 @@ NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # (clusters of more than 8 CTAs, up to 1
 _LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE = 5
 _CLUSTER_SCHEDULING_POLICY_SPREAD = 1
+_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 _SIGNATURES = {
     "cuInit": (_u,),
+    "cuDriverGetVersion": (ctypes.POINTER(_i),),
     "cuGetErrorName": (_i, ctypes.POINTER(ctypes.c_char_p)),
     "cuDeviceGet": (ctypes.POINTER(_i), _i),
     "cuDeviceGetName": (ctypes.c_char_p, _i, _i),
@@ -78,6 +80,14 @@ def _check(status: int, what: str) -> None:
 def attribute(device: int, attr: int) -> int:
     value = _i()
     _check(_lib().cuDeviceGetAttribute(ctypes.byref(value), attr, _device(device)), "cuDeviceGetAttribute")
+    return value.value
+
+
+@functools.cache
+def version() -> int:
+    """The driver's CUDA version, 1000 * major + 10 * minor (12030: CUDA 12.3)."""
+    value = _i()
+    _check(_lib().cuDriverGetVersion(ctypes.byref(value)), "cuDriverGetVersion")
     return value.value
 
 
@@ -165,26 +175,38 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("count", _u)]
 
 
-class ClusterLaunch:
-    """A kernel launched in thread block clusters of ``cluster`` CTAs along x, spread over
-    the multiprocessors of a GPC (cuLaunchKernelEx; a plain launch cannot ask for a
-    cluster the kernel was not compiled with). Built once; ``launch(stream, arguments)``
-    launches it (the driver copies the configuration, so one serves every call)."""
+class LaunchEx:
+    """A kernel launched through cuLaunchKernelEx, for what a plain launch cannot ask: thread
+    block clusters of ``cluster`` CTAs along x, spread over the multiprocessors of a GPC
+    (a cluster size the kernel was not compiled with), and, ``dependent``, a programmatic
+    dependent launch (sm_90: the kernel may start as the one before it on the stream ends,
+    and waits for its results in griddepcontrol.wait). Built once; ``launch(stream,
+    arguments)`` launches it (the driver copies the configuration, so one serves every call)."""
 
-    def __init__(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, cluster: int):
+    def __init__(self, function: int, grid: tuple[int, int, int], threads: int, shared: int, cluster: int = 1,
+                 dependent: bool = False):
         self.function = _p(function)
-        self.attributes = (_LaunchAttribute * 2)()
-        self.attributes[0].id = _LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        self.attributes[0].value[:3] = (cluster, 1, 1)
-        self.attributes[1].id = _LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
-        self.attributes[1].value[0] = _CLUSTER_SCHEDULING_POLICY_SPREAD
-        self.config = _LaunchConfig((_u * 3)(*grid), (_u * 3)(threads, 1, 1), shared, None, self.attributes, 2)
+        self.attributes = (_LaunchAttribute * 3)()
+        count = 0
+        if cluster > 1:
+            self.attributes[0].id = _LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            self.attributes[0].value[:3] = (cluster, 1, 1)
+            self.attributes[1].id = _LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
+            self.attributes[1].value[0] = _CLUSTER_SCHEDULING_POLICY_SPREAD
+            count = 2
+        if dependent:
+            self.attributes[count].id = _LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            self.attributes[count].value[0] = 1
+            count += 1
+        self.config = _LaunchConfig((_u * 3)(*grid), (_u * 3)(threads, 1, 1), shared, None, self.attributes, count)
+        self._config = ctypes.byref(self.config)
         self._launch = _lib()["cuLaunchKernelEx"]
         self._launch.restype = _i
 
-    def launch(self, stream: int, arguments: int) -> None:
+    def launch(self, stream: int, arguments: ctypes.Array) -> None:
+        """``arguments``: the kernel's argument pointers (kernelParams)."""
         self.config.stream = stream
-        status = self._launch(ctypes.byref(self.config), self.function, _p(arguments), None)
+        status = self._launch(self._config, self.function, arguments, None)
         if status:
             _check(status, "cuLaunchKernelEx")
 

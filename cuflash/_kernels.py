@@ -17,7 +17,6 @@ import ctypes
 import functools
 import math
 import os
-import struct
 import threading
 
 from . import _compile, _driver, _plan
@@ -60,6 +59,14 @@ def clusters(device: int) -> bool:
     compute capability 9.0, unless CUFLASH_PORTABLE is set (then a merge kernel, as on
     older GPUs)."""
     return _compute_capability(device) >= (9, 0) and not _portable()
+
+
+def dependent_launches(device: int) -> bool:
+    """May a kernel of a plan start while the one before it ends (programmatic dependent
+    launch, waiting in the kernel for its results)? From compute capability 9.0, with a
+    driver that also captures such launches into CUDA graphs (CUDA 12.3), unless
+    CUFLASH_PORTABLE is set."""
+    return _compute_capability(device) >= (9, 0) and _driver.version() >= 12030 and not _portable()
 
 
 def _portable() -> bool:
@@ -109,7 +116,8 @@ def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Optio
     if launcher is None:
         def plan(clustered: bool) -> _plan.Plan:
             return _plan.decode(q, arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"), out,
-                                cache, options, shared_limit(q.device), multiprocessors(q.device), varlen, clustered)
+                                cache, options, shared_limit(q.device), multiprocessors(q.device), varlen, clustered,
+                                dependent_launches(q.device))
         chosen = plan(clusters(q.device))
         if not all(_one_wave_of_clusters(step, q.device) for step in chosen.steps):
             chosen = plan(False)
@@ -124,8 +132,8 @@ def _one_wave_of_clusters(step: _plan.Step, device: int) -> bool:
     short of multiprocessors for a cluster of large CTAs can still hold fewer.)"""
     if step.cluster == 1:
         return True
-    launch = _driver.ClusterLaunch(_function(step.kernel, device), step.grid, step.kernel.threads,
-                                   step.kernel.shared_bytes, step.cluster)
+    launch = _driver.LaunchEx(_function(step.kernel, device), step.grid, step.kernel.threads,
+                              step.kernel.shared_bytes, step.cluster)
     with _driver.in_context(device):
         return launch.resident_clusters() * step.cluster >= math.prod(step.grid)
 
@@ -183,9 +191,6 @@ def _remember(key, launcher: Launcher) -> Launcher:
     return launcher
 
 
-_put_pointer = struct.Struct("<Q").pack_into
-
-
 class Launcher:
     """A plan bound to its compiled kernels on one device. ``launcher(stream, *pointers)``
     writes the pointers into its Params and launches every step. The Params and the
@@ -196,28 +201,33 @@ class Launcher:
     def __init__(self, plan: _plan.Plan, device: int):
         self.plan, self.device = plan, device
         self.params = plan.struct.from_buffer_copy(plan.params)
-        self.offsets = _plan.pointer_offsets(plan.struct, plan.pointers)
+        offsets = _plan.pointer_offsets(plan.struct, plan.pointers)
+        assert all(offset % 8 == 0 for offset in offsets), "pointers lie at multiples of 8 bytes"
+        self._pointer_words = tuple(offset // 8 for offset in offsets)
         self.context = _driver.primary_context(device)
         for step in plan.steps:
             if step.grouped_heads:
                 self.params.tile_group = tile_group(step.kernel, step.grouped_heads, device)
         self._steps = [(_function(s.kernel, device), s.grid, s.kernel.threads, s.kernel.shared_bytes,
                         field_offset(plan.struct, s.argument) if s.argument else 0,
-                        tuple(map(ctypes.c_int, s.args)), s.cluster) for s in plan.steps]
+                        tuple(map(ctypes.c_int, s.args)), s.cluster, s.dependent) for s in plan.steps]
         self._maps = [(field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m) for m in plan.maps]
         self._mapped = None  # the pointers self.params' maps were encoded for
         self._lock = threading.Lock()
-        self._calls = self._bind(self.params)
+        self._words, self._calls = self._bind(self.params)
 
-    def _bind(self, params: ctypes.Structure) -> list[tuple]:
-        """cuLaunchKernel's arguments but the stream, for each step, over ``params``."""
+    def _bind(self, params: ctypes.Structure) -> tuple[ctypes.Array, list[tuple]]:
+        """``params`` as 64-bit words, where the pointers go (their offsets are multiples of
+        8), and cuLaunchKernel's arguments but the stream, for each step, over ``params``."""
+        words = (ctypes.c_uint64 * (ctypes.sizeof(params) // 8)).from_buffer(params)
         calls = []
-        for function, grid, threads, shared, at, args, cluster in self._steps:
+        for function, grid, threads, shared, at, args, cluster, dependent in self._steps:
             arguments = (ctypes.c_void_p * (1 + len(args)))(ctypes.addressof(params) + at,
                                                              *map(ctypes.addressof, args))
-            clustered = _driver.ClusterLaunch(function, grid, threads, shared, cluster) if cluster > 1 else None
-            calls.append((function, *grid, threads, shared, arguments, ctypes.addressof(arguments), clustered))
-        return calls
+            extended = (_driver.LaunchEx(function, grid, threads, shared, cluster, dependent)
+                        if cluster > 1 or dependent else None)
+            calls.append((function, *grid, threads, shared, arguments, ctypes.addressof(arguments), extended))
+        return words, calls
 
     def __call__(self, stream: int, *pointers: int) -> None:
         if not self._calls:  # an empty call: nothing to launch
@@ -227,14 +237,14 @@ class Launcher:
                 if self._maps and pointers != self._mapped:
                     self._encode_maps(self.params, pointers)
                     self._mapped = pointers
-                self._launch(self.params, self._calls, stream, pointers)
+                self._launch(self.params, self._words, self._calls, stream, pointers)
             finally:
                 self._lock.release()
         else:  # another thread is launching this plan: a copy of its arguments
             params = self.plan.struct.from_buffer_copy(self.params)
             if self._maps:
                 self._encode_maps(params, pointers)
-            self._launch(params, self._bind(params), stream, pointers)
+            self._launch(params, *self._bind(params), stream, pointers)
 
     def _encode_maps(self, params: ctypes.Structure, pointers: tuple) -> None:
         """The plan's tensor maps, for arrays at these addresses (a map holds its array's).
@@ -246,9 +256,10 @@ class Launcher:
                 encoded = _tensormap.encode(pointers[index], spec.dtype, spec.shape, spec.strides, spec.rows)
                 ctypes.memmove(ctypes.addressof(params) + offset, ctypes.addressof(encoded), ctypes.sizeof(encoded))
 
-    def _launch(self, params: ctypes.Structure, calls: list, stream: int, pointers: tuple) -> None:
-        for offset, pointer in zip(self.offsets, pointers):
-            _put_pointer(params, offset, pointer)  # (a nested field's setattr costs 3x as much)
+    def _launch(self, params: ctypes.Structure, words: ctypes.Array, calls: list, stream: int,
+                pointers: tuple) -> None:
+        for word, pointer in zip(self._pointer_words, pointers):
+            words[word] = pointer  # (a nested field's setattr costs 3x as much, struct.pack_into 1.8x)
         if _launch_observer is not None:
             _launch_observer(params.pointers(), stream)
         launch, current_context = _driver.launcher()
@@ -260,11 +271,11 @@ class Launcher:
 
     @staticmethod
     def _launch_steps(launch, calls: list, stream: int) -> None:
-        for function, x, y, z, threads, shared, _, arguments, clustered in calls:
-            if clustered is None:
+        for function, x, y, z, threads, shared, argument_array, arguments, extended in calls:
+            if extended is None:
                 launch(function, x, y, z, threads, 1, 1, shared, stream, arguments, 0)
             else:
-                clustered.launch(stream, arguments)
+                extended.launch(stream, argument_array)
 
 
 def tile_group(kernel: _plan.Kernel, heads: int, device: int) -> int:

@@ -273,9 +273,12 @@ def test_warm_calls_are_checked_like_the_first():
         cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=700, num_splits=True)
 
 
-def test_a_cuda_graph_replays_with_growing_lengths():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_cuda_graph_replays_with_growing_lengths(deterministic):
     """One captured decode step (append one token, attend), replayed while cache_seqlens
-    grows on the device: each replay is the eager call at that length."""
+    grows on the device: each replay is the eager call at that length. (On sm_90 the
+    default call's splits merge in a cluster, the deterministic call's in the merge kernel,
+    launched as a programmatic dependent of the split kernel.)"""
     torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
     import cuflash.torch
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -293,7 +296,8 @@ def test_a_cuda_graph_replays_with_growing_lengths():
 
     def step():
         return cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
-                                                    rotary_cos=cos, rotary_sin=sin, causal=True)
+                                                    rotary_cos=cos, rotary_sin=sin, causal=True,
+                                                    deterministic=deterministic)
 
     step()  # compile and load outside the capture
     k_cache.copy_(caches0[0]), v_cache.copy_(caches0[1])
@@ -305,7 +309,8 @@ def test_a_cuda_graph_replays_with_growing_lengths():
     for _ in range(6):
         graph.replay()
         want = cuflash.torch.attention_with_kvcache(q, k_eager, v_eager, k, v, cache_seqlens=lengths,
-                                                    rotary_cos=cos, rotary_sin=sin, causal=True)
+                                                    rotary_cos=cos, rotary_sin=sin, causal=True,
+                                                    deterministic=deterministic)
         assert torch.equal(out, want) and torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
         lengths += 1
 

@@ -158,6 +158,7 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
     else:
         (merge_step,) = merge_steps
         assert merge_step.argument == "merge" and merge_step.grid == (batch * 32, 1, 1)
+        assert not (decode_step.dependent or merge_step.dependent)  # (before sm_90: one after the other)
         assert dict((n, s) for n, s, _ in plan.workspace) == {"partial_o": (splits, batch, 32, 128),
                                                              "partial_lse": (splits, 32, batch)}
         assert (p.merge.count, p.merge.part_stride, p.merge.lse_part_stride) == (splits, batch * 32 * 128, batch * 32)
@@ -188,7 +189,7 @@ def test_a_decode_plan_on_a_gpu_with_clusters(no_compiler, num_splits, determini
     merge there, where the grid is a CTA a multiprocessor or less: one launch, no
     workspace. A deterministic call keeps the merge kernel's order; more splits than a
     cluster holds, one split, or two CTAs a multiprocessor (batch 4: 8 splits) plan as
-    before."""
+    before, the merge kernel launched as a programmatic dependent of the split kernel."""
     q = info((batch, 1, 32, 128))
     k_cache = info((batch, 4096, 8, 128))
     arrays = dict(q=q, k_cache=k_cache, v_cache=k_cache)
@@ -197,15 +198,15 @@ def test_a_decode_plan_on_a_gpu_with_clusters(no_compiler, num_splits, determini
     options = _options.make_options(q, k_cache, True, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False,
                                     seqlen_k=cache.capacity)
     plan = _plan.decode(q, k_cache, k_cache, None, None, info(q.shape), cache, options,
-                        _plan.shared_memory_limit("sm_90"), 132, clusters=True)
+                        _plan.shared_memory_limit("sm_90"), 132, clusters=True, dependent_launch=True)
     splits = num_splits or 16
     if clustered:
         (step,) = plan.steps
         assert step.kernel.kind == "decode_cluster" and step.cluster == splits and step.grid == (splits, 8, batch)
-        assert step.kernel.instance.endswith(", true>") and not plan.workspace
+        assert step.kernel.instance.endswith(", true>") and not plan.workspace and not step.dependent
     else:
         assert all(step.cluster == 1 and getattr(step.kernel, "kind", "") != "decode_cluster" for step in plan.steps)
-        assert len(plan.steps) == (1 if splits == 1 else 2)
+        assert [step.dependent for step in plan.steps] == [False, True][:1 if splits == 1 else 2]
 
 
 def test_clustered_kernels_are_compiled_for_sm_90_only():

@@ -120,4 +120,21 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// Programmatic dependent launch (sm_90). A kernel launched as a programmatic dependent of
+// the one before it on the stream may start once every CTA of that one has called
+// allow_dependents() or exited, so its launch and start-up overlap that kernel's tail;
+// it waits in wait_for_prerequisites() until that kernel has finished and its writes are
+// visible. Both do nothing before sm_90 or where the launch did not ask for it.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 }  // namespace cuflash

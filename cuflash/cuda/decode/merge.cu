@@ -35,6 +35,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_states(const MergePara
   const int batch = int(task / (int64(p.nheads) * p.seqlen_q));
   const float* lses = p.lses + batch * p.lse_batch_stride + head * p.lse_head_stride + query;
   const int64 row = batch * p.batch_stride + query * p.row_stride + head * p.head_stride;
+  wait_for_prerequisites();  // (the KV-cache call's split kernel, where it launched this one early)
 
   // The LSEs, lane j taking parts j, j + 32, ...: the top and the total over the warp.
   PartialMerge merge;

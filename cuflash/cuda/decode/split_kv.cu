@@ -334,6 +334,8 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       LoadPipeline::release();  // the next issue overwrites this stage
     }
     LoadPipeline::wait<0>();  // (no tile: Q's copies may still land where the warps' results go)
+    // This CTA's keys are read: the merge kernel may start (it waits for the results).
+    if (split_result && part + p.num_splits >= p.parts) allow_dependents();
 
     // Each warp's O /= l and LSE; then the warps' results merged, in warp order.
     float row_lse[1][2];
