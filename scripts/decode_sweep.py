@@ -2,12 +2,15 @@
 process, on the GPU machine (graph replay, ``bench --decode``'s timing rules):
 
     PYTHONPATH=. python scripts/decode_sweep.py --tiles 16x64x4x2,16x128x8x2 --splits 0,1,2 \
-        --merge cluster,kernel --cells 1x4096,16x4096,64x16384 [--d 128] [--heads-k 8] [--page-size 16]
+        --merge cluster,kernel [--dependent on,off] --cells 1x4096,16x4096,64x16384 [--d 128] [--heads-k 8] \
+        [--page-size 16]
 
 Every combination of tiles (block_m x block_n x warps x stages, for both decode kinds),
-num_splits (0: the planner's) and merge step (``cluster``: where the planner gives one; ``kernel``: the merge
-kernel always) is timed on each ``batch x L`` cell, GB/s of K+V read. Used to choose the
-entries of ``cuflash/_plan.py``; not part of the package.
+num_splits (0: the planner's), merge step (``cluster``: where the planner gives one;
+``kernel``: the merge kernel always) and launch (``--dependent on``: each kernel a
+programmatic dependent of the one before, as planned on sm_90; ``off``: one after the
+other) is timed on each ``batch x L`` cell, GB/s of K+V read. Used to choose the entries of
+``cuflash/_plan.py``; not part of the package.
 """
 import argparse
 import itertools
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--tiles", default="16x64x4x2")
     parser.add_argument("--splits", default="0")
     parser.add_argument("--merge", default="cluster")
+    parser.add_argument("--dependent", default="on")
     parser.add_argument("--cells", default="1x4096,1x16384,16x4096,64x4096")
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--heads-k", type=int, default=8)
@@ -35,7 +39,7 @@ def main() -> None:
     bucket = _plan.head_dim_bucket(args.d)
     original = _plan.KINDS["decode"].tiles[bucket]
     tiles = [_plan.Tile(*map(int, t.split("x"))) for t in args.tiles.split(",")]
-    clusters = _kernels.clusters
+    clusters, dependent = _kernels.clusters, _kernels.dependent_launches
     print(f"KV-cache call, GQA {NHEADS}/{args.heads_k}, d {args.d}, bf16, pages {args.page_size or '-'}: GB/s "
           "(graph replay) by tile / num_splits / merge step")
     for cell in args.cells.split(","):
@@ -52,13 +56,15 @@ def main() -> None:
                     lambda k=k, v=v: sdpa(q.transpose(1, 2), k, v, enable_gqa=args.heads_k != NHEADS)
                     for k, v in views])
             row.append(f"cudnn {kv_bytes / (us * 1e3):6.0f}")
-        for tile, splits, merge in itertools.product(tiles, map(int, args.splits.split(",")), args.merge.split(",")):
+        for tile, splits, merge, launch in itertools.product(tiles, map(int, args.splits.split(",")),
+                                                             args.merge.split(","), args.dependent.split(",")):
             for kind in ("decode", "decode_cluster"):
                 _plan.KINDS[kind].tiles[bucket] = (tile,)
             _plan.kernel.cache_clear()
             _kernels.clusters = clusters if merge == "cluster" else (lambda device: False)
+            _kernels.dependent_launches = dependent if launch == "on" else (lambda device: False)
             kvcache._warm.clear()
-            name = f"{tile.block_n}x{tile.warps}x{tile.stages}/{splits}/{merge}"
+            name = f"{tile.block_n}x{tile.warps}x{tile.stages}/{splits}/{merge}/{launch}"
             _kernels._launchers.clear()
             try:
                 us, _ = bench_decode.graph_and_plain(torch, [
@@ -71,7 +77,7 @@ def main() -> None:
         for kind in ("decode", "decode_cluster"):
             _plan.KINDS[kind].tiles[bucket] = original
         _plan.kernel.cache_clear()
-        _kernels.clusters = clusters
+        _kernels.clusters, _kernels.dependent_launches = clusters, dependent
         print(f"batch {batch:3d} L {length:6d}: " + "  ".join(row), flush=True)
         caches.clear()
         torch.cuda.empty_cache()

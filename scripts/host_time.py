@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/host_time.py            # table of steps, CuPy and torch
     PYTHONPATH=. python scripts/host_time.py --profile  # and cProfile of the torch calls
+    PYTHONPATH=. python scripts/host_time.py --kvcache  # the KV-cache call's steps instead
 
 Calls are issued back to back without synchronising (the GPU work of a (1, 128, 1, 64)
 call is shorter than its host time) and timed with perf_counter: median of 5 x 1000.
@@ -15,7 +16,7 @@ import torch
 
 import cuflash
 import cuflash.torch
-from cuflash import _arrays, _kernels, api
+from cuflash import _arrays, _kernels, api, kvcache
 
 
 def per_call(fn, n=1000, rounds=5) -> float:
@@ -32,7 +33,74 @@ def per_call(fn, n=1000, rounds=5) -> float:
     return statistics.median(times)
 
 
+def kvcache_steps() -> None:
+    """A warm KV-cache call at batch 1, 4k keys, GQA 32/8, d 128, bf16 (the bench's
+    host-time cell), read only and with append + rotary, and the steps of the first."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    length, nheads, nheads_k, d = 4096, 32, 8, 128
+    k_cache, v_cache = (torch.randn(1, length, nheads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    q = torch.randn(1, 1, nheads, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 1, nheads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    lengths = torch.full((1,), length - 1, device="cuda", dtype=torch.int32)
+    angle = torch.rand(length, d // 2, device="cuda")
+    cos, sin = angle.cos(), angle.sin()
+    given = (q, k_cache, v_cache, None, None, lengths, None, None, None, None, None, None)
+    scalars = (True, False, (-1, -1), 0.0, None, 0, False, False, None)
+    for _ in range(2):  # (the first call of a new array type makes no warm key)
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+    key = kvcache._key(given, scalars)
+    warm = kvcache._warm[key]
+    calls, device = warm.calls, warm.device
+    out = calls.empty(warm.out_shape, warm.dtype, device)
+    work = calls.empty((warm.work[0],), calls.dtype("float32"), device) if warm.work else out
+    pointers = {name: calls.pointer(x) for name, x in zip(kvcache._ARRAY_ARGUMENTS, given) if name in warm.arrays}
+    launch_pointers = _kernels.decode_pointers(pointers, calls.pointer(out), 0, calls.pointer(work),
+                                               calls.pointer(work))
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    rows = {
+        "SDPA cuDNN": lambda: sdpa(qt, kt, vt, enable_gqa=True),
+        "cuflash.torch, read only": lambda: cuflash.torch.attention_with_kvcache(q, k_cache, v_cache,
+                                                                                 cache_seqlens=lengths),
+        "cuflash.torch, append + rotary": lambda: cuflash.torch.attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=lengths, rotary_cos=cos, rotary_sin=sin, causal=True),
+        "cuflash, read only": lambda: cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths),
+        "cuflash, append + rotary": lambda: cuflash.attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=lengths, rotary_cos=cos, rotary_sin=sin, causal=True),
+        "  key": lambda: kvcache._key(given, scalars),
+        "  lookup": lambda: kvcache._warm_calls.lookup(kvcache._warm, key),
+        "  empty out": lambda: calls.empty(warm.out_shape, warm.dtype, device),
+        **({"  empty workspace": lambda: calls.empty((warm.work[0],), calls.dtype("float32"), device)}
+           if warm.work else {}),
+        "  pointers": lambda: {name: calls.pointer(x) for name, x in zip(kvcache._ARRAY_ARGUMENTS, given)
+                               if name in warm.arrays},
+        "  decode_pointers": lambda: _kernels.decode_pointers(pointers, 1, 0, 2, 3),
+        "  stream": lambda: calls.stream(device),
+        "  launcher": lambda: warm.launcher(calls.stream(device), *launch_pointers),
+    }
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        results = {name: per_call(fn) for name, fn in rows.items()}
+    print(f"host time per warm KV-cache call, batch 1, L {length}, GQA {nheads}/{nheads_k}, d {d}, bf16, "
+          f"{len(warm.launcher.plan.steps)} kernel(s), median of 5 x 1000 calls")
+    for name, us in results.items():
+        print(f"{name:>34}: {us:6.1f} us")
+    if "--profile" in sys.argv:
+        import cProfile
+        import pstats
+        for name in ("cuflash.torch, read only", "cuflash.torch, append + rotary"):
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(2000):
+                rows[name]()
+            profile.disable()
+            torch.cuda.synchronize()
+            print(f"--- {name}")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+
+
 def main() -> None:
+    if "--kvcache" in sys.argv:
+        return kvcache_steps()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     shape = (1, 128, 1, 64)
