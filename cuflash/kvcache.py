@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 
 import numpy as np
 
@@ -52,8 +53,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     on short caches, see docs/performance.md). Returns out like q, or (out, lse) with
     ``return_lse``, lse float32 (batch, nheads, seqlen_q) (+inf for a row that sees no key).
     """
-    given = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-             rotary_sin, alibi_slopes)
+    return _attention_with_kvcache((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                    block_table, rotary_cos, rotary_sin, alibi_slopes), rotary_interleaved, causal,
+                                    window_size, softcap, softmax_scale, num_splits, deterministic, return_lse)
+
+
+_ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                    "block_table", "rotary_cos", "rotary_sin", "alibi_slopes")
+
+
+def _attention_with_kvcache(given: tuple, rotary_interleaved, causal, window_size, softcap, softmax_scale, num_splits,
+                            deterministic, return_lse):
+    """attention_with_kvcache with its array arguments ``given`` in _ARRAY_ARGUMENTS' order
+    (the torch front end's eager calls come here directly)."""
+    q, k_cache, v_cache, k, v, cache_seqlens, *_, alibi_slopes = given
     scalars = (rotary_interleaved, causal, window_size, softcap, softmax_scale, num_splits, deterministic, return_lse,
                cache_seqlens if cache_seqlens.__class__ is int else None)
     key = _key(given, scalars)
@@ -84,19 +97,22 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     return (out, lse) if return_lse else out
 
 
-_ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
-                    "block_table", "rotary_cos", "rotary_sin", "alibi_slopes")
-
-
 # Warm calls (_warm) on the GPU. On a GPU no check reads an array's values; on the CPU
 # they are read, so every call there is checked (NumPy arrays make no key).
 class _Warm:
     """A KV-cache call signature that passed the checks, bound to its launcher: what a
-    call needs to allocate its results and launch."""
-    __slots__ = ("launcher", "calls", "device", "arrays", "out_shape", "dtype", "lse_shape", "work")
+    call needs to allocate its results and launch. ``present``: where the given arrays
+    lie among the arguments; ``order`` picks the launch's pointers (DECODE_POINTERS) from
+    [0, the given arrays' pointers, out, lse, partial_o, partial_lse]."""
+    __slots__ = ("launcher", "calls", "device", "present", "order", "out_shape", "dtype", "lse_shape", "work")
 
     def __init__(self, launcher, calls, device: int, arrays: tuple, out_shape: tuple, dtype: str, lse_shape):
-        self.launcher, self.calls, self.device, self.arrays = launcher, calls, device, arrays
+        self.launcher, self.calls, self.device = launcher, calls, device
+        self.present = tuple(_ARRAY_ARGUMENTS.index(name) for name in arrays)
+        # (decode_pointers over stand-ins 1, 2, ...: each slot's source, kept in one place)
+        stand_ins = _kernels.decode_pointers({name: 1 + i for i, name in enumerate(arrays)},
+                                             *range(1 + len(arrays), 5 + len(arrays)))
+        self.order = operator.itemgetter(*stand_ins)
         self.out_shape, self.dtype, self.lse_shape = out_shape, calls.dtype(dtype), lse_shape
         self.work = _workspace(launcher)
 
@@ -123,9 +139,9 @@ def _decode_warm(warm: _Warm, given: tuple):
         work = calls.empty((warm.work[0],), float32, device)
         partial_o = pointer(work)
         partial_lse = partial_o + warm.work[1]
-    pointers = {name: pointer(x) for name, x in zip(_ARRAY_ARGUMENTS, given) if name in warm.arrays}
-    warm.launcher(calls.stream(device), *_kernels.decode_pointers(pointers, pointer(out), 0 if lse is None else
-                                                                  pointer(lse), partial_o, partial_lse))
+    pointers = [0, *[pointer(given[i]) for i in warm.present], pointer(out), 0 if lse is None else pointer(lse),
+                partial_o, partial_lse]
+    warm.launcher(calls.stream(device), *warm.order(pointers))
     return out if lse is None else (out, lse)
 
 

@@ -452,12 +452,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if isinstance(q, torch.Tensor) and q.is_cuda and not torch.compiler.is_compiling():
         # Eager, or captured into a CUDA graph: the call itself (no gradient flows, and
         # there is no graph to tell of the writes), without the op's dispatch.
-        return kvcache.attention_with_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-            cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved, causal=causal, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, num_splits=num_splits,
-            deterministic=deterministic, return_lse=return_lse)
+        return kvcache._attention_with_kvcache(
+            (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+             rotary_sin, alibi_slopes), rotary_interleaved, causal, window_size, softcap, softmax_scale, num_splits,
+            deterministic, return_lse)
     _options.check_bool("return_lse", return_lse)
     _options.check_bool("deterministic", deterministic)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):

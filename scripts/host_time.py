@@ -54,9 +54,9 @@ def kvcache_steps() -> None:
     calls, device = warm.calls, warm.device
     out = calls.empty(warm.out_shape, warm.dtype, device)
     work = calls.empty((warm.work[0],), calls.dtype("float32"), device) if warm.work else out
-    pointers = {name: calls.pointer(x) for name, x in zip(kvcache._ARRAY_ARGUMENTS, given) if name in warm.arrays}
-    launch_pointers = _kernels.decode_pointers(pointers, calls.pointer(out), 0, calls.pointer(work),
-                                               calls.pointer(work))
+    pointers = [0, *[calls.pointer(given[i]) for i in warm.present], calls.pointer(out), 0, calls.pointer(work),
+                calls.pointer(work)]
+    launch_pointers = warm.order(pointers)
     qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     rows = {
         "SDPA cuDNN": lambda: sdpa(qt, kt, vt, enable_gqa=True),
@@ -72,9 +72,8 @@ def kvcache_steps() -> None:
         "  empty out": lambda: calls.empty(warm.out_shape, warm.dtype, device),
         **({"  empty workspace": lambda: calls.empty((warm.work[0],), calls.dtype("float32"), device)}
            if warm.work else {}),
-        "  pointers": lambda: {name: calls.pointer(x) for name, x in zip(kvcache._ARRAY_ARGUMENTS, given)
-                               if name in warm.arrays},
-        "  decode_pointers": lambda: _kernels.decode_pointers(pointers, 1, 0, 2, 3),
+        "  pointers": lambda: [0, *[calls.pointer(given[i]) for i in warm.present], 1, 0, 2, 3],
+        "  their order": lambda: warm.order(pointers),
         "  stream": lambda: calls.stream(device),
         "  launcher": lambda: warm.launcher(calls.stream(device), *launch_pointers),
     }

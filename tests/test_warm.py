@@ -4,7 +4,7 @@ signature (and what does not) is checked everywhere."""
 import numpy as np
 import pytest
 
-from cuflash import _arrays, _warm, api
+from cuflash import _arrays, _kernels, _warm, api, kvcache
 
 
 class StandIn:
@@ -88,3 +88,21 @@ def test_a_table_stops_growing_at_its_limit(monkeypatch):
     for i in range(5):
         _warm.remember(table, key(scalars=replaced(1, 0.5 + i)), i)
     assert sorted(table.values()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("given", [("q", "k_cache", "v_cache"), ("q", "k_cache", "v_cache", "cache_seqlens"),
+                                   kvcache._ARRAY_ARGUMENTS])
+def test_a_warm_kv_cache_call_launches_the_pointers_in_decode_pointers_order(given):
+    """A warm KV-cache call picks its launch's pointers from the given arrays' (and out,
+    lse and the workspace's) in the order _kernels.decode_pointers states."""
+    class Launcher:
+        class plan:
+            workspace = ()
+
+    class Calls:
+        dtype = staticmethod(str)
+
+    warm = kvcache._Warm(Launcher, Calls, 0, given, (1, 1, 1, 8), "float16", None)
+    address = {name: 1000 + i for i, name in enumerate(kvcache._ARRAY_ARGUMENTS)}
+    pointers = [0, *[1000 + i for i in warm.present], 7, 8, 9, 10]
+    assert warm.order(pointers) == _kernels.decode_pointers({n: address[n] for n in given}, 7, 8, 9, 10)
