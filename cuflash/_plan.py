@@ -581,12 +581,11 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     and reads nothing before the split kernel has ended. (The split kernel launched so
     after the kernel before it gained nothing: H200, GQA 32/8 d 128 batch 1, 1,520 against
     1,549 GB/s at 4k keys, 2,590 against 2,706 at 16k, where the next call's clusters
-    started beside the last one's merge; docs/tuning.md.)
-    The launch is given DECODE_POINTERS: the merge's parts and lses are the
-    workspace, its out and out_lse the call's. With ``varlen``, the varlen call over a
-    paged cache: q and out packed (total_q, nheads, d), sequence b's keys the first
-    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (cu_seqlens_q and cu_seqlens_k
-    given at launch)."""
+    started beside the last one's merge; docs/tuning.md.) The launch is given
+    DECODE_POINTERS: the merge's parts and lses are the workspace, its out and out_lse the
+    call's. With ``varlen``, the varlen call over a paged cache: q and out packed
+    (total_q, nheads, d), sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+    rows of its pages (cu_seqlens_q and cu_seqlens_k given at launch)."""
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = q.shape
         query_rows = batch * seqlen_q
