@@ -21,7 +21,6 @@ times of each point from the kernel's first CTA start, in microseconds, so that 
 which step a variant's extra time sits in. Not part of the package.
 """
 import argparse
-import re
 import statistics
 
 import cupy

@@ -33,10 +33,33 @@ def per_call(fn, n=1000, rounds=5) -> float:
     return statistics.median(times)
 
 
+def report(title: str, rows: dict, backend, profiled: tuple) -> None:
+    """Each row's host time per call (SDPA on ``backend``), then with --profile cProfile of
+    the ``profiled`` rows."""
+    from torch.nn.attention import sdpa_kernel
+    with sdpa_kernel(backend):
+        results = {name: per_call(fn) for name, fn in rows.items()}
+    print(title)
+    for name, us in results.items():
+        print(f"{name:>34}: {us:6.1f} us")
+    if "--profile" in sys.argv:
+        import cProfile
+        import pstats
+        for name in profiled:
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(2000):
+                rows[name]()
+            profile.disable()
+            torch.cuda.synchronize()
+            print(f"--- {name}")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
 def kvcache_steps() -> None:
     """A warm KV-cache call at batch 1, 4k keys, GQA 32/8, d 128, bf16 (the bench's
     host-time cell), read only and with append + rotary, and the steps of the first."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     length, nheads, nheads_k, d = 4096, 32, 8, 128
     k_cache, v_cache = (torch.randn(1, length, nheads_k, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
@@ -77,30 +100,15 @@ def kvcache_steps() -> None:
         "  stream": lambda: calls.stream(device),
         "  launcher": lambda: warm.launcher(calls.stream(device), *launch_pointers),
     }
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        results = {name: per_call(fn) for name, fn in rows.items()}
-    print(f"host time per warm KV-cache call, batch 1, L {length}, GQA {nheads}/{nheads_k}, d {d}, bf16, "
-          f"{len(warm.launcher.plan.steps)} kernel(s), median of 5 x 1000 calls")
-    for name, us in results.items():
-        print(f"{name:>34}: {us:6.1f} us")
-    if "--profile" in sys.argv:
-        import cProfile
-        import pstats
-        for name in ("cuflash.torch, read only", "cuflash.torch, append + rotary"):
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(2000):
-                rows[name]()
-            profile.disable()
-            torch.cuda.synchronize()
-            print(f"--- {name}")
-            pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+    report(f"host time per warm KV-cache call, batch 1, L {length}, GQA {nheads}/{nheads_k}, d {d}, bf16, "
+           f"{len(warm.launcher.plan.steps)} kernel(s), median of 5 x 1000 calls", rows, SDPBackend.CUDNN_ATTENTION,
+           ("cuflash.torch, read only", "cuflash.torch, append + rotary"))
 
 
 def main() -> None:
     if "--kvcache" in sys.argv:
         return kvcache_steps()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     shape = (1, 128, 1, 64)
     q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -143,23 +151,8 @@ def main() -> None:
         "cuflash.torch fwd+bwd": lambda: torch.autograd.grad(cuflash.torch.attention(*leaves, causal=True),
                                                             leaves, dout),
     }
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        results = {name: per_call(fn) for name, fn in rows.items()}
-    print(f"host time per warm call, {shape} float16 causal, median of 5 x 1000 calls")
-    for name, us in results.items():
-        print(f"{name:>34}: {us:6.1f} us")
-    if "--profile" in sys.argv:
-        import cProfile
-        import pstats
-        for name in ("cuflash.torch.attention", "cuflash.torch fwd+bwd"):
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(2000):
-                rows[name]()
-            profile.disable()
-            torch.cuda.synchronize()
-            print(f"--- {name}")
-            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    report(f"host time per warm call, {shape} float16 causal, median of 5 x 1000 calls", rows,
+           SDPBackend.FLASH_ATTENTION, ("cuflash.torch.attention", "cuflash.torch fwd+bwd"))
 
 
 if __name__ == "__main__":
