@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The KV-cache path in one call on the H200: compile its kernels, run its GPU tests, the
-# decode and merge kernels under compute-sanitizer (memcheck, racecheck), then the decode
+# decode and merge kernels under compute-sanitizer (memcheck, racecheck, synccheck), then the decode
 # bench. Full logs go to $OUT; a short summary is printed last.
 #   usage: bash scripts/h200_decode.sh [tests|sanitize|bench|all ...] (default: all)
 set -uo pipefail
@@ -19,7 +19,7 @@ if want tests; then
   summary+=("tests: rc=$? $(grep -E 'passed|failed|error' "$OUT/tests.txt" | tail -1)")
 fi
 if want sanitize; then
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     compute-sanitizer --tool $tool python3 scripts/sanitize_decode.py > "$OUT/$tool.txt" 2>&1
     summary+=("$tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.txt" | tail -1)")
   done
