@@ -294,7 +294,7 @@ class Merge(NamedTuple):
 class Sm90Forward(NamedTuple):
     """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma) for head dims up to ``head_dim``
     (64, 128 or 256; a smaller one rides on the copy engine's zero columns): a producer
-    warpgroup and SM90_CONSUMERS consumer warpgroups of 64 query rows, key tiles and K/V
+    warpgroup and ``consumers`` consumer warpgroups of 64 query rows, key tiles and K/V
     stages (SM90_TILES); ``extras``: softcap, ALiBi or dropout may be on."""
     dtype: str
     head_dim: int
@@ -302,6 +302,7 @@ class Sm90Forward(NamedTuple):
     extras: bool
     block_n: int  # keys a tile
     stages: int  # K/V tiles in flight
+    consumers: int  # consumer warpgroups: 2 or 3
     source = "sm90/fwd.cu"
     arch = "sm_90a"
 
@@ -313,17 +314,17 @@ class Sm90Forward(NamedTuple):
 
     @property
     def block_m(self) -> int:
-        return 64 * SM90_CONSUMERS
+        return 64 * self.consumers
 
     @property
     def instance(self) -> str:
         return (f"cuflash::attention_forward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
-                f"{SM90_CONSUMERS}, {self.stages}, {'true' if self.local else 'false'}, "
+                f"{self.consumers}, {self.stages}, {'true' if self.local else 'false'}, "
                 f"{'true' if self.extras else 'false'}>")
 
     @property
     def threads(self) -> int:
-        return 128 * (SM90_CONSUMERS + 1)
+        return 128 * (self.consumers + 1)
 
     @property
     def shared_layout(self) -> str:
@@ -343,7 +344,6 @@ class Sm90Forward(NamedTuple):
         return (min(tiles, multiprocessors) if multiprocessors else tiles), 1, 1
 
 
-SM90_CONSUMERS = 2
 # A persistent grid (a CTA a multiprocessor) where every tile sees the same keys: the
 # producer loads the next tile's Q and keys while the consumers finish a tile and store it
 # (H200, d 128 bf16, 16k tokens: 1.00-1.05x a CTA per tile, most at 1k). Under a causal
@@ -351,16 +351,23 @@ SM90_CONSUMERS = 2
 # out as multiprocessors free up, stays ahead (a persistent grid taking the longest tiles of
 # every head first, in static shares, ran 0.91-0.99x it at 4k-16k).
 SM90_PERSISTENT = True
-# Head dim -> (keys a tile, K/V stages). Three stages at d 128 (225 KiB of shared memory
-# with Q): a consumer holds a tile's V until its next turn, so two stages left the copy
-# engine one tile ahead and its latency exposed (H200, bf16, 16k tokens: 2 -> 3 stages,
-# 16k 502 -> 651 TFLOP/s, 1k 390 -> 472). At d 256 FlashAttention-3's tile of 80 keys
-# keeps S, P and O in a consumer's 240 registers, and two stages fit beside Q (225 KiB):
-# 1.03-1.08x the 64-key tile at 1k-16k, causal or not (bf16, same run). The causal or
-# windowed variant with softcap, ALiBi or dropout spills 4 bytes with 80 keys and keeps
-# 64 (SM90_BANDED_EXTRAS_TILES).
-SM90_TILES = {64: (128, 3), 128: (128, 3), 256: (80, 2)}
-SM90_BANDED_EXTRAS_TILES = {256: (64, 2)}
+# Head dim -> (keys a tile, K/V stages, consumer warpgroups). Three stages at d 128 (225 KiB
+# of shared memory with Q): a consumer holds a tile's V until its next turn, so two stages
+# left the copy engine one tile ahead and its latency exposed (H200, bf16, 16k tokens:
+# 2 -> 3 stages, 16k 502 -> 651 TFLOP/s, 1k 390 -> 472). At d 256 FlashAttention-3's tile of
+# 80 keys keeps S, P and O in a consumer's 240 registers, and two stages fit beside Q
+# (225 KiB): 1.03-1.08x the 64-key tile at 1k-16k, causal or not (bf16, same run). The
+# causal or windowed variant with softcap, ALiBi or dropout spills 4 bytes with 80 keys and
+# keeps 64 (SM90_BANDED_EXTRAS_TILES). At d 64 a consumer's S, P and O fit in 160 registers,
+# so three consumers share the multiprocessor: FlashAttention-3's d64 tile of 192 query rows.
+# Each K/V tile loaded serves half as many rows again, and two consumers' products can run
+# through the third's softmax; with three stages of 128 keys it takes 121 KiB of shared
+# memory (H200, 16k tokens, bf16, two -> three consumers: not causal 1.12-1.28x at 2k-16k,
+# 434 -> 557 TFLOP/s at 16k; causal 1.06-1.16x, but 0.93x at 1k, where 192-row tiles leave
+# fewer of them to share the multiprocessors; fp16 alike). (At d 128 S, P and O of 128 keys spill out of
+# 160 registers.)
+SM90_TILES = {64: (128, 3, 3), 128: (128, 3, 2), 256: (80, 2, 2)}
+SM90_BANDED_EXTRAS_TILES = {256: (64, 2, 2)}
 SM90_HEAD_DIMS = tuple(SM90_TILES)
 
 

@@ -4,7 +4,7 @@ tensors: TFLOP/s, CUDA events, median of rounds taken in turns after a warm-up
 (bench's timing rules).
 
     PYTHONPATH=. python scripts/sm90_bench.py [--dtype float16] [--batch-tokens 16384] [--head-dim 128]
-                                              [--tile 80,2] [--blocks]
+                                              [--tile 80,2[,2]] [--blocks]
 """
 import argparse
 
@@ -17,14 +17,14 @@ from cuflash import _arrays, _kernels, _options, _plan, bench
 
 def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=True):
     """The forward of q, k, v into out on one path, planned once (on the sm_90a kernel with
-    ``tile``, (keys, stages), instead of the planner's; a CTA per tile unless
-    ``persistent``): a zero-argument call."""
+    ``tile``, (keys, stages[, consumers]), instead of the planner's, its consumers where
+    left out; a CTA per tile unless ``persistent``): a zero-argument call."""
     infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))]
     options = _options.make_options(infos[0], infos[1], causal, None, (-1, -1), 0.0, None, 0.0, None, 0,
                                     backward=False)
     entry = next(d for d in _plan.SM90_HEAD_DIMS if d >= q.shape[-1])
     planned = _plan.SM90_TILES[entry]
-    _plan.SM90_TILES[entry] = tile or planned
+    _plan.SM90_TILES[entry] = (*tile, *planned[len(tile):]) if tile else planned
     try:
         plan = _plan.forward(*infos, options, None, _kernels.shared_limit(q.device.index), sm90a,
                              _kernels.multiprocessors(q.device.index) if persistent else 0)
@@ -41,8 +41,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--batch-tokens", type=int, default=16384, help="batch x seqlen of every cell")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--tile", help="KEYS,STAGES: also time the sm_90a kernel with this tile (column 'tile'), "
-                                       "and print how far its output is from the planner's tile's")
+    parser.add_argument("--tile", help="KEYS,STAGES[,CONSUMERS]: also time the sm_90a kernel with this tile "
+                                       "(column 'tile'; e.g. 128,3,2 at d 64: two consumers beside the planner's "
+                                       "three), and print how far its output is from the planner's tile's")
     parser.add_argument("--blocks", action="store_true",
                         help="also time the sm_90a kernel on a grid of a CTA per tile (column 'blocks')")
     args = parser.parse_args()
@@ -53,7 +54,7 @@ def main() -> None:
     heads = 2048 // d
     columns = ("sm90", *(("tile",) if tile else ()), *(("blocks",) if args.blocks else ()), "mma.sync",
                "sdpa-cudnn", "sdpa-flash")
-    print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90 (keys a tile, stages): "
+    print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90 (keys a tile, stages, consumers): "
           f"{_plan.SM90_TILES[kernel_dim]}; tile: {tile}")
     print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}"
           + (f" {'tile err':>10}" if tile else ""))  # max |out - sm90's out|

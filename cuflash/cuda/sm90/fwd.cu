@@ -188,17 +188,20 @@ __device__ __forceinline__ void issue_values(const Sm90Shared<kHeadDim, kBlockM,
   sm90::wgmma_commit();
 }
 
-// The two consumers take turns at the tensor cores (HOPPER.md's ping-pong): a consumer
-// issues its products between wait_turn and pass_turn, so that one's softmax runs while
-// the other's products do. Named barriers 1 and 2, each counting the 128 threads that wait
-// and the 128 of the other consumer that arrive.
+// The consumers take turns at the tensor cores (HOPPER.md's ping-pong), in a ring: a
+// consumer issues its products between wait_turn and pass_turn, so that one's softmax runs
+// while the others' products do. Consumer c waits on named barrier 1 + c and passes to
+// consumer c + 1 (the last to consumer 0); each barrier counts the 128 threads that wait
+// and the 128 of the consumer before it that arrive.
+template <int kConsumers>
 struct TurnTaking {
   int consumer;
+  __device__ __forceinline__ bool last() const { return consumer == kConsumers - 1; }
   __device__ __forceinline__ void wait_turn() const {
     asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
   }
   __device__ __forceinline__ void pass_turn() const {
-    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (consumer + 1) % kConsumers) : "memory");
   }
 };
 
@@ -227,18 +230,19 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
   }
 }
 
-// Warpgroup 0 produces, warpgroups 1 and 2 compute. The producer keeps 24 registers a
-// thread and gives the rest to the consumers (setmaxnreg; 128 x 24 + 256 x 240 fits the
-// 65,536 of a multiprocessor). A stage is "landed" when its bytes have arrived and
-// "released" when every consumer thread is done with it; the producer waits for the
-// release before it refills the stage (a fresh barrier counts as released: its waits
-// start on the other parity). The ring's stages and their phases count key tiles across
-// the CTA's tiles (`loaded`, `used`); Q is landed and released once a tile.
+// Warpgroup 0 produces, warpgroups 1 .. kConsumers compute. The producer keeps 24 registers
+// a thread and gives the rest to the consumers (setmaxnreg, in multiples of 8: 128 x 24 +
+// 256 x 240, or with three consumers 128 x 24 + 384 x 160, fits the 65,536 of a
+// multiprocessor). A stage is "landed" when its bytes have arrived and "released" when
+// every consumer thread is done with it; the producer waits for the release before it
+// refills the stage (a fresh barrier counts as released: its waits start on the other
+// parity). The ring's stages and their phases count key tiles across the CTA's tiles
+// (`loaded`, `used`); Q is landed and released once a tile.
 //
 // A consumer's turn j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then turns
 // S_j into P_j while the second product runs (HOPPER.md's intra-warpgroup overlap): O is
 // scaled by the softmax's factors only once that product has landed.
-// @tparam kConsumers  warpgroups, 64 query rows each
+// @tparam kConsumers  warpgroups, 64 query rows each: 2 or 3
 // @tparam kStages     K/V tiles in flight
 // @tparam kLocal      causal or sliding window
 // @tparam kExtras     softcap, ALiBi or dropout may be on
@@ -248,8 +252,9 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
                     (kBlockN == 64 || kBlockN == 80 || kBlockN == 128),
                 "the products: m64n64, m64n80 and m64n128 (two for a head dim of 256)");
-  static_assert(kConsumers == 2, "turn taking between two consumers");
+  static_assert(kConsumers == 2 || kConsumers == 3, "turn taking among two or three consumers");
   constexpr int kBlockM = 64 * kConsumers;
+  constexpr int kProducerRegisters = 24, kConsumerRegisters = kConsumers == 2 ? 240 : 160;
   using Block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   const auto shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>::of(dynamic_shared);
@@ -273,7 +278,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   __syncthreads();
 
   if (group == 0) {  // the producer
-    sm90::set_max_registers<24, false>();
+    sm90::set_max_registers<kProducerRegisters, false>();
     if (threadIdx.x == 0) {
       int loaded = 0, round = 0;  // key tiles and tiles so far
       for (int t = blockIdx.x; t < schedule.count; t += gridDim.x) {
@@ -289,9 +294,9 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
       }
     }
   } else {  // a consumer
-    sm90::set_max_registers<240, true>();
+    sm90::set_max_registers<kConsumerRegisters, true>();
     const int consumer = group - 1, warp_row0 = 64 * consumer + 16 * (warp % 4);
-    const TurnTaking turns{consumer};
+    const TurnTaking<kConsumers> turns{consumer};
     float acc_o[1][kHeadDim / 8][4];
     float acc_s[1][kBlockN / 8][4];
     unsigned p_frag[kBlockN / 16][4];
@@ -331,11 +336,17 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         if (kExtras && block.dropping) block.dropout.apply(acc_s, row0, n0, lane);
         pack_p<T>(acc_s, p_frag);
       };
-      // Turns 0 .. tiles, consumer 0 first; consumer 1 passes no turn after its last, so
-      // that every wait_turn is matched by one pass_turn within the tile. (The products
-      // stay out of branches: ptxas serialises wgmma in a path it cannot prove warp-uniform.)
+      // Turns 0 .. tiles of every consumer, round the ring from consumer 0: the last
+      // consumer passes first and skips its final pass, so that every wait_turn is matched
+      // by one pass_turn within the tile. Each consumer waits tiles + 1 times (the tile's
+      // key tiles, the same for all); consumer c > 0 is passed to by consumer c - 1 after
+      // each of its tiles + 1 turns, consumer 0 by the last once before its turn 0 and
+      // after its turns 0 .. tiles - 1: tiles + 1 as well. No barrier is arrived at twice
+      // before its wait: a consumer's next pass follows its next turn, which the ring
+      // reaches only through the turn it passed. (The products stay out of branches: ptxas
+      // serialises wgmma in a path it cannot prove warp-uniform.)
       if (tiles > 0) {
-        if (consumer == 1) turns.pass_turn();
+        if (turns.last()) turns.pass_turn();
         shared.landed(stage_of(0)).wait(phase_of(0));
         turns.wait_turn();
         issue_scores<T>(shared, stage_of(0), consumer, acc_s);
@@ -351,7 +362,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         }
         turns.wait_turn();
         issue_values<T>(shared, stage_of(tiles - 1), p_frag, acc_o);
-        if (consumer == 0) turns.pass_turn();
+        if (!turns.last()) turns.pass_turn();
         sm90::wgmma_wait<0>();
         sm90::fence_operands(acc_o);
         shared.released(stage_of(tiles - 1)).arrive();
