@@ -1,0 +1,43 @@
+"""Forward calls on the sm_90a kernel small enough for compute-sanitizer, on a compute
+capability 9.0 GPU:
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_sm90.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_sm90.py
+    compute-sanitizer --tool synccheck python scripts/sanitize_sm90.py
+
+Every head dim's tile (d 64: three consumers; 128, 256: two), not causal on the persistent
+grid with more tiles than multiprocessors (so CTAs take several tiles and the producer loads
+the next tile's Q under the last one's output), causal, a sliding window with softcap (the
+extras variant), GQA, ragged lengths (sq != sk, tails of a tile). Each call's output and LSE
+are checked against the float64 reference.
+"""
+import cupy
+import numpy as np
+
+import cuflash
+from cuflash.reference import attention_reference
+
+
+def call(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, d: int, **kw) -> None:
+    rng = np.random.default_rng(batch * seqlen_q + seqlen_k + d)
+    q = rng.standard_normal((batch, seqlen_q, nheads, d)).astype(np.float16)
+    k, v = (rng.standard_normal((batch, seqlen_k, nheads_k, d)).astype(np.float16) for _ in "kv")
+    want, want_lse = attention_reference(q, k, v, **kw)
+    out, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), return_lse=True, **kw)
+    err = float(np.abs(cupy.asnumpy(out).astype(np.float64) - want).max())
+    lse_err = float(np.abs(np.where(np.isinf(want_lse), 0, cupy.asnumpy(lse) - want_lse)).max())
+    assert err < 2e-2 and lse_err < 1e-3, (d, kw, err, lse_err)
+    print(f"d {d:3} {batch}x{seqlen_q}x{seqlen_k} heads {nheads}/{nheads_k} {kw}: max error {err:.1e}, lse {lse_err:.1e}")
+
+
+def main() -> None:
+    major, _ = cupy.cuda.Device().compute_capability
+    assert int(major) == 9, "needs a compute capability 9.0 GPU"
+    for d in (64, 128, 256):
+        call(4, 1000, 1000, 8, 2, d)  # 24-32 tiles a head group: more tiles than multiprocessors
+        call(2, 333, 517, 4, 4, d, causal=True)
+        call(1, 300, 300, 4, 1, d, window_size=(70, 20), softcap=30.0)
+
+
+if __name__ == "__main__":
+    main()
