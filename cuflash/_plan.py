@@ -333,9 +333,10 @@ class Sm90Forward(NamedTuple):
     @property
     def shared_bytes(self) -> int:
         """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers (a landed and a
-        released one for Q and for each stage) and 1024 bytes of alignment."""
-        return (2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + (2 * self.stages + 2) * 8
-                + 1024)
+        released one for Q and for each stage, or with two stages for each stage's K and V:
+        kApart) and 1024 bytes of alignment."""
+        stage_barriers = (2 if self.stages == 2 else 1) * self.stages
+        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + (2 + 2 * stage_barriers) * 8 + 1024
 
     def grid(self, rows: int, heads: int, batch: int, multiprocessors: int = 0) -> tuple[int, int, int]:
         """A CTA per tile, or at most one per multiprocessor (one fits: its registers), each

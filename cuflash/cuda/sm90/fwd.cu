@@ -32,8 +32,13 @@
 namespace cuflash {
 
 // Shared memory, byte offsets from a 1024-byte aligned start (the swizzle's atoms): Q,
-// kStages K tiles, kStages V tiles, then the barriers: Q's two ("landed", "released"),
-// kStages "landed", kStages "released". A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes, one after the
+// kStages K tiles, kStages V tiles, then the barriers: Q's two ("landed", "released"), then
+// each stage's "landed" and each stage's "released". With two stages (kApart) K and V have
+// barriers of their own (K's landed, V's landed, K's released, V's released): a stage's K
+// is done with at its S, its V only at the next turn's P V, and the copy engine refills
+// each as soon as it may. With three, a stage's K and V share one pair: the third stage
+// keeps the copy engine ahead already, and releasing them apart showed no gain at d 64
+// and 128 (H200). A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes, one after the
 // other. Dynamic shared memory is promised less alignment: the launch asks for 1024 bytes
 // more (_sm90.shared_bytes).
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
@@ -43,7 +48,10 @@ struct Sm90Shared {
   static constexpr int kKvTile = kBlockN * kHeadDim * 2;
   static constexpr int kQ = 0, kK = kQ + kBlockM * kHeadDim * 2, kV = kK + kStages * kKvTile;
   static constexpr int kBarriers = kV + kStages * kKvTile;
-  static constexpr int kBytes = kBarriers + (2 * kStages + 2) * 8 + 1024;
+  static constexpr bool kApart = kStages == 2;
+  static constexpr int kStageBarriers = (kApart ? 2 : 1) * kStages;  // "landed" ones, as many "released"
+  static constexpr int kBytes = kBarriers + (2 + 2 * kStageBarriers) * 8 + 1024;
+  enum Operand { kKeys, kValues, kBoth };  // (kBoth: a stage's K and V under one pair)
 
   unsigned char* base;
 
@@ -53,21 +61,29 @@ struct Sm90Shared {
   __device__ __forceinline__ unsigned char* q() const { return base + kQ; }
   __device__ __forceinline__ unsigned char* k(int stage) const { return base + kK + stage * kKvTile; }
   __device__ __forceinline__ unsigned char* v(int stage) const { return base + kV + stage * kKvTile; }
-  __device__ __forceinline__ sm90::Barrier q_landed() const {
-    return {reinterpret_cast<unsigned long long*>(base + kBarriers)};
+  __device__ __forceinline__ sm90::Barrier barrier(int index) const {
+    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
   }
-  __device__ __forceinline__ sm90::Barrier q_released() const {
-    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + 1};
+  __device__ __forceinline__ sm90::Barrier q_landed() const { return barrier(0); }
+  __device__ __forceinline__ sm90::Barrier q_released() const { return barrier(1); }
+  // The barriers of a stage's K, V or both: V's own only where kApart.
+  __device__ __forceinline__ sm90::Barrier landed(Operand x, int stage) const {
+    return barrier(2 + (kApart && x == kValues ? kStages : 0) + stage);
   }
-  __device__ __forceinline__ sm90::Barrier landed(int stage) const {
-    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + 2 + stage};
+  __device__ __forceinline__ sm90::Barrier released(Operand x, int stage) const {
+    return barrier(2 + kStageBarriers + (kApart && x == kValues ? kStages : 0) + stage);
   }
-  __device__ __forceinline__ sm90::Barrier released(int stage) const {
-    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + 2 + kStages + stage};
+  // Every barrier lands once (the one thread that loads) and is released by every consumer
+  // thread.
+  __device__ __forceinline__ void init_barriers(int consumer_threads) const {
+    q_landed().init(1), q_released().init(consumer_threads);
+    for (int i = 0; i < kStageBarriers; ++i)
+      barrier(2 + i).init(1), barrier(2 + kStageBarriers + i).init(consumer_threads);
+    sm90::Barrier::fence_init();
   }
 
-  // The loads, each by one thread: Q's rows from `row`, and key tile n's K and V (rows
-  // from `row`) into a stage. (A packed sequence's box may reach into the next one's
+  // The loads, each by one thread: Q's rows from `row`, and key tile n's K, V or both
+  // (rows from `row`) into a stage. (A packed sequence's box may reach into the next one's
   // rows: they are masked, and never written.)
   __device__ __forceinline__ void load_q(const Sm90Params& args, int row, int head, int batch) const {
     q_landed().arrive_expecting(kBlockM * kHeadDim * 2);
@@ -75,12 +91,14 @@ struct Sm90Shared {
     for (int c = 0; c < kColumnBlocks; ++c)
       sm90::tma_load(q() + c * kQBlock, args.q, q_landed(), 64 * c, row, head, batch);
   }
-  __device__ __forceinline__ void load_kv(const Sm90Params& args, int row, int stage, int kv_head, int batch) const {
-    landed(stage).arrive_expecting(2 * kKvTile);
+  __device__ __forceinline__ void load(Operand x, const Sm90Params& args, int row, int stage, int kv_head,
+                                       int batch) const {
+    const sm90::Barrier landing = landed(x, stage);
+    landing.arrive_expecting((x == kBoth ? 2 : 1) * kKvTile);
 #pragma unroll
     for (int c = 0; c < kColumnBlocks; ++c) {
-      sm90::tma_load(k(stage) + c * kKvBlock, args.k, landed(stage), 64 * c, row, kv_head, batch);
-      sm90::tma_load(v(stage) + c * kKvBlock, args.v, landed(stage), 64 * c, row, kv_head, batch);
+      if (x != kValues) sm90::tma_load(k(stage) + c * kKvBlock, args.k, landing, 64 * c, row, kv_head, batch);
+      if (x != kKeys) sm90::tma_load(v(stage) + c * kKvBlock, args.v, landing, 64 * c, row, kv_head, batch);
     }
   }
 };
@@ -233,15 +251,19 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
 // Warpgroup 0 produces, warpgroups 1 .. kConsumers compute. The producer keeps 24 registers
 // a thread and gives the rest to the consumers (setmaxnreg, in multiples of 8: 128 x 24 +
 // 256 x 240, or with three consumers 128 x 24 + 384 x 160, fits the 65,536 of a
-// multiprocessor). A stage is "landed" when its bytes have arrived and "released" when
-// every consumer thread is done with it; the producer waits for the release before it
-// refills the stage (a fresh barrier counts as released: its waits start on the other
-// parity). The ring's stages and their phases count key tiles across the CTA's tiles
+// multiprocessor). A stage's K (and its V) is "landed" when its bytes have arrived and
+// "released" when every consumer thread is done with it; the producer waits for the
+// release before it refills it (a fresh barrier counts as released: its waits start on the
+// other parity). The ring's stages and their phases count key tiles across the CTA's tiles
 // (`loaded`, `used`); Q is landed and released once a tile.
 //
 // A consumer's turn j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then turns
 // S_j into P_j while the second product runs (HOPPER.md's intra-warpgroup overlap): O is
-// scaled by the softmax's factors only once that product has landed.
+// scaled by the softmax's factors only once that product has landed. With two stages
+// (d 256: all that fits beside Q) the producer loads K_j before V_{j-1}, FlashAttention-3's
+// order, and K_j is released at S_j, a turn before V_j: with K and V released together the
+// copy engine could refill neither before P_j V_j, and ran behind the consumers (H200,
+// bf16, d 256: 1.37-1.61x from 2k not causal, 1.19-1.36x causal).
 // @tparam kConsumers  warpgroups, 64 query rows each: 2 or 3
 // @tparam kStages     K/V tiles in flight
 // @tparam kLocal      causal or sliding window
@@ -257,7 +279,8 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   constexpr int kProducerRegisters = 24, kConsumerRegisters = kConsumers == 2 ? 240 : 160;
   using Block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
-  const auto shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>::of(dynamic_shared);
+  using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
+  const auto shared = Shared::of(dynamic_shared);
   const Params& p = args.p;
   const auto schedule = Sm90Tiles<kBlockM>::of(args);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
@@ -270,11 +293,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     return block.m0 < block.seq.seqlen_q;
   };
 
-  if (threadIdx.x == 0) {
-    shared.q_landed().init(1), shared.q_released().init(kConsumers * 128);
-    for (int s = 0; s < kStages; ++s) shared.landed(s).init(1), shared.released(s).init(kConsumers * 128);
-    sm90::Barrier::fence_init();
-  }
+  if (threadIdx.x == 0) shared.init_barriers(kConsumers * 128);
   __syncthreads();
 
   if (group == 0) {  // the producer
@@ -286,11 +305,21 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         if (!tile(t, block)) continue;
         shared.q_released().wait((round++ & 1) ^ 1);
         shared.load_q(args, block.q_row(), block.head, block.tma_batch);
+        // Key tile n (key tiles go from n_end - 1 down) into stage `loaded`: its K and V,
+        // or, kApart, its K then the tile before it's V (the last V after the loop).
+        auto load = [&](typename Shared::Operand x, int n, int i) {
+          shared.released(x, i % kStages).wait(((i / kStages) & 1) ^ 1);
+          shared.load(x, args, block.k_row(n), i % kStages, block.kv_head, block.tma_batch);
+        };
         for (int n = block.n_end - 1; n >= block.n_begin; --n, ++loaded) {
-          const int stage = loaded % kStages;
-          shared.released(stage).wait(((loaded / kStages) & 1) ^ 1);
-          shared.load_kv(args, block.k_row(n), stage, block.kv_head, block.tma_batch);
+          if constexpr (Shared::kApart) {
+            load(Shared::kKeys, n, loaded);
+            if (n < block.n_end - 1) load(Shared::kValues, n + 1, loaded - 1);
+          } else {
+            load(Shared::kBoth, n, loaded);
+          }
         }
+        if (Shared::kApart && block.n_end > block.n_begin) load(Shared::kValues, block.n_begin, loaded - 1);
       }
     }
   } else {  // a consumer
@@ -323,6 +352,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         const int n0 = (block.n_end - 1 - j) * kBlockN;
         if (values_in_flight) sm90::wgmma_wait<1>(); else sm90::wgmma_wait<0>();
         sm90::fence_operands(acc_s);
+        if constexpr (Shared::kApart) shared.released(Shared::kKeys, stage_of(j)).arrive();
         if (j == tiles - 1) shared.q_released().arrive();
         if constexpr (kExtras) block.mod.apply(acc_s, row0, n0, lane);
         if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
@@ -330,7 +360,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         if (values_in_flight) {
           sm90::wgmma_wait<0>();
           sm90::fence_operands(acc_o);
-          shared.released(stage_of(j - 1)).arrive();
+          shared.released(Shared::kValues, stage_of(j - 1)).arrive();
         }
         if (moves) softmax.scale_output(acc_o, alpha);
         if (kExtras && block.dropping) block.dropout.apply(acc_s, row0, n0, lane);
@@ -347,25 +377,27 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
       // serialises wgmma in a path it cannot prove warp-uniform.)
       if (tiles > 0) {
         if (turns.last()) turns.pass_turn();
-        shared.landed(stage_of(0)).wait(phase_of(0));
+        shared.landed(Shared::kKeys, stage_of(0)).wait(phase_of(0));
         turns.wait_turn();
         issue_scores<T>(shared, stage_of(0), consumer, acc_s);
         turns.pass_turn();
         softmax_step(0, false);
         for (int j = 1; j < tiles; ++j) {
-          shared.landed(stage_of(j)).wait(phase_of(j));
+          shared.landed(Shared::kKeys, stage_of(j)).wait(phase_of(j));
+          if constexpr (Shared::kApart) shared.landed(Shared::kValues, stage_of(j - 1)).wait(phase_of(j - 1));
           turns.wait_turn();
           issue_scores<T>(shared, stage_of(j), consumer, acc_s);
           issue_values<T>(shared, stage_of(j - 1), p_frag, acc_o);
           turns.pass_turn();
           softmax_step(j, true);
         }
+        if constexpr (Shared::kApart) shared.landed(Shared::kValues, stage_of(tiles - 1)).wait(phase_of(tiles - 1));
         turns.wait_turn();
         issue_values<T>(shared, stage_of(tiles - 1), p_frag, acc_o);
         if (!turns.last()) turns.pass_turn();
         sm90::wgmma_wait<0>();
         sm90::fence_operands(acc_o);
-        shared.released(stage_of(tiles - 1)).arrive();
+        shared.released(Shared::kValues, stage_of(tiles - 1)).arrive();
       } else {
         shared.q_released().arrive();  // (rows that see no key: O = 0, LSE = +inf)
       }
