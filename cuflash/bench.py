@@ -34,15 +34,17 @@ def _gpu_name() -> str | None:
 
 def _median_ms_each(fns: dict, torch) -> dict:
     """name -> median ms of each zero-argument callable, the callables taking turns and
-    the order rotating each round, so that drifting clocks, and whatever the previous
-    call leaves behind (a cuDNN call's power draw), weigh on every one alike."""
+    the order rotating each round, and running backwards every other round, so that
+    drifting clocks, and whatever the previous call leaves behind (a cuDNN call's power
+    draw), weigh on every one alike: each follows a different one in turn."""
     for _ in range(WARMUP):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
     order = list(fns.items())
     for i in range(REPEATS):
-        for name, fn in order[i % len(order):] + order[:i % len(order)]:
+        turn = order[i % len(order):] + order[:i % len(order)]
+        for name, fn in (turn[::-1] if i % 2 else turn):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()

@@ -36,8 +36,9 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_timed_implementations_take_turns():
-    """Each repeat times every implementation once, in turn and in a rotating order, so
-    a drifting clock weighs on all alike; each gets its own median."""
+    """Each repeat times every implementation once, in turn, in an order that rotates and
+    runs backwards every other round, so a drifting clock and the call before weigh on all
+    alike; each gets its own median."""
     clock, calls = [0.0], []
 
     class Event:
@@ -65,7 +66,12 @@ def test_timed_implementations_take_turns():
     assert medians == {"a": 1.0, "b": 3.0, "c": 2.0}
     timed = calls[3 * bench.WARMUP:]
     assert len(timed) == 3 * bench.REPEATS
-    assert timed[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    # Rotated each round, backwards every other round.
+    assert timed[:9] == ["a", "b", "c", "a", "c", "b", "c", "a", "b"]
+    # Within a round, each callable comes right after more than one other over the rounds.
+    after = {name: {rnd[i - 1] for rnd in zip(*[iter(timed)] * 3) for i in range(1, 3) if rnd[i] == name}
+             for name in "abc"}
+    assert all(len(before) == 2 for before in after.values()), after
 
 
 def test_decode_pages_hold_the_contiguous_cache():
