@@ -4,10 +4,11 @@ Grid (FlashAttention's): hidden 2048 (nheads = 2048 / d), batch * seqlen = 16k,
 seqlen 512..16k, d 64, 128 and 256, causal off and on, bf16 (--dtype float16 for
 fp16). Forward FLOPs = 4 b h sq sk d, halved when causal; forward + backward = 3.5 x
 forward (the backward does 2.5x the forward's matmul work). Each figure is the median
-of ``REPEATS`` CUDA-event timings after ``WARMUP`` calls, all implementations in the
-same run on the same inputs, taking turns call by call in an order that rotates (timed
-one after another, the first measured ran up to 8% faster at some d 256 rows: clock
-state). --plot draws the table (docs/performance.png).
+of at least ``REPEATS`` CUDA-event timings after ``WARMUP`` calls, all implementations
+in the same run on the same inputs, taking turns call by call in orders where each runs
+right after every other equally often (timed one after another, the first measured ran
+up to 8% faster at some d 256 rows; with one order rotated, the copy that always followed
+cuDNN ran up to 8% slower at 512: clock and power state). --plot draws the table (docs/performance.png).
 """
 from __future__ import annotations
 
@@ -32,19 +33,32 @@ def _gpu_name() -> str | None:
         return None
 
 
+def _balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n callables, one a round, in which every callable comes right after every
+    other equally often (a Williams design: 0, 1, n-1, 2, n-2, ... shifted by the round,
+    with the reversed rows too where n is odd). Rotating one order is not enough: each
+    callable would always follow the same one."""
+    base = [0]
+    for i in range(1, n):
+        base.append((i + 1) // 2 if i % 2 else n - i // 2)
+    rows = [[(x + r) % n for x in base] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 def _median_ms_each(fns: dict, torch) -> dict:
-    """name -> median ms of each zero-argument callable, the callables taking turns and
-    the order rotating each round, and running backwards every other round, so that
-    drifting clocks, and whatever the previous call leaves behind (a cuDNN call's power
-    draw), weigh on every one alike: each follows a different one in turn."""
+    """name -> median ms of each zero-argument callable, the callables taking turns in
+    orders that balance which one runs right before each (at least REPEATS rounds, a whole
+    number of the design's orders), so that drifting clocks, and whatever the previous call
+    leaves behind (a cuDNN call's power draw), weigh on every one alike."""
     for _ in range(WARMUP):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    order = list(fns.items())
-    for i in range(REPEATS):
-        turn = order[i % len(order):] + order[:i % len(order)]
-        for name, fn in (turn[::-1] if i % 2 else turn):
+    items = list(fns.items())
+    orders = _balanced_orders(len(items))
+    rounds = -(-REPEATS // len(orders)) * len(orders)
+    for i in range(rounds):
+        for name, fn in (items[j] for j in orders[i % len(orders)]):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -130,7 +144,7 @@ def main(args) -> int:
     names = [n for n in ("cuflash", "baseline", "sdpa-flash", "sdpa-cudnn") if any(n in r for r in rows)]
     peers = names[1:]
     print(f"TFLOP/s, {args.dtype}, hidden {HIDDEN}, batch*seqlen {TOKENS}, {gpu}, "
-          f"torch {torch.__version__}; median of {REPEATS} after {WARMUP} warm-up")
+          f"torch {torch.__version__}; median of {REPEATS}+ after {WARMUP} warm-up")
     print(f"{'pass':>7} {'d':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>11}" for n in names) + "  "
           + " ".join(f"{'cuflash/' + n.removeprefix('sdpa-'):>16}" for n in peers))
     for r in rows:

@@ -1,6 +1,8 @@
 """The bench's table round-trips through its CSV and draws; its timings take turns (no GPU
 needed)."""
+import collections
 import csv
+import itertools
 import types
 
 import pytest
@@ -36,8 +38,8 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_timed_implementations_take_turns():
-    """Each repeat times every implementation once, in turn, in an order that rotates and
-    runs backwards every other round, so a drifting clock and the call before weigh on all
+    """Each round times every implementation once, in turn, in orders that balance which
+    one runs right before each, so a drifting clock and the call before weigh on all
     alike; each gets its own median."""
     clock, calls = [0.0], []
 
@@ -65,13 +67,19 @@ def test_timed_implementations_take_turns():
     medians = bench._median_ms_each({"a": call("a", 1.0), "b": call("b", 3.0), "c": call("c", 2.0)}, fake_torch)
     assert medians == {"a": 1.0, "b": 3.0, "c": 2.0}
     timed = calls[3 * bench.WARMUP:]
-    assert len(timed) == 3 * bench.REPEATS
-    # Rotated each round, backwards every other round.
-    assert timed[:9] == ["a", "b", "c", "a", "c", "b", "c", "a", "b"]
-    # Within a round, each callable comes right after more than one other over the rounds.
-    after = {name: {rnd[i - 1] for rnd in zip(*[iter(timed)] * 3) for i in range(1, 3) if rnd[i] == name}
-             for name in "abc"}
-    assert all(len(before) == 2 for before in after.values()), after
+    assert len(timed) == 3 * -(-bench.REPEATS // 6) * 6  # whole sets of three callables' six orders
+    # Within a round, each callable comes right after each other one equally often.
+    rounds = [timed[i:i + 3] for i in range(0, len(timed), 3)]
+    after = collections.Counter((r[i - 1], r[i]) for r in rounds for i in (1, 2))
+    assert sorted(after) == sorted(itertools.permutations("abc", 2)) and len(set(after.values())) == 1, after
+
+
+def test_balanced_orders_put_each_callable_after_every_other_equally_often():
+    for n in range(1, 8):
+        orders = bench._balanced_orders(n)
+        assert all(sorted(order) == list(range(n)) for order in orders)
+        after = collections.Counter((o[i - 1], o[i]) for o in orders for i in range(1, n))
+        assert sorted(after) == sorted(itertools.permutations(range(n), 2)) and len(set(after.values())) <= 1
 
 
 def test_decode_pages_hold_the_contiguous_cache():
