@@ -352,22 +352,27 @@ class Sm90Forward(NamedTuple):
 # out as multiprocessors free up, stays ahead (a persistent grid taking the longest tiles of
 # every head first, in static shares, ran 0.91-0.99x it at 4k-16k).
 SM90_PERSISTENT = True
-# Head dim -> (keys a tile, K/V stages, consumer warpgroups). Three stages at d 128 (225 KiB
-# of shared memory with Q): a consumer holds a tile's V until its next turn, so two stages
-# left the copy engine one tile ahead and its latency exposed (H200, bf16, 16k tokens:
-# 2 -> 3 stages, 16k 502 -> 651 TFLOP/s, 1k 390 -> 472). At d 256 FlashAttention-3's tile of
-# 80 keys keeps S, P and O in a consumer's 240 registers, and two stages fit beside Q
-# (225 KiB): 1.03-1.08x the 64-key tile at 1k-16k, causal or not (bf16, same run). The
-# causal or windowed variant with softcap, ALiBi or dropout spills 4 bytes with 80 keys and
-# keeps 64 (SM90_BANDED_EXTRAS_TILES). At d 64 a consumer's S, P and O fit in 160 registers,
-# so three consumers share the multiprocessor: FlashAttention-3's d64 tile of 192 query rows.
-# Each K/V tile loaded serves half as many rows again, and two consumers' products can run
-# through the third's softmax; with three stages of 128 keys it takes 121 KiB of shared
-# memory (H200, 16k tokens, bf16, two -> three consumers: not causal 1.12-1.28x at 2k-16k,
-# 434 -> 557 TFLOP/s at 16k; causal 1.06-1.16x, but 0.93x at 1k, where 192-row tiles leave
-# fewer of them to share the multiprocessors; fp16 alike). (At d 128 S, P and O of 128 keys spill out of
-# 160 registers.)
-SM90_TILES = {64: (128, 3, 3), 128: (128, 3, 2), 256: (80, 2, 2)}
+# Head dim -> (keys a tile, K/V stages, consumer warpgroups). At d 128 FlashAttention-3's
+# tile of 176 keys (m64n176 products: S, P and O in a consumer's 240 registers) in two
+# stages, 209 KiB of shared memory with Q. A consumer holds a tile's V until its next
+# turn; with two stages the copy engine keeps up only because each stage's K and V are
+# released apart (Sm90Shared::kApart): before that split, two stages of 128 keys ran 502
+# against 651 TFLOP/s for three at 16k, and 176 keys 0.81-0.87x the three-stage ring. With
+# it, 176 keys ran 1.00-1.04x the 128-key, three-stage tile, most from 8k (H100, bf16 and
+# fp16, 16k tokens, causal or not): fewer turns, barriers and softmax passes a key. At d
+# 256 FlashAttention-3's tile of 80 keys keeps S, P and O in a consumer's 240 registers,
+# and two stages fit beside Q (225 KiB): 1.03-1.08x the 64-key tile at 1k-16k, causal or
+# not (bf16, same run). The causal or windowed variant with softcap, ALiBi or dropout
+# spills 4 bytes with 80 keys and keeps 64 (SM90_BANDED_EXTRAS_TILES). At d 64 a
+# consumer's S, P and O fit in 160 registers, so three consumers share the multiprocessor:
+# FlashAttention-3's d64 tile of 192 query rows. Each K/V tile loaded serves half as many
+# rows again, and two consumers' products can run through the third's softmax; with three
+# stages of 128 keys it takes 121 KiB of shared memory (H200, 16k tokens, bf16, two ->
+# three consumers: not causal 1.12-1.28x at 2k-16k, 434 -> 557 TFLOP/s at 16k; causal
+# 1.06-1.16x, but 0.93x at 1k, where 192-row tiles leave fewer of them to share the
+# multiprocessors; fp16 alike). (At d 128 a consumer's S, P and O spill out of 160
+# registers.)
+SM90_TILES = {64: (128, 3, 3), 128: (176, 2, 2), 256: (80, 2, 2)}
 SM90_BANDED_EXTRAS_TILES = {256: (64, 2, 2)}
 SM90_HEAD_DIMS = tuple(SM90_TILES)
 

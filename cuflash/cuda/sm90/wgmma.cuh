@@ -70,8 +70,9 @@ __device__ __forceinline__ void set_max_registers() {
 
 // The products, m64nNk16 with fp32 accumulators d[0][kFirst + j][0..3] (j < N / 8: the
 // accumulator tiles of a larger array from tile kFirst on, so that a product of N = 256 can
-// be two of N = 128), for N = 64, 80 and 128 (the key tiles and head dims of
-// _plan.SM90_TILES; 80 keys is FlashAttention-3's tile at d 256):
+// be two of N = 128), for N = 64, 80, 128 and 176 (the key tiles and head dims of
+// _plan.SM90_TILES; 80 keys is FlashAttention-3's tile at d 256, 176 its tile at d 128
+// without a causal mask):
 //   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory; D is overwritten
 //                        where accumulate is 0.
 //   Wgmma<T, N>::rs_bt   D += A B, A in registers (the mma.sync A fragment of each warp's
@@ -121,6 +122,9 @@ struct Wgmma;
 #define CUFLASH_WGMMA_D128 \
   CUFLASH_WGMMA_D80, CUFLASH_WGMMA_D4(10), CUFLASH_WGMMA_D4(11), CUFLASH_WGMMA_D4(12), CUFLASH_WGMMA_D4(13), \
   CUFLASH_WGMMA_D4(14), CUFLASH_WGMMA_D4(15)
+#define CUFLASH_WGMMA_D176 \
+  CUFLASH_WGMMA_D128, CUFLASH_WGMMA_D4(16), CUFLASH_WGMMA_D4(17), CUFLASH_WGMMA_D4(18), CUFLASH_WGMMA_D4(19), \
+  CUFLASH_WGMMA_D4(20), CUFLASH_WGMMA_D4(21)
 CUFLASH_WGMMA_N(64,
                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
                 "%32", "%33", "%34", "{%32, %33, %34, %35}, %36")
@@ -130,6 +134,10 @@ CUFLASH_WGMMA_N(80,
 CUFLASH_WGMMA_N(128,
                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
                 "%64", "%65", "%66", "{%64, %65, %66, %67}, %68")
+CUFLASH_WGMMA_N(176,
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}",
+                "%88", "%89", "%90", "{%88, %89, %90, %91}, %92")
+#undef CUFLASH_WGMMA_D176
 #undef CUFLASH_WGMMA_D128
 #undef CUFLASH_WGMMA_D80
 #undef CUFLASH_WGMMA_D64
