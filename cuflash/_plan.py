@@ -308,9 +308,14 @@ class Sm90Forward(NamedTuple):
 
     @classmethod
     def of(cls, dtype: str, head_dim: int, local: bool, extras: bool) -> Sm90Forward:
-        """The variant with the planner's tile (SM90_TILES, SM90_BANDED_EXTRAS_TILES)."""
-        tile = SM90_BANDED_EXTRAS_TILES.get(head_dim) if local and extras else None
-        return cls(dtype, head_dim, local, extras, *(tile or SM90_TILES[head_dim]))
+        """The variant with the planner's tile (SM90_TILES; under a causal mask or a window
+        SM90_BANDED_TILES, with softcap, ALiBi or dropout SM90_BANDED_EXTRAS_TILES, where
+        they name the head dim)."""
+        tile = SM90_TILES[head_dim]
+        if local:
+            tile = SM90_BANDED_TILES.get(head_dim, tile)
+            tile = SM90_BANDED_EXTRAS_TILES.get(head_dim, tile) if extras else tile
+        return cls(dtype, head_dim, local, extras, *tile)
 
     @property
     def block_m(self) -> int:
@@ -358,13 +363,14 @@ SM90_PERSISTENT = True
 # turn; with two stages the copy engine keeps up only because each stage's K and V are
 # released apart (Sm90Shared::kApart): before that split, two stages of 128 keys ran 502
 # against 651 TFLOP/s for three at 16k, and 176 keys 0.81-0.87x the three-stage ring. With
-# it, 176 keys ran 1.00-1.04x the 128-key, three-stage tile, most from 8k (H100, bf16 and
-# fp16, 16k tokens, causal or not): fewer turns, barriers and softmax passes a key. At d
-# 256 FlashAttention-3's tile of 80 keys keeps S, P and O in a consumer's 240 registers,
-# and two stages fit beside Q (225 KiB): 1.03-1.08x the 64-key tile at 1k-16k, causal or
-# not (bf16, same run). The causal or windowed variant with softcap, ALiBi or dropout
-# spills 4 bytes with 80 keys and keeps 64 (SM90_BANDED_EXTRAS_TILES). At d 64 a
-# consumer's S, P and O fit in 160 registers, so three consumers share the multiprocessor:
+# it, 176 keys ran 0.97-1.04x the 128-key, three-stage tile without a mask, 1.02-1.04x
+# from 8k (H100, bf16 and fp16, 16k tokens, `bench --baseline`; 1.00-1.04x from 1k in
+# `scripts/sm90_bench.py`): fewer turns, barriers and softmax passes a key. At d 256
+# FlashAttention-3's tile of 80 keys keeps S, P and O in a consumer's 240 registers, and
+# two stages fit beside Q (225 KiB): 1.03-1.08x the 64-key tile at 1k-16k, causal or not
+# (bf16, same run). The causal or windowed variant with softcap, ALiBi or dropout spills 4
+# bytes with 80 keys and keeps 64 (SM90_BANDED_EXTRAS_TILES). At d 64 a consumer's S, P
+# and O fit in 160 registers, so three consumers share the multiprocessor:
 # FlashAttention-3's d64 tile of 192 query rows. Each K/V tile loaded serves half as many
 # rows again, and two consumers' products can run through the third's softmax; with three
 # stages of 128 keys it takes 121 KiB of shared memory (H200, 16k tokens, bf16, two ->
@@ -373,6 +379,12 @@ SM90_PERSISTENT = True
 # multiprocessors; fp16 alike). (At d 128 a consumer's S, P and O spill out of 160
 # registers.)
 SM90_TILES = {64: (128, 3, 3), 128: (176, 2, 2), 256: (80, 2, 2)}
+# Under a causal mask or a window d 128 keeps 128 keys in three stages (FlashAttention-3's
+# causal tile too): a 128-row block's diagonal tile hides more of 176 keys, and short calls
+# have few key tiles a row. 176 keys against it, bf16 / fp16 (H100, bench --baseline, one
+# run): causal 512 0.91 / 0.93x, 1k 0.95x, 2k 0.98x, 4k 0.99x, 8k 1.01 / 1.02x, 16k 1.01 /
+# 1.02x; identical kernels timed the same way read 0.95-1.03x each other.
+SM90_BANDED_TILES = {128: (128, 3, 2)}
 SM90_BANDED_EXTRAS_TILES = {256: (64, 2, 2)}
 SM90_HEAD_DIMS = tuple(SM90_TILES)
 

@@ -23,13 +23,18 @@ def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=
     options = _options.make_options(infos[0], infos[1], causal, None, (-1, -1), 0.0, None, 0.0, None, 0,
                                     backward=False)
     entry = next(d for d in _plan.SM90_HEAD_DIMS if d >= q.shape[-1])
-    planned = _plan.SM90_TILES[entry]
-    _plan.SM90_TILES[entry] = (*tile, *planned[len(tile):]) if tile else planned
+    tables = (_plan.SM90_TILES, _plan.SM90_BANDED_TILES, _plan.SM90_BANDED_EXTRAS_TILES)
+    saved = [dict(table) for table in tables]
+    if tile:  # (every table: with or without a mask)
+        for table in tables:
+            planned = table.get(entry, _plan.SM90_TILES[entry])
+            table[entry] = (*tile, *planned[len(tile):])
     try:
         plan = _plan.forward(*infos, options, None, _kernels.shared_limit(q.device.index), sm90a,
                              _kernels.multiprocessors(q.device.index) if persistent else 0)
     finally:
-        _plan.SM90_TILES[entry] = planned
+        for table, old in zip(tables, saved):
+            table.clear(), table.update(old)
     assert (plan.struct.__name__ == "Sm90Params") == sm90a, "the sm_90a forward does not take this call"
     launcher = _kernels.Launcher(plan, q.device.index)
     pointers = [x.data_ptr() for x in (q, k, v, out)] + [0]
@@ -54,8 +59,9 @@ def main() -> None:
     heads = 2048 // d
     columns = ("sm90", *(("tile",) if tile else ()), *(("blocks",) if args.blocks else ()), "mma.sync",
                "sdpa-cudnn", "sdpa-flash")
+    banded = _plan.SM90_BANDED_TILES.get(kernel_dim, _plan.SM90_TILES[kernel_dim])
     print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90 (keys a tile, stages, consumers): "
-          f"{_plan.SM90_TILES[kernel_dim]}; tile: {tile}")
+          f"{_plan.SM90_TILES[kernel_dim]}, causal {banded}; tile: {tile}")
     print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}"
           + (f" {'tile err':>10}" if tile else ""))  # max |out - sm90's out|
     for seqlen in (1024, 2048, 4096, 8192, 16384):

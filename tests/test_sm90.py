@@ -44,9 +44,11 @@ def test_the_planner_sends_the_sm90_forward_what_it_takes():
     assert [m.field for m in _plan_of(*qkv(1000)).maps] == ["q", "k", "v"]
     assert isinstance(kernel(*qkv(1000), causal=True), _plan.Sm90Forward)
     assert [kernel(*qkv(1000, d=d)).head_dim for d in (64, 96, 128, 136, 200, 256)] == [64, 128, 128, 256, 256, 256]
-    d64, d128 = _plan_of(*qkv(1000, d=64)), _plan_of(*qkv(1000))  # d 64: three consumers, 192 query rows; d 128: 176 keys
-    assert [(p.steps[0].kernel.threads, [m.rows for m in p.maps]) for p in (d64, d128)] == \
-        [(512, [192, 128, 128]), (384, [128, 176, 176])]
+    # d 64: three consumers, 192 query rows; d 128: 176 keys, 128 under a causal mask
+    plans = _plan_of(*qkv(1000, d=64)), _plan_of(*qkv(1000)), _plan_of(*qkv(1000), causal=True)
+    assert [(p.steps[0].kernel.threads, [m.rows for m in p.maps]) for p in plans] == \
+        [(512, [192, 128, 128]), (384, [128, 176, 176]), (384, [128, 128, 128])]
+    assert [(p.steps[0].kernel.block_n, p.steps[0].kernel.stages) for p in plans[1:]] == [(176, 2), (128, 3)]
     assert isinstance(kernel(*qkv(1000, d=32)), _plan.Kernel)         # below 64: the mma.sync kernels
     assert isinstance(kernel(*qkv(1000), sm90a=False), _plan.Kernel)  # other GPUs, or CUFLASH_PORTABLE
     q, k, v = qkv(1000)
