@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call on a Hopper GPU (H100, H200) for the sm_90a forward: its variants compiled, its
+# tests, compute-sanitizer's memcheck / racecheck / synccheck, the forward grid beside cuDNN
+# and SDPA-flash in bf16 and fp16 (and beside another build of cuflash where BASELINE names
+# its folder), and ncu's view of four calls. Logs and CSVs go to $OUT (as logs.tar.gz too,
+# refreshed after each step); a short summary is printed last.
+#   usage: [BASELINE=build/ab/cuflash_prev] bash scripts/sm90_check.sh
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1 CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
+OUT=${OUT:-/tmp/cuflash-out}; LOG=$(mktemp -d); mkdir -p "$OUT"
+step() {  # name, seconds, command...: its output to $LOG/name.txt, its status and time printed
+  local name=$1 limit=$2; shift 2; local start=$SECONDS
+  timeout "$limit" "$@" > "$LOG/$name.txt" 2>&1; local rc=$?
+  echo "== $name rc=$rc $((SECONDS - start)) s"; tar -czf "$OUT/logs.tar.gz" -C "$LOG" .
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+step compile 120 python3 -m cuflash compile --arch sm_90a --only attention_forward_sm90
+tail -n 1 "$LOG/compile.txt"
+baseline=()
+if [[ -n ${BASELINE:-} ]]; then  # the other build's kernels compiled before the grid times them
+  PYTHONPATH=$(dirname "$BASELINE") step compile_baseline 120 \
+    python3 -m "$(basename "$BASELINE")" compile --arch sm_90a --only attention_forward_sm90
+  baseline=(--baseline "$BASELINE")
+fi
+step test_sm90 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sm90.py
+for tool in memcheck racecheck synccheck; do
+  step "sanitize_$tool" 300 compute-sanitizer --tool "$tool" python3 scripts/sanitize_sm90.py
+done
+for dtype in bfloat16 float16; do
+  step "grid_$dtype" 300 python3 -m cuflash bench --compare --mode fwd --dtype "$dtype" ${baseline[@]+"${baseline[@]}"} \
+    --csv "$LOG/grid-$dtype.csv"
+done
+# The tensor pipe (wgmma counts as hmma), issue slots, the XU pipe (exp2), stall reasons per
+# issued instruction.
+metrics="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
+metrics+=",smsp__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"
+metrics+=",regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+for call in "128" "128 causal" "128 causal 2048" "64 causal 2048"; do
+  step "ncu_${call// /_}" 300 ncu --clock-control none -k regex:attention_forward --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section Occupancy \
+    --metrics "$metrics" python3 scripts/ncu_forward.py $call
+done
+cp "$LOG"/*.csv "$OUT"/ 2>/dev/null
+echo "-- summary"
+tail -n 1 "$LOG/test_sm90.txt"
+grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG"/sanitize_*.txt
+for dtype in bfloat16 float16; do tail -n 38 "$LOG/grid_$dtype.txt"; done
+for f in "$LOG"/ncu_*.txt; do
+  echo "-- $(basename "$f" .txt)"
+  grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|hmma_cycles|pipe_xu|stalled_(wait|barrier|long_scoreboard)_" "$f" \
+    | awk '{print $1, $NF}'
+done
