@@ -1,0 +1,164 @@
+"""Where the sm_90a forward's time goes, tile by tile, on a Hopper GPU:
+
+    PYTHONPATH=. python scripts/sm90_timeline.py [--calls 128c2048,128n8192,64c2048]
+
+A call is HEAD_DIM, c (causal) or n (no mask), SEQLEN; 16k tokens, 2048 / d heads, bf16
+(`ncu_forward.py`'s shapes). The kernel's source is patched in memory (its cubins are cached
+under their own key, the key being the source) so that one thread stamps clock64() at fixed
+points of each tile: the producer when it has asked for the tile's Q, consumer 0 when Q has
+landed, when its first S, second turn and last turn are issued, when its last P V has landed
+and when its output is stored, the last consumer when its output is stored; with the CTA's
+start (%globaltimer and clock64, which place every CTA on one time axis), the
+multiprocessor, the CTA and the tile's key tiles. Printed per call: the median over tiles of
+each phase in microseconds (the CTA's start or its previous tile's last store to Q landed,
+Q landed to the first S, the first S to the last P V landed, per key tile, the last P V to
+the last store), and each multiprocessor's time split into those phases and the gaps where
+it held no tile, summed over the grid. Not part of the package.
+"""
+import argparse
+import statistics
+
+import torch
+
+import cuflash
+from cuflash import _compile, _kernels
+
+SLOTS = 16
+# The record of tile t: SLOTS 64-bit words.
+CTA_TIME, CTA_CLOCK, SM, CTA, KEY_TILES = 0, 1, 2, 3, 4
+POINTS = {"q asked": 5, "q landed": 6, "S0 issued": 7, "turn 1": 8, "last turn": 9, "PV landed": 10,
+          "stored": 11, "all stored": 12}
+
+
+def patched(text: str, address: int) -> str:
+    """sm90/fwd.cu with the stamps written in (each anchor must be found once)."""
+    record = f"(reinterpret_cast<unsigned long long*>({address}ULL) + (long long)(t) * {SLOTS})"
+    trace = (f"#define TRACE_AT(thread, slot) do {{ if (threadIdx.x == (thread)) {record}[slot] = clock64(); }}"
+             " while (0)\n")
+    edits = [
+        ("namespace cuflash {\n", "namespace cuflash {\n" + trace),
+        ("  if (threadIdx.x == 0) shared.init_barriers(kConsumers * 128);\n",
+         "  unsigned long long trace_time;\n"
+         "  unsigned trace_smid;\n"
+         "  asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(trace_time));\n"
+         "  const unsigned long long trace_clock = clock64();\n"
+         "  asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(trace_smid));\n"
+         "  if (threadIdx.x == 0) shared.init_barriers(kConsumers * 128);\n"),
+        ("        shared.load_q(args, block.q_row(), block.head, block.tma_batch);\n",
+         "        shared.load_q(args, block.q_row(), block.head, block.tma_batch);\n"
+         f"        TRACE_AT(0, {POINTS['q asked']});\n"),
+        ("      shared.q_landed().wait(round++ & 1);\n",
+         "      shared.q_landed().wait(round++ & 1);\n"
+         f"      TRACE_AT(128, {POINTS['q landed']});\n"
+         f"      if (threadIdx.x == 128) {record}[{CTA_TIME}] = trace_time, {record}[{CTA_CLOCK}] = trace_clock,\n"
+         f"          {record}[{SM}] = trace_smid, {record}[{CTA}] = blockIdx.x, {record}[{KEY_TILES}] = tiles;\n"),
+        ("        issue_scores<T>(shared, stage_of(0), consumer, acc_s);\n",
+         "        issue_scores<T>(shared, stage_of(0), consumer, acc_s);\n"
+         f"        TRACE_AT(128, {POINTS['S0 issued']});\n"),
+        ("          issue_values<T>(shared, stage_of(j - 1), p_frag, acc_o);\n",
+         "          issue_values<T>(shared, stage_of(j - 1), p_frag, acc_o);\n"
+         f"          if (j == 1) TRACE_AT(128, {POINTS['turn 1']});\n"
+         f"          if (j == tiles - 1) TRACE_AT(128, {POINTS['last turn']});\n"),
+        ("        shared.released(Shared::kValues, stage_of(tiles - 1)).arrive();\n",
+         "        shared.released(Shared::kValues, stage_of(tiles - 1)).arrive();\n"
+         f"        TRACE_AT(128, {POINTS['PV landed']});\n"),
+        ("      store_output<T>(p, block, warp_row0, lane, softmax, acc_o);\n",
+         "      store_output<T>(p, block, warp_row0, lane, softmax, acc_o);\n"
+         f"      TRACE_AT(128, {POINTS['stored']});\n"
+         f"      TRACE_AT(128 * kConsumers, {POINTS['all stored']});\n"),
+    ]
+    for anchor, replacement in edits:
+        assert text.count(anchor) == 1, anchor
+        text = text.replace(anchor, replacement)
+    return text
+
+
+def cycles_per_ns() -> float:
+    """The multiprocessors' clock64 ticks per %globaltimer nanosecond, over 2 ms."""
+    import cupy
+    kernel = cupy.RawKernel(r"""
+extern "C" __global__ void calibrate(unsigned long long* out) {
+  unsigned long long t0, t1;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  const long long c0 = clock64();
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)); } while (t1 - t0 < 2000000);
+  out[0] = clock64() - c0;
+  out[1] = t1 - t0;
+}""", "calibrate")
+    out = cupy.zeros(2, dtype=cupy.uint64)
+    kernel((1,), (1,), (out,))
+    kernel((1,), (1,), (out,))
+    cycles, ns = out.get()
+    return float(cycles) / float(ns)
+
+
+def tiles_of(trace: torch.Tensor, count: int, rate: float) -> list[dict]:
+    """Each tile's points in us on the grid's time axis (from its first CTA's start)."""
+    rows = trace[: count * SLOTS].view(count, SLOTS).cpu().tolist()
+    rows = [r for r in rows if r[CTA_TIME]]  # (tiles past a packed sequence's end are skipped)
+    first = min(r[CTA_TIME] for r in rows)
+    tiles = []
+    for r in rows:
+        start = (r[CTA_TIME] - first) / 1e3
+        tile = {"cta start": start, "sm": r[SM], "cta": r[CTA], "key tiles": r[KEY_TILES]}
+        for name, slot in POINTS.items():
+            if r[slot]:
+                tile[name] = start + (r[slot] - r[CTA_CLOCK]) / rate / 1e3
+        tiles.append(tile)
+    return tiles
+
+
+def summary(label: str, tiles: list[dict]) -> None:
+    """Medians of each phase over the tiles, and the multiprocessors' time split."""
+    by_cta = {}
+    tiles = [t for t in tiles if "PV landed" in t]  # (a tile whose rows see no key has no products)
+    for tile in sorted(tiles, key=lambda x: x["q landed"]):
+        by_cta.setdefault((tile["sm"], tile["cta"]), []).append(tile)
+    phases = {"to Q": [], "Q to S0": [], "S0 to last PV": [], "a key tile": [], "output": []}
+    for run in by_cta.values():
+        before = run[0]["cta start"]
+        for tile in run:
+            phases["to Q"].append(tile["q landed"] - before)
+            phases["Q to S0"].append(tile["S0 issued"] - tile["q landed"])
+            phases["S0 to last PV"].append(tile["PV landed"] - tile["S0 issued"])
+            phases["a key tile"].append((tile["PV landed"] - tile["S0 issued"]) / max(1, tile["key tiles"]))
+            phases["output"].append(tile["all stored"] - tile["PV landed"])
+            before = tile["all stored"]
+    end = max(t["all stored"] for t in tiles)
+    sms = {t["sm"] for t in tiles}
+    split = {"to Q": sum(phases["to Q"]), "Q to S0": sum(phases["Q to S0"]),
+             "S0 to last PV": sum(phases["S0 to last PV"]), "output": sum(phases["output"])}
+    held = sum(split.values())
+    print(f"{label}: {len(tiles)} tiles on {len(by_cta)} CTAs, {len(sms)} multiprocessors, "
+          f"{end:.1f} us; key tiles a tile median {statistics.median(t['key tiles'] for t in tiles)}")
+    print("  median us: " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in phases.items()))
+    print("  multiprocessor time: " + ", ".join(f"{k} {v / (len(sms) * end):.1%}" for k, v in split.items())
+          + f", without a tile {1 - held / (len(sms) * end):.1%}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", default="128c2048,128n8192,128c8192,64c2048")
+    args = parser.parse_args()
+    trace = torch.zeros(SLOTS * (1 << 18), dtype=torch.int64, device="cuda")
+    sources = dict(_compile._sources())
+    sources["sm90/fwd.cu"] = patched(sources["sm90/fwd.cu"].decode(), trace.data_ptr()).encode()
+    _compile._sources = lambda: sources
+    _compile.load_kernel.cache_clear()
+    _kernels._launchers.clear()
+    rate = cycles_per_ns()
+    print(f"SM clock {rate:.3f} GHz (clock64 per globaltimer ns)")
+    for call in args.calls.split(","):
+        d, causal, seqlen = int(call.split("c")[0].split("n")[0]), "c" in call, int(call.replace("c", "n").split("n")[1])
+        q, k, v = (torch.randn(max(1, 16384 // seqlen), seqlen, 2048 // d, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in "qkv")
+        for i in range(4):  # the last of four calls
+            trace.zero_()
+            cuflash.attention(q, k, v, causal=causal)
+            torch.cuda.synchronize()
+        count = int(trace.view(-1, SLOTS)[:, CTA_TIME].nonzero().max()) + 1
+        summary(f"d {d} {'causal' if causal else 'no mask'} {seqlen}", tiles_of(trace, count, rate))
+
+
+if __name__ == "__main__":
+    main()
