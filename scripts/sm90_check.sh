@@ -2,7 +2,7 @@
 # One call on a Hopper GPU (H100, H200) for the sm_90a forward: its variants compiled, its
 # tests, compute-sanitizer's memcheck / racecheck / synccheck, the forward grid beside cuDNN
 # and SDPA-flash in bf16 and fp16 (and beside another build of cuflash where BASELINE names
-# its folder), and ncu's view of four calls. Logs and CSVs go to $OUT (as logs.tar.gz too,
+# its folder), ncu's view of four calls and their phases tile by tile (sm90_timeline.py). Logs and CSVs go to $OUT (as logs.tar.gz too,
 # refreshed after each step); a short summary is printed last.
 #   usage: [BASELINE=build/ab/cuflash_prev] bash scripts/sm90_check.sh
 set -uo pipefail
@@ -40,11 +40,13 @@ for call in "128" "128 causal" "128 causal 2048" "64 causal 2048"; do
     --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section Occupancy \
     --metrics "$metrics" python3 scripts/ncu_forward.py $call
 done
+step timeline 300 python3 scripts/sm90_timeline.py
 cp "$LOG"/*.csv "$OUT"/ 2>/dev/null
 echo "-- summary"
 tail -n 1 "$LOG/test_sm90.txt"
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG"/sanitize_*.txt
 for dtype in bfloat16 float16; do tail -n 38 "$LOG/grid_$dtype.txt"; done
+cat "$LOG/timeline.txt"
 for f in "$LOG"/ncu_*.txt; do
   echo "-- $(basename "$f" .txt)"
   grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|hmma_cycles|pipe_xu|stalled_(wait|barrier|long_scoreboard)_" "$f" \
