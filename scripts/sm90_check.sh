@@ -2,8 +2,9 @@
 # One call on a Hopper GPU (H100, H200) for the sm_90a forward: its variants compiled, its
 # tests, compute-sanitizer's memcheck / racecheck / synccheck, the forward grid beside cuDNN
 # and SDPA-flash in bf16 and fp16 (and beside another build of cuflash where BASELINE names
-# its folder), ncu's view of four calls and their phases tile by tile (sm90_timeline.py). Logs and CSVs go to $OUT (as logs.tar.gz too,
-# refreshed after each step); a short summary is printed last.
+# its folder), ncu's view of four calls and their phases tile by tile (sm90_timeline.py).
+# Logs and CSVs go to $OUT (as logs.tar.gz too, refreshed after each step); a short summary
+# is printed last.
 #   usage: [BASELINE=build/ab/cuflash_prev] bash scripts/sm90_check.sh
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
