@@ -8,7 +8,8 @@ of at least ``REPEATS`` CUDA-event timings after ``WARMUP`` calls, all implement
 in the same run on the same inputs, taking turns call by call in orders where each runs
 right after every other equally often (timed one after another, the first measured ran
 up to 8% faster at some d 256 rows; with one order rotated, the copy that always followed
-cuDNN ran up to 8% slower at 512: clock and power state). --plot draws the table (docs/performance.png).
+cuDNN ran up to 8% slower at 512: clock and power state). --plot draws the table
+(docs/performance.png).
 """
 from __future__ import annotations
 

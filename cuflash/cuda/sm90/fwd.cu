@@ -38,9 +38,9 @@ namespace cuflash {
 // is done with at its S, its V only at the next turn's P V, and the copy engine refills
 // each as soon as it may. With three (d 64), a stage's K and V share one pair: the third
 // stage keeps the copy engine ahead already, and releasing them apart showed no gain
-// (H200, d 64 and a three-stage d 128). A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes, one after the
-// other. Dynamic shared memory is promised less alignment: the launch asks for 1024 bytes
-// more (_sm90.shared_bytes).
+// (H200, d 64 and a three-stage d 128). A tile of R rows is kHeadDim / 64 blocks of
+// R x 128 bytes, one after the other. Dynamic shared memory is promised less alignment:
+// the launch asks for 1024 bytes more (_sm90.shared_bytes).
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Sm90Shared {
   static constexpr int kColumnBlocks = kHeadDim / 64;
@@ -260,10 +260,10 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
 // A consumer's turn j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then turns
 // S_j into P_j while the second product runs (HOPPER.md's intra-warpgroup overlap): O is
 // scaled by the softmax's factors only once that product has landed. With two stages
-// (all that fits beside Q: d 128's 176-key tiles, d 256) the producer loads K_j before V_{j-1}, FlashAttention-3's
-// order, and K_j is released at S_j, a turn before V_j: with K and V released together the
-// copy engine could refill neither before P_j V_j, and ran behind the consumers (H200,
-// bf16, d 256: 1.15-1.64x not causal, 1.04-1.36x causal).
+// (all that fits beside Q: d 128's 176-key tiles, d 256) the producer loads K_j before
+// V_{j-1}, FlashAttention-3's order, and K_j is released at S_j, a turn before V_j: with K
+// and V released together the copy engine could refill neither before P_j V_j, and ran
+// behind the consumers (H200, bf16, d 256: 1.15-1.64x not causal, 1.04-1.36x causal).
 // @tparam kConsumers  warpgroups, 64 query rows each: 2 or 3
 // @tparam kStages     K/V tiles in flight
 // @tparam kLocal      causal or sliding window
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     attention_forward_sm90(const __grid_constant__ Sm90Params args) {
   static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
                     (kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176),
-                "the products: m64n64, m64n80, m64n128 and m64n176 (S); m64n64 and m64n128 (O, two for a head dim of 256)");
+                "the products: m64n64, m64n80, m64n128, m64n176 (S); m64n64, m64n128 (O; two at d 256)");
   static_assert(kConsumers == 2 || kConsumers == 3, "turn taking among two or three consumers");
   constexpr int kBlockM = 64 * kConsumers;
   constexpr int kProducerRegisters = 24, kConsumerRegisters = kConsumers == 2 ? 240 : 160;
