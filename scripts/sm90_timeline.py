@@ -22,6 +22,7 @@ import torch
 
 import cuflash
 from cuflash import _compile, _kernels
+from decode_timeline import cycles_per_ns  # (scripts/: the clock64 ticks per %globaltimer ns)
 
 SLOTS = 16
 # The record of tile t: SLOTS 64-bit words.
@@ -71,25 +72,6 @@ def patched(text: str, address: int) -> str:
         assert text.count(anchor) == 1, anchor
         text = text.replace(anchor, replacement)
     return text
-
-
-def cycles_per_ns() -> float:
-    """The multiprocessors' clock64 ticks per %globaltimer nanosecond, over 2 ms."""
-    import cupy
-    kernel = cupy.RawKernel(r"""
-extern "C" __global__ void calibrate(unsigned long long* out) {
-  unsigned long long t0, t1;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  const long long c0 = clock64();
-  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)); } while (t1 - t0 < 2000000);
-  out[0] = clock64() - c0;
-  out[1] = t1 - t0;
-}""", "calibrate")
-    out = cupy.zeros(2, dtype=cupy.uint64)
-    kernel((1,), (1,), (out,))
-    kernel((1,), (1,), (out,))
-    cycles, ns = out.get()
-    return float(cycles) / float(ns)
 
 
 def tiles_of(trace: torch.Tensor, count: int, rate: float) -> list[dict]:
