@@ -103,6 +103,15 @@ extern "C" __global__ void calibrate(unsigned long long* out) {
 """
 
 
+def use_patched(name: str, patch, address: int) -> None:
+    """Compile cuflash/cuda/``name`` as ``patch(text, address)`` from here on (the kernel
+    cache keys the patched source apart), and forget kernels already loaded."""
+    sources = dict(_compile._sources())
+    sources[name] = patch(sources[name].decode(), address).encode()
+    _compile._sources = lambda: sources
+    _compile.load_kernel.cache_clear()
+
+
 def cycles_per_ns() -> float:
     out = cupy.zeros(2, dtype=cupy.uint64)
     kernel = cupy.RawKernel(CALIBRATE, "calibrate")
@@ -150,10 +159,7 @@ def main() -> None:
     parser.add_argument("--cells", default="1x4096,16x4096")
     args = parser.parse_args()
     trace = torch.zeros(SLOTS * (1 << 16), dtype=torch.int64, device="cuda")
-    sources = dict(_compile._sources())
-    sources["decode/split_kv.cu"] = patched(sources["decode/split_kv.cu"].decode(), trace.data_ptr()).encode()
-    _compile._sources = lambda: sources
-    _compile.load_kernel.cache_clear()
+    use_patched("decode/split_kv.cu", patched, trace.data_ptr())
     rate = cycles_per_ns()
     print(f"SM clock {rate:.3f} GHz (clock64 per globaltimer ns)")
     for cell in args.cells.split(","):

@@ -21,8 +21,8 @@ import statistics
 import torch
 
 import cuflash
-from cuflash import _compile, _kernels
-from decode_timeline import cycles_per_ns  # (scripts/: the clock64 ticks per %globaltimer ns)
+from cuflash import _kernels
+from decode_timeline import cycles_per_ns, use_patched  # (scripts/)
 
 SLOTS = 16
 # The record of tile t: SLOTS 64-bit words.
@@ -123,10 +123,7 @@ def main() -> None:
     parser.add_argument("--calls", default="128c2048,128n8192,128c8192,64c2048")
     args = parser.parse_args()
     trace = torch.zeros(SLOTS * (1 << 18), dtype=torch.int64, device="cuda")
-    sources = dict(_compile._sources())
-    sources["sm90/fwd.cu"] = patched(sources["sm90/fwd.cu"].decode(), trace.data_ptr()).encode()
-    _compile._sources = lambda: sources
-    _compile.load_kernel.cache_clear()
+    use_patched("sm90/fwd.cu", patched, trace.data_ptr())
     _kernels._launchers.clear()
     rate = cycles_per_ns()
     print(f"SM clock {rate:.3f} GHz (clock64 per globaltimer ns)")
