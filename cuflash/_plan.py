@@ -357,6 +357,9 @@ class Sm90Forward(NamedTuple):
 # out as multiprocessors free up, stays ahead (a persistent grid taking the longest tiles of
 # every head first, in static shares, ran 0.91-0.99x it at 4k-16k).
 SM90_PERSISTENT = True
+# The L2 a section of the scheduler's tiles may fill with K and V (sm90_section): 32 MiB of
+# the H100's 50, FlashAttention-3's figure.
+SM90_SECTION_BYTES = 32 << 20
 # Head dim -> (keys a tile, K/V stages, consumer warpgroups). At d 128 FlashAttention-3's
 # tile of 176 keys (m64n176 products: S, P and O in a consumer's 240 registers) in two
 # stages, 209 KiB of shared memory with Q. A consumer holds a tile's V until its next
@@ -540,8 +543,20 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
     steps = ()
     if batch and p.seqlen_q and p.nheads:
         steps = (Step(kernel, kernel.grid(p.seqlen_q, p.nheads, batch, multiprocessors)),)
-    return Plan(bytes(Sm90Params(p=p, batch=batch)), tuple(f"p.{n}" for n in FORWARD_POINTERS), steps, Sm90Params,
+    section = sm90_section(options.local, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
+    return Plan(bytes(Sm90Params(p=p, batch=batch, section=section)), tuple(f"p.{n}" for n in FORWARD_POINTERS), steps, Sm90Params,
                 maps=tuple(maps))
+
+
+def sm90_section(local: bool, seqlen_k: int, head_dim: int, heads_per_kv: int, pairs: int) -> int:
+    """(head, sequence) pairs whose tiles the sm_90a scheduler interleaves, the longest
+    first (fwd.cu, Sm90Tiles): under a causal mask or a window as many as keep their K and
+    V within SM90_SECTION_BYTES of L2 (whole groups of heads sharing keys); one otherwise,
+    every tile being as long."""
+    if not local:
+        return 1
+    kv_heads = max(1, SM90_SECTION_BYTES // (4 * seqlen_k * head_dim))  # K and V, 2 bytes an element
+    return max(1, min(pairs, kv_heads * heads_per_kv))
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,

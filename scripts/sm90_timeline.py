@@ -115,7 +115,19 @@ def summary(label: str, tiles: list[dict]) -> None:
           f"{end:.1f} us; key tiles a tile median {statistics.median(t['key tiles'] for t in tiles)}")
     print("  median us: " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in phases.items()))
     print("  multiprocessor time: " + ", ".join(f"{k} {v / (len(sms) * end):.1%}" for k, v in split.items())
-          + f", without a tile {1 - held / (len(sms) * end):.1%}", flush=True)
+          + f", without a tile {1 - held / (len(sms) * end):.1%}")
+    # Where a multiprocessor holds no tile: between one CTA's last store and the next CTA's
+    # start on it, before its first CTA, after its last store.
+    gaps, before, after = [], [], []
+    for sm in sms:
+        runs = sorted((run for (where, _), run in by_cta.items() if where == sm), key=lambda r: r[0]["cta start"])
+        gaps += [b[0]["cta start"] - a[-1]["all stored"] for a, b in zip(runs, runs[1:])]
+        before.append(runs[0][0]["cta start"])
+        after.append(end - runs[-1][-1]["all stored"])
+    print(f"  without a tile: CTA to CTA median {statistics.median(gaps) if gaps else 0:.2f} us "
+          f"({sum(gaps) / (len(sms) * end):.1%}), before the first {sum(before) / (len(sms) * end):.1%}, "
+          f"after the last {sum(after) / (len(sms) * end):.1%} (mean {statistics.mean(after):.1f} us, "
+          f"max {max(after):.1f})", flush=True)
 
 
 def main() -> None:

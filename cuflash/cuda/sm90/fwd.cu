@@ -104,21 +104,26 @@ struct Sm90Shared {
 };
 
 // The tiles of a launch, numbered 0 .. count - 1; CTA c takes c, c + gridDim.x, ... (a grid
-// of one CTA a tile is the plain launch). A head's query blocks go together, sharing its K
-// and V in L2, the last first (under a causal mask the longest: the short ones fill in at
-// the end).
+// of one CTA a tile is the plain launch, whose CTAs the hardware hands out in that order as
+// multiprocessors free up). The (head, sequence) pairs go in sections of `section` (the
+// last may be shorter), whose K and V fit in L2 together; within a section, query blocks go
+// the last first, each across the section's pairs. Under a causal mask the last blocks are
+// the longest, so the short ones fill in at the end, where a section of one pair (head
+// after head) leaves the last head's long tiles to start late and run alone. Without a
+// mask every tile is as long, and the planner passes a section of one.
 template <int kBlockM>
 struct Sm90Tiles {
-  int m_blocks, heads, count;
+  const Sm90Params& args;  // (read where needed: the kernel's parameters hold no registers)
 
-  static __device__ __forceinline__ Sm90Tiles of(const Sm90Params& args) {
-    const int m_blocks = ceil_div(args.p.seqlen_q, kBlockM);  // packed: the longest sequence's
-    return {m_blocks, args.p.nheads, m_blocks * args.p.nheads * args.batch};
-  }
+  __device__ __forceinline__ int m_blocks() const { return ceil_div(args.p.seqlen_q, kBlockM); }  // packed: the longest sequence's
+  __device__ __forceinline__ int count() const { return m_blocks() * args.p.nheads * args.batch; }
   // Tile t's (query block, head, batch).
   __device__ __forceinline__ void at(int t, int& m_block, int& head, int& batch) const {
-    const int pair = t / m_blocks;  // head + heads * batch
-    m_block = m_blocks - 1 - t % m_blocks, head = pair % heads, batch = pair / heads;
+    const int section = args.section, pairs = args.p.nheads * args.batch;
+    const int first = t / (section * m_blocks()) * section;  // the section's first pair
+    const int width = min(section, pairs - first), r = t - first * m_blocks();
+    const int pair = first + r % width;  // head + heads * batch
+    m_block = m_blocks() - 1 - r / width, head = pair % args.p.nheads, batch = pair / args.p.nheads;
   }
 };
 
@@ -282,7 +287,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
   const auto shared = Shared::of(dynamic_shared);
   const Params& p = args.p;
-  const auto schedule = Sm90Tiles<kBlockM>::of(args);
+  const Sm90Tiles<kBlockM> schedule{args};
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
   // Tile t's rows and key tiles; false where they are past its sequence (packed arrays:
   // the tiles cover the longest).
@@ -300,7 +305,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     sm90::set_max_registers<kProducerRegisters, false>();
     if (threadIdx.x == 0) {
       int loaded = 0, round = 0;  // key tiles and tiles so far
-      for (int t = blockIdx.x; t < schedule.count; t += gridDim.x) {
+      for (int t = blockIdx.x; t < schedule.count(); t += gridDim.x) {
         Block block;
         if (!tile(t, block)) continue;
         shared.q_released().wait((round++ & 1) ^ 1);
@@ -331,7 +336,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     unsigned p_frag[kBlockN / 16][4];
     float alpha[1][2];
     int used = 0, round = 0;  // key tiles and tiles so far
-    for (int t = blockIdx.x; t < schedule.count; t += gridDim.x) {
+    for (int t = blockIdx.x; t < schedule.count(); t += gridDim.x) {
       Block block;
       if (!tile(t, block)) continue;
       const int tiles = max(0, block.n_end - block.n_begin);  // key tiles n_end - 1 down to n_begin
