@@ -357,9 +357,17 @@ class Sm90Forward(NamedTuple):
 # out as multiprocessors free up, stays ahead (a persistent grid taking the longest tiles of
 # every head first, in static shares, ran 0.91-0.99x it at 4k-16k).
 SM90_PERSISTENT = True
-# The L2 a section of the scheduler's tiles may fill with K and V (sm90_section): 32 MiB of
-# the H100's 50, FlashAttention-3's figure.
-SM90_SECTION_BYTES = 32 << 20
+# Under a causal mask the scheduler takes the longest tiles first across a section of
+# (head, sequence) pairs (sm90_section, fwd.cu's Sm90Tiles) rather than pair after pair,
+# from SM90_SECTION_ROWS query rows, its section's K and V in SM90_SECTION_BYTES of L2.
+# Sections against pair after pair (H100, bf16, causal, 16k tokens, `scripts/sm90_bench.py
+# --sections`), at 2k / 4k / 8k / 16k: 16 MiB d 64 1.02 / 1.03 / 1.03 / 1.03x, d 128 1.03 /
+# 1.03 / 1.03 / 1.00x, d 256 1.05 / 1.08 / 1.08 / 1.00x; 8 MiB d 256 1.03 / 1.02 / 1.00 /
+# 1.00x; 32 MiB (FlashAttention-3's figure) d 128 0.99 / 1.03 / 1.04 / 1.00x. At 512 and 1k
+# sections lost up to 9% (d 256 at 512 with 32 MiB; d 128 with 16 MiB 0.95x and 0.96x) and
+# gained at most 2%. (A CTA a tile either way: the hardware hands them out in order.)
+SM90_SECTION_BYTES = 16 << 20
+SM90_SECTION_ROWS = 2048
 # Head dim -> (keys a tile, K/V stages, consumer warpgroups). At d 128 FlashAttention-3's
 # tile of 176 keys (m64n176 products: S, P and O in a consumer's 240 registers) in two
 # stages, 209 KiB of shared memory with Q. A consumer holds a tile's V until its next
@@ -543,17 +551,20 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
     steps = ()
     if batch and p.seqlen_q and p.nheads:
         steps = (Step(kernel, kernel.grid(p.seqlen_q, p.nheads, batch, multiprocessors)),)
-    section = sm90_section(options.local, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
+    section = sm90_section(options.window, p.seqlen_q, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
     return Plan(bytes(Sm90Params(p=p, batch=batch, section=section)), tuple(f"p.{n}" for n in FORWARD_POINTERS), steps, Sm90Params,
                 maps=tuple(maps))
 
 
-def sm90_section(local: bool, seqlen_k: int, head_dim: int, heads_per_kv: int, pairs: int) -> int:
+def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim: int, heads_per_kv: int,
+                 pairs: int) -> int:
     """(head, sequence) pairs whose tiles the sm_90a scheduler interleaves, the longest
-    first (fwd.cu, Sm90Tiles): under a causal mask or a window as many as keep their K and
-    V within SM90_SECTION_BYTES of L2 (whole groups of heads sharing keys); one otherwise,
-    every tile being as long."""
-    if not local:
+    first (fwd.cu, Sm90Tiles). Where a tile's keys grow with its query block (a causal
+    mask, any window unbounded on the left and bounded on the right) and there are
+    SM90_SECTION_ROWS query rows or more: as many pairs as keep their K and V within
+    SM90_SECTION_BYTES of L2 (whole groups of heads sharing keys). Otherwise one, pair
+    after pair."""
+    if window[0] != -1 or window[1] == -1 or seqlen_q < SM90_SECTION_ROWS:
         return 1
     kv_heads = max(1, SM90_SECTION_BYTES // (4 * seqlen_k * head_dim))  # K and V, 2 bytes an element
     return max(1, min(pairs, kv_heads * heads_per_kv))

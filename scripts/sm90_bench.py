@@ -4,7 +4,8 @@ tensors: TFLOP/s, CUDA events, median of rounds taken in turns after a warm-up
 (bench's timing rules).
 
     PYTHONPATH=. python scripts/sm90_bench.py [--dtype float16] [--batch-tokens 16384] [--head-dim 128]
-                                              [--tile 80,2[,2]] [--blocks]
+                                              [--tile 80,2[,2]] [--blocks] [--sections 0,8,32]
+                                              [--causal-only]
 """
 import argparse
 
@@ -15,16 +16,20 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from cuflash import _arrays, _kernels, _options, _plan, bench
 
 
-def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=True):
+def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=True, section_bytes=None):
     """The forward of q, k, v into out on one path, planned once (on the sm_90a kernel with
     ``tile``, (keys, stages[, consumers]), instead of the planner's, its consumers where
-    left out; a CTA per tile unless ``persistent``): a zero-argument call."""
+    left out; a CTA per tile unless ``persistent``; the scheduler's sections sized by
+    ``section_bytes`` instead of SM90_SECTION_BYTES): a zero-argument call."""
     infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))]
     options = _options.make_options(infos[0], infos[1], causal, None, (-1, -1), 0.0, None, 0.0, None, 0,
                                     backward=False)
     entry = next(d for d in _plan.SM90_HEAD_DIMS if d >= q.shape[-1])
     tables = (_plan.SM90_TILES, _plan.SM90_BANDED_TILES, _plan.SM90_BANDED_EXTRAS_TILES)
     saved = [dict(table) for table in tables]
+    saved_section = _plan.SM90_SECTION_BYTES
+    if section_bytes is not None:
+        _plan.SM90_SECTION_BYTES = section_bytes
     if tile:  # (every table: with or without a mask)
         for table in tables:
             planned = table.get(entry, _plan.SM90_TILES[entry])
@@ -35,6 +40,7 @@ def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=
     finally:
         for table, old in zip(tables, saved):
             table.clear(), table.update(old)
+        _plan.SM90_SECTION_BYTES = saved_section
     assert (plan.struct.__name__ == "Sm90Params") == sm90a, "the sm_90a forward does not take this call"
     launcher = _kernels.Launcher(plan, q.device.index)
     pointers = [x.data_ptr() for x in (q, k, v, out)] + [0]
@@ -51,22 +57,28 @@ def main() -> None:
                                        "three), and print how far its output is from the planner's tile's")
     parser.add_argument("--blocks", action="store_true",
                         help="also time the sm_90a kernel on a grid of a CTA per tile (column 'blocks')")
+    parser.add_argument("--sections", help="MIB,...: also time the sm_90a kernel with the scheduler's sections "
+                                           "sized for this much L2 (columns 's<MIB>'; 0: a pair a section, "
+                                           "head after head)")
+    parser.add_argument("--causal-only", action="store_true", help="only the causal calls")
     args = parser.parse_args()
     d = args.head_dim
     kernel_dim = next(k for k in _plan.SM90_HEAD_DIMS if k >= d)
     tile = tuple(map(int, args.tile.split(","))) if args.tile else None
     dtype = getattr(torch, args.dtype)
     heads = 2048 // d
-    columns = ("sm90", *(("tile",) if tile else ()), *(("blocks",) if args.blocks else ()), "mma.sync",
+    sections = [int(x) for x in args.sections.split(",")] if args.sections else []
+    columns = ("sm90", *(("tile",) if tile else ()), *(("blocks",) if args.blocks else ()),
+               *(f"s{mib}" for mib in sections), "mma.sync",
                "sdpa-cudnn", "sdpa-flash")
     banded = _plan.SM90_BANDED_TILES.get(kernel_dim, _plan.SM90_TILES[kernel_dim])
     print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90 (keys a tile, stages, consumers): "
           f"{_plan.SM90_TILES[kernel_dim]}, causal {banded}; tile: {tile}")
     print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}"
           + (f" {'tile err':>10}" if tile else ""))  # max |out - sm90's out|
-    for seqlen in (1024, 2048, 4096, 8192, 16384):
+    for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
         batch = max(1, args.batch_tokens // seqlen)
-        for causal in (False, True):
+        for causal in (True,) if args.causal_only else (False, True):
             q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3))
             out = torch.empty_like(q)
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -77,6 +89,8 @@ def main() -> None:
                 calls["tile"] = forward_call(q, k, v, tile_out, causal, True, tile)
             if args.blocks:
                 calls["blocks"] = forward_call(q, k, v, out, causal, True, persistent=False)
+            for mib in sections:
+                calls[f"s{mib}"] = forward_call(q, k, v, out, causal, True, section_bytes=mib << 20)
             for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
                 def call(backend=backend):
                     with sdpa_kernel(backend):

@@ -8,12 +8,14 @@ under their own key, the key being the source) so that one thread stamps clock64
 points of each tile: the producer when it has asked for the tile's Q, consumer 0 when Q has
 landed, when its first S, second turn and last turn are issued, when its last P V has landed
 and when its output is stored, the last consumer when its output is stored; with the CTA's
-start (%globaltimer and clock64, which place every CTA on one time axis), the
-multiprocessor, the CTA and the tile's key tiles. Printed per call: the median over tiles of
-each phase in microseconds (the CTA's start or its previous tile's last store to Q landed,
-Q landed to the first S, the first S to the last P V landed, per key tile, the last P V to
-the last store), and each multiprocessor's time split into those phases and the gaps where
-it held no tile, summed over the grid. Not part of the package.
+start (%globaltimer and clock64, which place every CTA on one time axis) and %globaltimer
+beside the last store (the rate the CTA's clock ran at), the multiprocessor, the CTA and
+the tile's key tiles. Printed per call: the median over tiles of each phase in
+microseconds (the CTA's start or its previous tile's last store to Q landed, Q landed to
+the first S, the first S to the last P V landed, per key tile, the last P V to the last
+store), each multiprocessor's time split into those phases and the time it held no tile,
+summed over the grid, and that time split into the gaps between CTAs, before the first
+and after the last. Not part of the package.
 """
 import argparse
 import statistics
@@ -27,6 +29,7 @@ from decode_timeline import cycles_per_ns, use_patched  # (scripts/)
 SLOTS = 16
 # The record of tile t: SLOTS 64-bit words.
 CTA_TIME, CTA_CLOCK, SM, CTA, KEY_TILES = 0, 1, 2, 3, 4
+STORED_TIME = 13  # %globaltimer beside "all stored": the rate of the CTA's clock
 POINTS = {"q asked": 5, "q landed": 6, "S0 issued": 7, "turn 1": 8, "last turn": 9, "PV landed": 10,
           "stored": 11, "all stored": 12}
 
@@ -66,7 +69,9 @@ def patched(text: str, address: int) -> str:
         ("      store_output<T>(p, block, warp_row0, lane, softmax, acc_o);\n",
          "      store_output<T>(p, block, warp_row0, lane, softmax, acc_o);\n"
          f"      TRACE_AT(128, {POINTS['stored']});\n"
-         f"      TRACE_AT(128 * kConsumers, {POINTS['all stored']});\n"),
+         f"      TRACE_AT(128 * kConsumers, {POINTS['all stored']});\n"
+         f"      if (threadIdx.x == 128 * kConsumers) {{ unsigned long long now;\n"
+         f"        asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(now)); {record}[{STORED_TIME}] = now; }}\n"),
     ]
     for anchor, replacement in edits:
         assert text.count(anchor) == 1, anchor
@@ -75,17 +80,22 @@ def patched(text: str, address: int) -> str:
 
 
 def tiles_of(trace: torch.Tensor, count: int, rate: float) -> list[dict]:
-    """Each tile's points in us on the grid's time axis (from its first CTA's start)."""
+    """Each tile's points in us on the grid's time axis (from its first CTA's start): its
+    clock64 stamps at the rate its CTA's clock ran from its start to the tile's last store
+    (on %globaltimer; the SM clock runs slower under load than ``rate``, the calibration's
+    idle one, e.g. 1.68-1.77 against 1.98 GHz on an H100)."""
     rows = trace[: count * SLOTS].view(count, SLOTS).cpu().tolist()
     rows = [r for r in rows if r[CTA_TIME]]  # (tiles past a packed sequence's end are skipped)
     first = min(r[CTA_TIME] for r in rows)
     tiles = []
     for r in rows:
         start = (r[CTA_TIME] - first) / 1e3
-        tile = {"cta start": start, "sm": r[SM], "cta": r[CTA], "key tiles": r[KEY_TILES]}
+        own = r[STORED_TIME] > r[CTA_TIME] and r[POINTS["all stored"]]
+        clock = (r[POINTS["all stored"]] - r[CTA_CLOCK]) / (r[STORED_TIME] - r[CTA_TIME]) if own else rate
+        tile = {"cta start": start, "sm": r[SM], "cta": r[CTA], "key tiles": r[KEY_TILES], "clock": clock}
         for name, slot in POINTS.items():
             if r[slot]:
-                tile[name] = start + (r[slot] - r[CTA_CLOCK]) / rate / 1e3
+                tile[name] = start + (r[slot] - r[CTA_CLOCK]) / clock / 1e3
         tiles.append(tile)
     return tiles
 
@@ -127,7 +137,7 @@ def summary(label: str, tiles: list[dict]) -> None:
     print(f"  without a tile: CTA to CTA median {statistics.median(gaps) if gaps else 0:.2f} us "
           f"({sum(gaps) / (len(sms) * end):.1%}), before the first {sum(before) / (len(sms) * end):.1%}, "
           f"after the last {sum(after) / (len(sms) * end):.1%} (mean {statistics.mean(after):.1f} us, "
-          f"max {max(after):.1f})", flush=True)
+          f"max {max(after):.1f}); SM clock median {statistics.median(t['clock'] for t in tiles):.3f} GHz", flush=True)
 
 
 def main() -> None:

@@ -58,19 +58,24 @@ def test_the_planner_sends_the_sm90_forward_what_it_takes():
     assert isinstance(kernel(q, k[:, :0], v[:, :0]), _plan.Kernel)                # no keys
 
 
-def test_the_scheduler_interleaves_as_many_heads_as_fit_in_l2_under_a_mask():
-    """Under a causal mask or a window the longest tiles of a section of (head, sequence)
-    pairs go first (fwd.cu, Sm90Tiles): as many pairs as keep their K and V within
-    SM90_SECTION_BYTES, whole groups of heads sharing keys; without a mask one."""
-    budget = _plan.SM90_SECTION_BYTES
-    assert _plan.sm90_section(False, 8192, 128, 1, 64) == 1
-    assert _plan.sm90_section(True, 8192, 128, 1, 64) == budget // (4 * 8192 * 128) == 8
-    assert _plan.sm90_section(True, 8192, 128, 4, 64) == 32                    # GQA: 8 kv heads' groups
-    assert _plan.sm90_section(True, 1024, 64, 1, 20) == 20                     # all of them
-    assert _plan.sm90_section(True, 1 << 20, 256, 2, 64) == 2                  # one kv head's group at least
+def test_the_scheduler_interleaves_as_many_heads_as_fit_in_l2_under_a_causal_mask():
+    """Under a causal mask, from SM90_SECTION_ROWS query rows, the longest tiles of a section
+    of (head, sequence) pairs go first (fwd.cu, Sm90Tiles): as many pairs as keep their K
+    and V within SM90_SECTION_BYTES, whole groups of heads sharing keys; otherwise one."""
+    budget, rows = _plan.SM90_SECTION_BYTES, _plan.SM90_SECTION_ROWS
+    causal = (-1, 0)
+    assert _plan.sm90_section((-1, -1), 8192, 8192, 128, 1, 64) == 1
+    assert _plan.sm90_section(causal, 8192, 8192, 128, 1, 64) == budget // (4 * 8192 * 128)
+    assert _plan.sm90_section(causal, 8192, 8192, 128, 4, 64) == 4 * (budget // (4 * 8192 * 128))  # GQA groups
+    assert _plan.sm90_section(causal, rows, 1024, 64, 1, 20) == 20                                # all of them
+    assert _plan.sm90_section(causal, rows, 1 << 20, 256, 2, 64) == 2             # one kv head's group at least
+    assert _plan.sm90_section(causal, rows - 1, 8192, 128, 1, 64) == 1            # short calls: pair after pair
+    assert _plan.sm90_section((-1, 7), 8192, 8192, 128, 1, 64) > 1                # keys growing with the block
+    assert _plan.sm90_section((100, 0), 8192, 8192, 128, 1, 64) == 1              # a window: tiles alike
     section = lambda *a, **kw: Sm90Params.from_buffer_copy(_plan_of(*a, **kw).params).section
     qkv = [np.zeros((2, 8192, 16, 128), np.float16) for _ in range(3)]
-    assert section(*qkv) == 1 and section(*qkv, causal=True) == 8 and section(*qkv, window_size=(64, 0)) == 8
+    assert section(*qkv) == 1 and section(*qkv, window_size=(64, 0)) == 1
+    assert section(*qkv, causal=True) == budget // (4 * 8192 * 128)
 
 
 def test_tensor_maps_are_encoded_once_per_array(monkeypatch):
@@ -226,7 +231,7 @@ def test_the_sm90_varlen_forward_matches_the_mma_sync_kernels(paths, causal):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("kv_heads_a_section", [1, 2, 5, 1000])
-@pytest.mark.parametrize("window_size", [(-1, 0), (100, 7)])
+@pytest.mark.parametrize("window_size", [(-1, 0), (-1, 7)])
 def test_every_tile_is_computed_once_whatever_the_section(paths, monkeypatch, kv_heads_a_section, window_size):
     """The scheduler's sections (a section's worth of K and V forced to 1, 2 or 5 kv heads,
     or all of them; 18 pairs of 3 sequences x 6 heads on 2 kv heads: sections of 3, 6 and
@@ -239,6 +244,7 @@ def test_every_tile_is_computed_once_whatever_the_section(paths, monkeypatch, kv
     from .test_gpu_forward import poisoned_allocations
     seqlen = 300
     monkeypatch.setattr(_plan, "SM90_SECTION_BYTES", kv_heads_a_section * 4 * seqlen * 128)
+    monkeypatch.setattr(_plan, "SM90_SECTION_ROWS", 1)
     rng = np.random.default_rng(kv_heads_a_section)
     host, (q, k, v) = _arrays_of(rng, "bfloat16", (3, seqlen, 6, 128), (3, seqlen, 2, 128), (3, seqlen, 2, 128))
     want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), window_size=window_size)

@@ -105,13 +105,13 @@ struct Sm90Shared {
 
 // The tiles of a launch, numbered 0 .. count - 1; CTA c takes c, c + gridDim.x, ... (a grid
 // of one CTA a tile is the plain launch, whose CTAs the hardware hands out in that order as
-// multiprocessors free up). The (head, sequence) pairs go in sections of `section` (the
-// last may be shorter), whose K and V fit in L2 together; within a section, query blocks go
-// the last first, each across the section's pairs. Under a causal mask the last blocks are
-// the longest, so the short ones fill in at the end, where a section of one pair (head
-// after head) leaves the last head's long tiles to start late and run alone. Without a
-// mask every tile is as long, and the planner passes a section of one.
-template <int kBlockM>
+// multiprocessors free up). Without a mask every tile is as long: a (head, sequence) pair's
+// query blocks go together, sharing its K and V in L2. Under a causal mask or a window
+// (kSections) the pairs go in sections of args.section (the last may be shorter) whose K
+// and V fit in L2 together, and within a section query block by query block, the last
+// first, across its pairs: the longest tiles first, the short ones filling in at the end,
+// where pair after pair would leave the last pair's long tiles to start late and run alone.
+template <int kBlockM, bool kSections>
 struct Sm90Tiles {
   const Sm90Params& args;  // (read where needed: the kernel's parameters hold no registers)
 
@@ -119,11 +119,15 @@ struct Sm90Tiles {
   __device__ __forceinline__ int count() const { return m_blocks() * args.p.nheads * args.batch; }
   // Tile t's (query block, head, batch).
   __device__ __forceinline__ void at(int t, int& m_block, int& head, int& batch) const {
-    const int section = args.section, pairs = args.p.nheads * args.batch;
-    const int first = t / (section * m_blocks()) * section;  // the section's first pair
-    const int width = min(section, pairs - first), r = t - first * m_blocks();
-    const int pair = first + r % width;  // head + heads * batch
-    m_block = m_blocks() - 1 - r / width, head = pair % args.p.nheads, batch = pair / args.p.nheads;
+    int pair, from_last;  // pair: head + heads * batch
+    if constexpr (kSections) {
+      const int first = t / (args.section * m_blocks()) * args.section;  // the section's first pair
+      const int width = min(args.section, args.p.nheads * args.batch - first), r = t - first * m_blocks();
+      pair = first + r % width, from_last = r / width;
+    } else {
+      pair = t / m_blocks(), from_last = t % m_blocks();
+    }
+    m_block = m_blocks() - 1 - from_last, head = pair % args.p.nheads, batch = pair / args.p.nheads;
   }
 };
 
@@ -287,7 +291,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
   const auto shared = Shared::of(dynamic_shared);
   const Params& p = args.p;
-  const Sm90Tiles<kBlockM> schedule{args};
+  const Sm90Tiles<kBlockM, kLocal> schedule{args};
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
   // Tile t's rows and key tiles; false where they are past its sequence (packed arrays:
   // the tiles cover the longest).
