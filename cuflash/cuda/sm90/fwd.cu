@@ -105,29 +105,32 @@ struct Sm90Shared {
 
 // The tiles of a launch, numbered 0 .. count - 1; CTA c takes c, c + gridDim.x, ... (a grid
 // of one CTA a tile is the plain launch, whose CTAs the hardware hands out in that order as
-// multiprocessors free up). Without a mask every tile is as long: a (head, sequence) pair's
-// query blocks go together, sharing its K and V in L2. Under a causal mask or a window
-// (kSections) the pairs go in sections of args.section (the last may be shorter) whose K
-// and V fit in L2 together, and within a section query block by query block, the last
-// first, across its pairs: the longest tiles first, the short ones filling in at the end,
-// where pair after pair would leave the last pair's long tiles to start late and run alone.
+// multiprocessors free up). A (head, sequence) pair's query blocks go together, the last
+// first, sharing its K and V in L2: without a mask every tile is as long. Under a causal
+// mask (kSections, and a section of more than one pair: _plan.sm90_section) the pairs go
+// in sections (the last may be shorter) whose K and V fit in L2 together, and within a
+// section query block by query block, the last first, across its pairs: the longest tiles
+// first, the short ones filling in at the end, where pair after pair would leave the last
+// pair's long tiles to start late and run alone.
 template <int kBlockM, bool kSections>
 struct Sm90Tiles {
-  const Sm90Params& args;  // (read where needed: the kernel's parameters hold no registers)
+  int m_blocks, heads, count, section;
 
-  __device__ __forceinline__ int m_blocks() const { return ceil_div(args.p.seqlen_q, kBlockM); }  // packed: the longest sequence's
-  __device__ __forceinline__ int count() const { return m_blocks() * args.p.nheads * args.batch; }
+  static __device__ __forceinline__ Sm90Tiles of(const Sm90Params& args) {
+    const int m_blocks = ceil_div(args.p.seqlen_q, kBlockM);  // packed: the longest sequence's
+    return {m_blocks, args.p.nheads, m_blocks * args.p.nheads * args.batch, args.section};
+  }
   // Tile t's (query block, head, batch).
   __device__ __forceinline__ void at(int t, int& m_block, int& head, int& batch) const {
     int pair, from_last;  // pair: head + heads * batch
-    if constexpr (kSections) {
-      const int first = t / (args.section * m_blocks()) * args.section;  // the section's first pair
-      const int width = min(args.section, args.p.nheads * args.batch - first), r = t - first * m_blocks();
+    if (kSections && section > 1) {
+      const int first = t / (section * m_blocks) * section;  // the section's first pair
+      const int width = min(section, count / m_blocks - first), r = t - first * m_blocks;
       pair = first + r % width, from_last = r / width;
     } else {
-      pair = t / m_blocks(), from_last = t % m_blocks();
+      pair = t / m_blocks, from_last = t % m_blocks;
     }
-    m_block = m_blocks() - 1 - from_last, head = pair % args.p.nheads, batch = pair / args.p.nheads;
+    m_block = m_blocks - 1 - from_last, head = pair % heads, batch = pair / heads;
   }
 };
 
@@ -291,7 +294,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
   const auto shared = Shared::of(dynamic_shared);
   const Params& p = args.p;
-  const Sm90Tiles<kBlockM, kLocal> schedule{args};
+  const auto schedule = Sm90Tiles<kBlockM, kLocal>::of(args);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
   // Tile t's rows and key tiles; false where they are past its sequence (packed arrays:
   // the tiles cover the longest).
@@ -309,7 +312,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     sm90::set_max_registers<kProducerRegisters, false>();
     if (threadIdx.x == 0) {
       int loaded = 0, round = 0;  // key tiles and tiles so far
-      for (int t = blockIdx.x; t < schedule.count(); t += gridDim.x) {
+      for (int t = blockIdx.x; t < schedule.count; t += gridDim.x) {
         Block block;
         if (!tile(t, block)) continue;
         shared.q_released().wait((round++ & 1) ^ 1);
@@ -340,7 +343,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     unsigned p_frag[kBlockN / 16][4];
     float alpha[1][2];
     int used = 0, round = 0;  // key tiles and tiles so far
-    for (int t = blockIdx.x; t < schedule.count(); t += gridDim.x) {
+    for (int t = blockIdx.x; t < schedule.count; t += gridDim.x) {
       Block block;
       if (!tile(t, block)) continue;
       const int tiles = max(0, block.n_end - block.n_begin);  // key tiles n_end - 1 down to n_begin
