@@ -561,13 +561,15 @@ def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim
     """(head, sequence) pairs whose tiles the sm_90a scheduler interleaves, the longest
     first (fwd.cu, Sm90Tiles). Where a tile's keys grow with its query block (a causal
     mask, any window unbounded on the left and bounded on the right) and there are
-    SM90_SECTION_ROWS query rows or more: as many pairs as keep their K and V within
-    SM90_SECTION_BYTES of L2 (whole groups of heads sharing keys). Otherwise one, pair
-    after pair."""
+    SM90_SECTION_ROWS query rows or more: at most as many pairs as keep their K and V
+    within SM90_SECTION_BYTES of L2 (whole groups of heads sharing keys), in sections of
+    equal size. Otherwise one, pair after pair."""
     if window[0] != -1 or window[1] == -1 or seqlen_q < SM90_SECTION_ROWS:
         return 1
     kv_heads = max(1, SM90_SECTION_BYTES // (4 * seqlen_k * head_dim))  # K and V, 2 bytes an element
-    return max(1, min(pairs, kv_heads * heads_per_kv))
+    most = max(1, min(pairs, kv_heads * heads_per_kv))
+    sections = -(-pairs // most)
+    return -(-pairs // sections)  # (of equal size: a short last one would run its long tiles alone)
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,

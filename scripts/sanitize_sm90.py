@@ -7,14 +7,18 @@ capability 9.0 GPU:
 
 Every head dim's tile (d 64: three consumers; 128, 256: two), not causal on the persistent
 grid with more tiles than multiprocessors (so CTAs take several tiles and the producer loads
-the next tile's Q under the last one's output), causal, a sliding window with softcap (the
-extras variant), GQA, ragged lengths (sq != sk, tails of a tile). Each call's output and LSE
-are checked against the float64 reference.
+the next tile's Q under the last one's output), causal (pair after pair, and in the
+scheduler's sections, of three pairs here), a sliding window with softcap (the extras
+variant), GQA, ragged lengths (sq != sk, tails of a tile). Each call's output and LSE are
+checked against the float64 reference.
 """
+import contextlib
+
 import cupy
 import numpy as np
 
 import cuflash
+from cuflash import _plan
 from cuflash.reference import attention_reference
 
 
@@ -30,12 +34,26 @@ def call(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, d
     print(f"d {d:3} {batch}x{seqlen_q}x{seqlen_k} heads {nheads}/{nheads_k} {kw}: max error {err:.1e}, lse {lse_err:.1e}")
 
 
+@contextlib.contextmanager
+def sections(seqlen_k: int, d: int, kv_heads: int):
+    """Calls planned inside take the causal scheduler's sections whatever their length, of
+    ``kv_heads`` kv heads' groups."""
+    saved = _plan.SM90_SECTION_ROWS, _plan.SM90_SECTION_BYTES
+    _plan.SM90_SECTION_ROWS, _plan.SM90_SECTION_BYTES = 1, kv_heads * 4 * seqlen_k * d
+    try:
+        yield
+    finally:
+        _plan.SM90_SECTION_ROWS, _plan.SM90_SECTION_BYTES = saved
+
+
 def main() -> None:
     major, _ = cupy.cuda.Device().compute_capability
     assert int(major) == 9, "needs a compute capability 9.0 GPU"
     for d in (64, 128, 256):
         call(4, 1000, 1000, 8, 2, d)  # 24-32 tiles a head group: more tiles than multiprocessors
         call(2, 333, 517, 4, 4, d, causal=True)
+        with sections(600, d, kv_heads=1):  # 12 pairs in sections of 3
+            call(2, 600, 600, 6, 2, d, causal=True)
         call(1, 300, 300, 4, 1, d, window_size=(70, 20), softcap=30.0)
 
 

@@ -97,7 +97,14 @@ __device__ __forceinline__ float fast_log2(float x) {
 // the last heads' long tiles would start late and finish alone). The groups keep the
 // rows their tiles share (K and V in the forward; Q, dO and dQ's accumulator in the
 // backward) in L2 while they run (_kernels.tile_group; over all heads at once, at
-// seqlen 512 they were read from memory again by every tile).
+// seqlen 512 they were read from memory again by every tile). tile_major is the order
+// (the sm_90a forward's tile scheduler takes it too).
+__device__ __forceinline__ void tile_major(int linear, int tiles, int pairs, int group, int& tile, int& pair) {
+  const int first = linear / (group * tiles) * group;  // the group's first (head, batch)
+  const int in_group = min(group, pairs - first), at = linear - first * tiles;
+  pair = first + at % in_group, tile = at / in_group;
+}
+
 template <bool kTileMajor>
 struct GridTile {
   int tile, head, batch;
@@ -108,10 +115,9 @@ struct GridTile {
     } else {
       const int tiles = gridDim.x, heads = gridDim.y * gridDim.z;
       const int linear = blockIdx.x + tiles * (blockIdx.y + gridDim.y * blockIdx.z);
-      const int first = linear / (group * tiles) * group;  // the group's first (head, batch)
-      const int in_group = min(group, heads - first), at = linear - first * tiles;
-      const int pair = first + at % in_group;
-      return GridTile{at / in_group, pair % int(gridDim.y), pair / int(gridDim.y)};
+      int tile, pair;
+      tile_major(linear, tiles, heads, group, tile, pair);
+      return GridTile{tile, pair % int(gridDim.y), pair / int(gridDim.y)};
     }
   }
 };

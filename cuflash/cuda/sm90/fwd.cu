@@ -108,10 +108,10 @@ struct Sm90Shared {
 // multiprocessors free up). A (head, sequence) pair's query blocks go together, the last
 // first, sharing its K and V in L2: without a mask every tile is as long. Under a causal
 // mask (kSections, and a section of more than one pair: _plan.sm90_section) the pairs go
-// in sections (the last may be shorter) whose K and V fit in L2 together, and within a
-// section query block by query block, the last first, across its pairs: the longest tiles
-// first, the short ones filling in at the end, where pair after pair would leave the last
-// pair's long tiles to start late and run alone.
+// in sections of equal size whose K and V fit in L2 together, and within a section query
+// block by query block, the last first, across its pairs (tile_major, the mma.sync
+// grid's order): the longest tiles first, the short ones filling in at the end, where pair
+// after pair would leave the last pair's long tiles to start late and run alone.
 template <int kBlockM, bool kSections>
 struct Sm90Tiles {
   int m_blocks, heads, count, section;
@@ -124,9 +124,7 @@ struct Sm90Tiles {
   __device__ __forceinline__ void at(int t, int& m_block, int& head, int& batch) const {
     int pair, from_last;  // pair: head + heads * batch
     if (kSections && section > 1) {
-      const int first = t / (section * m_blocks) * section;  // the section's first pair
-      const int width = min(section, count / m_blocks - first), r = t - first * m_blocks;
-      pair = first + r % width, from_last = r / width;
+      tile_major(t, m_blocks, count / m_blocks, section, from_last, pair);  // (common.cuh)
     } else {
       pair = t / m_blocks, from_last = t % m_blocks;
     }
