@@ -552,8 +552,8 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
     if batch and p.seqlen_q and p.nheads:
         steps = (Step(kernel, kernel.grid(p.seqlen_q, p.nheads, batch, multiprocessors)),)
     section = sm90_section(options.window, p.seqlen_q, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
-    return Plan(bytes(Sm90Params(p=p, batch=batch, section=section)), tuple(f"p.{n}" for n in FORWARD_POINTERS), steps, Sm90Params,
-                maps=tuple(maps))
+    return Plan(bytes(Sm90Params(p=p, batch=batch, section=section)), tuple(f"p.{n}" for n in FORWARD_POINTERS),
+                steps, Sm90Params, maps=tuple(maps))
 
 
 def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim: int, heads_per_kv: int,

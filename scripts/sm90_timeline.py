@@ -148,7 +148,7 @@ def main() -> None:
     use_patched("sm90/fwd.cu", patched, trace.data_ptr())
     _kernels._launchers.clear()
     rate = cycles_per_ns()
-    print(f"SM clock {rate:.3f} GHz (clock64 per globaltimer ns)")
+    print(f"SM clock at rest {rate:.3f} GHz (clock64 per globaltimer ns; each CTA's stamps go at its own rate)")
     for call in args.calls.split(","):
         d, causal, seqlen = int(call.split("c")[0].split("n")[0]), "c" in call, int(call.replace("c", "n").split("n")[1])
         q, k, v = (torch.randn(max(1, 16384 // seqlen), seqlen, 2048 // d, d, device="cuda", dtype=torch.bfloat16)
