@@ -286,9 +286,7 @@ def tile_group(kernel: _plan.Kernel, heads: int, device: int) -> int:
     with 72 pairs in groups of 66 and 6; docs/tuning.md, "Tile-major causal grids").
     The resident CTAs depend on the compiled kernel's registers: this is the one number
     of a launch that the plan cannot know."""
-    most = max(1, multiprocessors(device) * _resident_ctas(kernel, device) // 4)
-    groups = -(-heads // most)
-    return -(-heads // groups)
+    return _plan.group_size(heads, multiprocessors(device) * _resident_ctas(kernel, device) // 4)
 
 
 @functools.cache

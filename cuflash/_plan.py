@@ -567,9 +567,15 @@ def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim
     if window[0] != -1 or window[1] == -1 or seqlen_q < SM90_SECTION_ROWS:
         return 1
     kv_heads = max(1, SM90_SECTION_BYTES // (4 * seqlen_k * head_dim))  # K and V, 2 bytes an element
-    most = max(1, min(pairs, kv_heads * heads_per_kv))
-    sections = -(-pairs // most)
-    return -(-pairs // sections)  # (of equal size: a short last one would run its long tiles alone)
+    return group_size(pairs, kv_heads * heads_per_kv)
+
+
+def group_size(pairs: int, most: int) -> int:
+    """The size of the tile-major order's groups (tile_major in cuda/common.cuh) of at most
+    ``most`` of ``pairs`` (head, sequence) pairs, as few groups as that allows, of equal
+    size: a short last group would run its long tiles alone."""
+    groups = -(-pairs // max(1, most))
+    return -(-pairs // groups)
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
