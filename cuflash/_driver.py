@@ -44,6 +44,7 @@ _SIGNATURES = {
     "cuFuncSetAttribute": (_p, _i, _i),
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": (ctypes.POINTER(_i), _p, _i, ctypes.c_size_t),
     "cuOccupancyMaxActiveClusters": (ctypes.POINTER(_i), _p, _p),
+    "cuMemsetD32Async": (ctypes.c_uint64, _u, ctypes.c_size_t, _p),
 }  # (launcher() takes its own handles of cuLaunchKernel and cuCtxGetCurrent, without argtypes)
 
 
@@ -225,6 +226,12 @@ def resident_blocks(function: int, threads: int, shared_bytes: int) -> int:
     _check(_lib().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), function, threads, shared_bytes),
            "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     return blocks.value
+
+
+def zero_words(pointer: int, count: int, stream: int) -> None:
+    """Sets ``count`` 4-byte words from ``pointer`` to 0, in order on ``stream`` (in the
+    current context)."""
+    _check(_lib().cuMemsetD32Async(pointer, 0, count, stream), "cuMemsetD32Async")
 
 
 @functools.cache

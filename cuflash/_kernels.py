@@ -30,14 +30,16 @@ _launch_observer = None
 
 
 def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo | None, options: Options, *,
-            stream: int, varlen: Varlen | None = None) -> None:
+            stream: int, varlen: Varlen | None = None, workspace: tuple[ArrayInfo, ...] = ()) -> None:
     """out = attention(q, k, v) and its LSE ((batch, nheads, seqlen_q), or (nheads, total_q);
-    contiguous, or None: not written)."""
+    contiguous, or None: not written). ``workspace``: scratch for the plan's workspace, in
+    its order (the sm_90a forward's tile counter: 4 bytes), or () where the plan has none."""
     key = _plan_key((q, k, v, out), options, varlen)
     launcher = _launchers.get(key) if key else None
     if launcher is None:
         launcher = _remember(key, forward_launcher(q, k, v, out, options, varlen))
-    launcher(stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr)
+    launcher(stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr,
+             *(w.ptr for w in workspace[:len(launcher.plan.workspace)]))
 
 
 def forward_launcher(q, k, v, out, options: Options, varlen: Varlen | None) -> Launcher:
@@ -213,6 +215,9 @@ class Launcher:
                         tuple(map(ctypes.c_int, s.args)), s.cluster, s.dependent) for s in plan.steps]
         self._maps = [(field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m) for m in plan.maps]
         self._mapped = None  # the pointers self.params' maps were encoded for
+        # The counters the steps count on from 0: (pointer index, 4-byte words) each.
+        self._zeroed = tuple((plan.pointers.index(name), math.prod(shape))
+                             for name, shape, _ in plan.workspace if name in plan.counters)
         self._lock = threading.Lock()
         self._words, self._calls = self._bind(self.params)
 
@@ -232,6 +237,9 @@ class Launcher:
     def __call__(self, stream: int, *pointers: int) -> None:
         if not self._calls:  # an empty call: nothing to launch
             return
+        if self._zeroed and not all(index < len(pointers) and pointers[index] for index, _ in self._zeroed):
+            raise ValueError(f"this launch needs its workspace {self.plan.workspace}: its pointers follow the "
+                             f"arrays' ({self.plan.pointers})")
         if self._lock.acquire(blocking=False):
             try:
                 if self._maps and pointers != self._mapped:
@@ -264,13 +272,14 @@ class Launcher:
             _launch_observer(params.pointers(), stream)
         launch, current_context = _driver.launcher()
         if current_context() == self.context:
-            self._launch_steps(launch, calls, stream)
+            self._launch_steps(launch, calls, stream, pointers)
         else:
             with _driver.in_context(self.device):
-                self._launch_steps(launch, calls, stream)
+                self._launch_steps(launch, calls, stream, pointers)
 
-    @staticmethod
-    def _launch_steps(launch, calls: list, stream: int) -> None:
+    def _launch_steps(self, launch, calls: list, stream: int, pointers: tuple) -> None:
+        for index, words in self._zeroed:
+            _driver.zero_words(pointers[index], words, stream)
         for function, x, y, z, threads, shared, argument_array, arguments, extended in calls:
             if extended is None:
                 launch(function, x, y, z, threads, 1, 1, shared, stream, arguments, 0)

@@ -339,9 +339,10 @@ class Sm90Forward(NamedTuple):
     def shared_bytes(self) -> int:
         """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers (a landed and a
         released one for Q and for each stage, or with two stages for each stage's K and V:
-        kApart) and 1024 bytes of alignment."""
+        kApart), the loaded tile's number (8 bytes) and 1024 bytes of alignment."""
         stage_barriers = (2 if self.stages == 2 else 1) * self.stages
-        return 2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + (2 + 2 * stage_barriers) * 8 + 1024
+        return (2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + (2 + 2 * stage_barriers) * 8
+                + 8 + 1024)
 
     def grid(self, rows: int, heads: int, batch: int, multiprocessors: int = 0) -> tuple[int, int, int]:
         """A CTA per tile, or at most one per multiprocessor (one fits: its registers), each
@@ -350,13 +351,13 @@ class Sm90Forward(NamedTuple):
         return (min(tiles, multiprocessors) if multiprocessors else tiles), 1, 1
 
 
-# A persistent grid (a CTA a multiprocessor) where every tile sees the same keys: the
-# producer loads the next tile's Q and keys while the consumers finish a tile and store it
-# (H200, d 128 bf16, 16k tokens: 1.00-1.05x a CTA per tile, most at 1k). Under a causal
-# mask or a window the tiles' lengths differ, and a CTA per tile, which the hardware hands
-# out as multiprocessors free up, stays ahead (a persistent grid taking the longest tiles of
-# every head first, in static shares, ran 0.91-0.99x it at 4k-16k).
-SM90_PERSISTENT = True
+# The sm_90a forward runs on a persistent grid (a CTA a multiprocessor): the producer loads
+# the next tile's Q and keys while the consumers finish a tile and store it (H200, d 128
+# bf16, 16k tokens, no mask: 1.00-1.05x a CTA per tile, most at 1k). Where every tile sees
+# the same keys the CTAs take tiles in turn; under a causal mask or a window, whose tiles
+# differ in length, each takes the next in order as it gets free, from a counter (in static
+# shares the longest tiles first ran 0.91-0.99x a CTA per tile at 4k-16k).
+
 # Under a causal mask the scheduler takes the longest tiles first across a section of
 # (head, sequence) pairs (sm90_section, fwd.cu's Sm90Tiles) rather than pair after pair,
 # from SM90_SECTION_ROWS query rows, its section's K and V in SM90_SECTION_BYTES of L2.
@@ -490,14 +491,16 @@ class Plan(NamedTuple):
     """What a call launches, all but its array pointers: the kernels' argument struct
     (``struct``, as bytes) with the pointers left to fill in at ``pointers`` (field names,
     in the order the launcher is given them), then each step. ``workspace``: the scratch
-    buffers the caller allocates, (name, shape, dtype) each; ``maps``: the tensor maps the
-    launcher encodes from the pointers."""
+    buffers the caller allocates, (name, shape, dtype) each (``pointers`` names them too);
+    ``counters``: those of them the launcher sets to 0 before the steps
+    (int32); ``maps``: the tensor maps the launcher encodes from the pointers."""
     params: bytes
     pointers: tuple[str, ...]
     steps: tuple[Step, ...]
     struct: type = Params
     workspace: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     maps: tuple[TensorMapSpec, ...] = ()
+    counters: tuple[str, ...] = ()
 
 
 FORWARD_POINTERS = ("q", "k", "v", "o", "lse")
@@ -510,12 +513,11 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
             shared_limit: int, sm90a: bool = False, multiprocessors: int = 0) -> Plan:
     """out = attention(q, k, v) (and its LSE where the launch is given a pointer); with
     ``sm90a`` (a compute capability 9.0 device) through the sm_90a forward where it
-    takes the call, on a persistent grid of a CTA per multiprocessor where SM90_PERSISTENT
-    says (else, or with ``multiprocessors`` 0, a CTA per tile)."""
+    takes the call, on a persistent grid of a CTA per multiprocessor (with
+    ``multiprocessors`` 0, a CTA per tile)."""
     p, batch = _params(q, k, v, options, varlen, o=out)
     if sm90a and sm90_takes(q, k, v, out, options, varlen):
-        persistent = SM90_PERSISTENT and not options.local
-        return _sm90_forward(p, batch, q, k, v, options, varlen, multiprocessors if persistent else 0)
+        return _sm90_forward(p, batch, q, k, v, options, varlen, multiprocessors)
     kernel = _kernel("forward", q, options, vectorizable(q, k, v, out), shared_limit)
     steps = ()
     if batch and p.seqlen_q and p.nheads:
@@ -540,7 +542,9 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
                   varlen: Varlen | None, multiprocessors: int) -> Plan:
     """The sm_90a forward's plan: its Params, and the maps of Q, K and V (packed arrays as
     one batch of all rows; each tile starts at its sequence's first); at most
-    ``multiprocessors`` CTAs (0: no limit)."""
+    ``multiprocessors`` CTAs (0: no limit). Under a causal mask or a window the CTAs take
+    tiles from a counter (fwd.cu, Sm90Tiles), the plan's workspace, which the launcher
+    zeroes."""
     head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
     kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras)
     maps = []
@@ -552,8 +556,11 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
     if batch and p.seqlen_q and p.nheads:
         steps = (Step(kernel, kernel.grid(p.seqlen_q, p.nheads, batch, multiprocessors)),)
     section = sm90_section(options.window, p.seqlen_q, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
-    return Plan(bytes(Sm90Params(p=p, batch=batch, section=section)), tuple(f"p.{n}" for n in FORWARD_POINTERS),
-                steps, Sm90Params, maps=tuple(maps))
+    pointers, workspace = tuple(f"p.{n}" for n in FORWARD_POINTERS), ()
+    if options.local:
+        pointers, workspace = pointers + ("tile_counter",), (("tile_counter", (1,), "int32"),)
+    return Plan(bytes(Sm90Params(p=p, batch=batch, section=section)), pointers, steps, Sm90Params, workspace,
+                tuple(maps), tuple(name for name, _, _ in workspace))
 
 
 def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim: int, heads_per_kv: int,

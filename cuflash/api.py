@@ -174,7 +174,8 @@ def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, return_lse: b
         launcher = _kernels.forward_launcher(q, k, v, out, options, varlen)
         if warm:  # (out is this call's own allocation: its layout is the same every call)
             warm.launcher = launcher
-    launcher(framework.stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr)
+    work = [framework.empty(shape, dtype) for _, shape, dtype in launcher.plan.workspace]  # (stream-ordered)
+    launcher(framework.stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr, *(w.ptr for w in work))
     if warm:
         warm.outputs = (out.shape, framework.calls.dtype(out.dtype), None if lse is None else lse.shape)
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
@@ -191,11 +192,13 @@ def warm_forward(q, k, v, scalars: tuple):
     calls, device, (out_shape, dtype, lse_shape) = warm.calls, warm.device, warm.outputs
     pointer = calls.pointer
     out = calls.empty(out_shape, dtype, device)
+    work = [calls.empty(shape, calls.dtype(dtype), device) for _, shape, dtype in warm.launcher.plan.workspace]
     if lse_shape is None:
-        warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), 0)
+        warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), 0, *map(pointer, work))
         return out
     lse = calls.empty(lse_shape, calls.dtype("float32"), device)
-    warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), pointer(lse))
+    warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), pointer(lse),
+                  *map(pointer, work))
     return out, lse
 
 

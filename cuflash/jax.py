@@ -461,9 +461,11 @@ def _lse_shape(q, config: _Config):
 
 
 def _forward(q, k, v, extras: dict, config: _Config):
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(_lse_shape(q, config), jnp.float32))
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(_lse_shape(q, config), jnp.float32),
+               jax.ShapeDtypeStruct((1,), jnp.int32))  # (scratch: the sm_90a forward's tile counter)
     call = buffer_callback(_ForwardCallback(config), results, vmap_method="sequential")
-    return call(q, k, v, *(extras[name] for name in config.inputs))
+    out, lse, _ = call(q, k, v, *(extras[name] for name in config.inputs))
+    return out, lse
 
 
 def _backward(dout, dlse, q, k, v, out, lse, extras: dict, config: _Config):
@@ -489,11 +491,11 @@ class _ForwardCallback:
         if _on_cpu(q):
             return _write(outputs, _call_cpu(api.attention, api.attention_varlen, self.config, [q, k, v], extras,
                                              return_lse=True))
-        out, lse = outputs
+        out, lse, counter = outputs
         dtype = self.config.dtype
         options, varlen = _gpu_options(self.config, extras, q, ctx.stream)
         _kernels.forward(*(_info(x, dtype) for x in (q, k, v, out)), _info(lse, "float32"), options,
-                         stream=ctx.stream, varlen=varlen)
+                         stream=ctx.stream, varlen=varlen, workspace=(_info(counter, "int32"),))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,7 +123,9 @@ def main() -> None:
     warm, warm_c = api._warm[key], api._warm[key_c]
     calls, calls_c = warm.calls, warm_c.calls
     out = torch.empty(shape, dtype=torch.float16, device="cuda")
-    infos = {name: _arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))}
+    counter = torch.empty(1, dtype=torch.int32, device="cuda")  # (the sm_90a forward's tile counter, on Hopper)
+    infos = {name: _arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", out),
+                                                            ("counter", counter))}
 
     rows = {
         "torch SDPA (flash)": lambda: sdpa(qt, kt, vt, is_causal=True),
@@ -143,9 +145,10 @@ def main() -> None:
         "  torch.empty": lambda: torch.empty(shape, dtype=torch.float16, device="cuda"),
         "  stream (torch)": lambda: calls.stream(0),
         "  kernels.forward (JAX's way)": lambda: _kernels.forward(infos["q"], infos["k"], infos["v"], infos["out"], None,
-                                                                  warm.options, stream=calls.stream(0)),
+                                                                  warm.options, stream=calls.stream(0),
+                                                                  workspace=(infos["counter"],)),
         "  Launcher": lambda: warm.launcher(calls.stream(0), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                            0),
+                                            0, counter.data_ptr()),
         "SDPA fwd+bwd": lambda: torch.autograd.grad(sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True),
                                                    leaves, dout.transpose(1, 2)),
         "cuflash.torch fwd+bwd": lambda: torch.autograd.grad(cuflash.torch.attention(*leaves, causal=True),

@@ -7,8 +7,8 @@ capability 9.0 GPU:
 
 Every head dim's tile (d 64: three consumers; 128, 256: two), not causal on the persistent
 grid with more tiles than multiprocessors (so CTAs take several tiles and the producer loads
-the next tile's Q under the last one's output), causal (pair after pair, and in the
-scheduler's sections, of three pairs here), a sliding window with softcap (the extras
+the next tile's Q under the last one's output), causal (CTAs taking several tiles from the
+launch's counter; pair after pair, and in the scheduler's sections, of three pairs here), a sliding window with softcap (the extras
 variant), GQA, ragged lengths (sq != sk, tails of a tile). Each call's output and LSE are
 checked against the float64 reference.
 """
@@ -51,6 +51,7 @@ def main() -> None:
     assert int(major) == 9, "needs a compute capability 9.0 GPU"
     for d in (64, 128, 256):
         call(4, 1000, 1000, 8, 2, d)  # 24-32 tiles a head group: more tiles than multiprocessors
+        call(4, 1000, 1000, 8, 2, d, causal=True)  # the CTAs take tiles from the launch's counter
         call(2, 333, 517, 4, 4, d, causal=True)
         with sections(600, d, kv_heads=1):  # 12 pairs in sections of 3
             call(2, 600, 600, 6, 2, d, causal=True)

@@ -43,7 +43,8 @@ def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=
         _plan.SM90_SECTION_BYTES = saved_section
     assert (plan.struct.__name__ == "Sm90Params") == sm90a, "the sm_90a forward does not take this call"
     launcher = _kernels.Launcher(plan, q.device.index)
-    pointers = [x.data_ptr() for x in (q, k, v, out)] + [0]
+    work = [torch.empty(shape, dtype=getattr(torch, dtype), device=q.device) for _, shape, dtype in plan.workspace]
+    pointers = [x.data_ptr() for x in (q, k, v, out)] + [0] + [w.data_ptr() for w in work]
     return lambda: launcher(torch.cuda.current_stream().cuda_stream, *pointers)
 
 

@@ -48,11 +48,11 @@ def patched(text: str, address: int) -> str:
          "  const unsigned long long trace_clock = clock64();\n"
          "  asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(trace_smid));\n"
          "  if (threadIdx.x == 0) shared.init_barriers(kConsumers * 128);\n"),
-        ("        shared.load_q(args, block.q_row(), block.head, block.tma_batch);\n",
-         "        shared.load_q(args, block.q_row(), block.head, block.tma_batch);\n"
+        ("        if (leader) shared.tile() = t, shared.load_q(args, block.q_row(), block.head, block.tma_batch);\n",
+         "        if (leader) shared.tile() = t, shared.load_q(args, block.q_row(), block.head, block.tma_batch);\n"
          f"        TRACE_AT(0, {POINTS['q asked']});\n"),
-        ("      shared.q_landed().wait(round++ & 1);\n",
-         "      shared.q_landed().wait(round++ & 1);\n"
+        ("      auto phase_of = [&](int j) { return ((used + j) / kStages) & 1; };\n",
+         "      auto phase_of = [&](int j) { return ((used + j) / kStages) & 1; };\n"
          f"      TRACE_AT(128, {POINTS['q landed']});\n"
          f"      if (threadIdx.x == 128) {record}[{CTA_TIME}] = trace_time, {record}[{CTA_CLOCK}] = trace_clock,\n"
          f"          {record}[{SM}] = trace_smid, {record}[{CTA}] = blockIdx.x, {record}[{KEY_TILES}] = tiles;\n"),

@@ -262,6 +262,39 @@ def test_every_tile_is_computed_once_whatever_the_section(paths, monkeypatch, kv
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("ctas", [1, 5, 1000])
+@pytest.mark.parametrize("window_size", [(-1, 0), (40, 40)])
+def test_a_banded_grid_takes_every_tile_once_from_its_counter(ctas, window_size):
+    """Under a causal mask or a window the CTAs take tiles from a counter that the launcher
+    zeroes for each launch: with 1 or 5 CTAs for 36 tiles, or a CTA a tile, three launches
+    in a row into poisoned memory (the counter too), every row written by its own tile; a
+    launch without the counter is refused."""
+    import cupy
+
+    from cuflash.reference import attention_reference
+    rng = np.random.default_rng(ctas)
+    host, (q, k, v) = _arrays_of(rng, "bfloat16", (2, 700, 3, 128), (2, 700, 1, 128), (2, 700, 1, 128))
+    want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), window_size=window_size)
+    infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", q))]
+    options = _options.make_options(infos[0], infos[1], False, None, window_size, 0.0, None, 0.0, None, 0,
+                                    backward=False)
+    plan = _plan.forward(*infos, options, None, _plan.shared_memory_limit("sm_90"), True, ctas)
+    assert plan.steps[0].grid[0] == min(ctas, 36) and plan.counters == ("tile_counter",)
+    launcher = _kernels.Launcher(plan, 0)
+    stream = cupy.cuda.get_current_stream().ptr
+    for _ in range(3):
+        out, lse, counter = cupy.empty_like(q), cupy.empty((2, 3, 700), np.float32), cupy.empty(1, np.int32)
+        for x in (out, lse, counter):
+            x.view(np.uint8).fill(0xFF)
+        launcher(stream, *(x.data.ptr for x in (q, k, v, out, lse, counter)))
+        _close(out, want, 2e-2)
+        _close(lse, want_lse, 1e-3)
+    with pytest.raises(ValueError, match="workspace"):
+        launcher(stream, *(x.data.ptr for x in (q, k, v, out, lse)))
+
+
+@pytest.mark.gpu
+@hopper
 def test_torch_reaches_the_sm90_forward_and_its_backward_takes_the_lse(paths):
     torch = pytest.importorskip("torch", reason="the torch front end needs PyTorch")
     import cuflash.torch
@@ -287,8 +320,9 @@ def test_torch_reaches_the_sm90_forward_and_its_backward_takes_the_lse(paths):
 @hopper
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_sm90_forward_is_bitwise_reproducible(paths, causal):
-    """No atomics and one order of key tiles per row: the same call, the same bits (the
-    deterministic mode's promise holds for the forward on either path)."""
+    """One order of key tiles per row, whichever CTA takes the tile (the banded grid's
+    counter decides only that): the same call, the same bits (the deterministic mode's
+    promise holds for the forward on either path)."""
     rng = np.random.default_rng(9)
     _, (q, k, v) = _arrays_of(rng, "bfloat16", (2, 1000, 8, 128), (2, 1000, 2, 128), (2, 1000, 2, 128))
     first, first_lse = paths(False, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True))

@@ -3,10 +3,11 @@
 // Head dims of 64, 128 and 256 (the planner rounds others up: the copy engine brings the
 // columns past the array's as zeros, and the output stores only the array's own).
 // Each CTA takes tiles (a block of kConsumers x 64 query rows of one head and sequence)
-// from the tile scheduler (Sm90Tiles) until none is left: a persistent grid. A producer
-// warpgroup's one thread asks the copy engine for each tile's Q and for its key tiles' K
-// and V, into a ring of kStages stages that runs on from tile to tile; consumer warpgroup c
-// owns query rows 64c .. 64c + 63 of the tile. Per key tile n (the last first, as the
+// from the tile scheduler (Sm90Tiles) until none is left: a persistent grid. The producer
+// warpgroup's first warp asks the copy engine for each tile's Q and for its key tiles' K
+// and V, into a ring of kStages stages that runs on from tile to tile, and tells the
+// consumers which tile's Q it loaded; consumer warpgroup c owns query rows 64c .. 64c + 63
+// of the tile. Per key tile n (the last first, as the
 // mma.sync forward):
 //
 //   S = Q K_n^T                    wgmma, Q and K from shared memory
@@ -33,7 +34,8 @@ namespace cuflash {
 
 // Shared memory, byte offsets from a 1024-byte aligned start (the swizzle's atoms): Q,
 // kStages K tiles, kStages V tiles, then the barriers: Q's two ("landed", "released"), then
-// each stage's "landed" and each stage's "released". With two stages (kApart) K and V have
+// each stage's "landed" and each stage's "released"; then the number of the tile whose Q
+// is loaded (the producer's word to the consumers, under Q's barriers). With two stages (kApart) K and V have
 // barriers of their own (K's landed, V's landed, K's released, V's released): a stage's K
 // is done with at its S, its V only at the next turn's P V, and the copy engine refills
 // each as soon as it may. With three (d 64), a stage's K and V share one pair: the third
@@ -50,7 +52,8 @@ struct Sm90Shared {
   static constexpr int kBarriers = kV + kStages * kKvTile;
   static constexpr bool kApart = kStages == 2;
   static constexpr int kStageBarriers = (kApart ? 2 : 1) * kStages;  // "landed" ones, as many "released"
-  static constexpr int kBytes = kBarriers + (2 + 2 * kStageBarriers) * 8 + 1024;
+  static constexpr int kTile = kBarriers + (2 + 2 * kStageBarriers) * 8;
+  static constexpr int kBytes = kTile + 8 + 1024;
   enum Operand { kKeys, kValues, kBoth };  // (kBoth: a stage's K and V under one pair)
 
   unsigned char* base;
@@ -61,6 +64,7 @@ struct Sm90Shared {
   __device__ __forceinline__ unsigned char* q() const { return base + kQ; }
   __device__ __forceinline__ unsigned char* k(int stage) const { return base + kK + stage * kKvTile; }
   __device__ __forceinline__ unsigned char* v(int stage) const { return base + kV + stage * kKvTile; }
+  __device__ __forceinline__ volatile int& tile() const { return *reinterpret_cast<int*>(base + kTile); }
   __device__ __forceinline__ sm90::Barrier barrier(int index) const {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
   }
@@ -103,16 +107,20 @@ struct Sm90Shared {
   }
 };
 
-// The tiles of a launch, numbered 0 .. count - 1; CTA c takes c, c + gridDim.x, ... (a grid
-// of one CTA a tile is the plain launch, whose CTAs the hardware hands out in that order as
-// multiprocessors free up). A (head, sequence) pair's query blocks go together, the last
-// first, sharing its K and V in L2: without a mask every tile is as long. Under a causal
-// mask (kSections, and a section of more than one pair: _plan.sm90_section) the pairs go
-// in sections of equal size whose K and V fit in L2 together, and within a section query
-// block by query block, the last first, across its pairs (tile_major, the mma.sync
-// grid's order): the longest tiles first, the short ones filling in at the end, where pair
-// after pair would leave the last pair's long tiles to start late and run alone.
-template <int kBlockM, bool kSections>
+// The tiles of a launch, numbered 0 .. count - 1, and which CTA takes which. A (head,
+// sequence) pair's query blocks go together, the last first, sharing its K and V in L2.
+// Without a mask every tile is as long: CTA c takes c, c + gridDim.x, ... (a grid of one
+// CTA a tile is the plain launch). Under a causal mask or a window (kLocal) they differ:
+// CTA c takes c, then whichever tile is next in order when it gets free, from a counter
+// in global memory that the launch starts at zero (FlashAttention-3's dynamic scheduler),
+// as the hardware hands out the CTAs of a grid of one a tile, yet each CTA loads its next
+// tile's Q and keys under its current tile. And under a causal mask (a section of more
+// than one pair: _plan.sm90_section) the pairs go in sections of equal size whose K and V
+// fit in L2 together, and within a section query block by query block, the last first,
+// across its pairs (tile_major, the mma.sync grid's order): the longest tiles first, the
+// short ones filling in at the end, where pair after pair would leave the last pair's long
+// tiles to start late and run alone.
+template <int kBlockM, bool kLocal>
 struct Sm90Tiles {
   int m_blocks, heads, count, section;
 
@@ -120,10 +128,16 @@ struct Sm90Tiles {
     const int m_blocks = ceil_div(args.p.seqlen_q, kBlockM);  // packed: the longest sequence's
     return {m_blocks, args.p.nheads, m_blocks * args.p.nheads * args.batch, args.section};
   }
+  // The tile this warp takes after tile t (kLocal: lane 0 takes it from the launch's
+  // counter, of the tiles taken past the first gridDim.x).
+  static __device__ __forceinline__ int next(int t, const Sm90Params& args, int lane) {
+    if (!kLocal) return t + gridDim.x;
+    return gridDim.x + __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(args.tile_counter, 1) : 0, 0);
+  }
   // Tile t's (query block, head, batch).
   __device__ __forceinline__ void at(int t, int& m_block, int& head, int& batch) const {
     int pair, from_last;  // pair: head + heads * batch
-    if (kSections && section > 1) {
+    if (kLocal && section > 1) {
       tile_major(t, m_blocks, count / m_blocks, section, from_last, pair);  // (common.cuh)
     } else {
       pair = t / m_blocks, from_last = t % m_blocks;
@@ -261,11 +275,14 @@ __device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kB
 // Warpgroup 0 produces, warpgroups 1 .. kConsumers compute. The producer keeps 24 registers
 // a thread and gives the rest to the consumers (setmaxnreg, in multiples of 8: 128 x 24 +
 // 256 x 240, or with three consumers 128 x 24 + 384 x 160, fits the 65,536 of a
-// multiprocessor). A stage's K (and its V) is "landed" when its bytes have arrived and
-// "released" when every consumer thread is done with it; the producer waits for the
-// release before it refills it (a fresh barrier counts as released: its waits start on the
-// other parity). The ring's stages and their phases count key tiles across the CTA's tiles
-// (`loaded`, `used`); Q is landed and released once a tile.
+// multiprocessor). Its first warp runs the tile loop, lane 0 asking for the loads: values
+// the whole warp computes alike go to the uniform datapath's registers (one thread alone
+// spilled its 24 once it also took tiles from the counter). A stage's K (and its V) is
+// "landed" when its bytes have arrived and "released" when every consumer thread is done
+// with it; the producer waits for the release before it refills it (a fresh barrier counts
+// as released: its waits start on the other parity). The ring's stages and their phases
+// count key tiles across the CTA's tiles (`loaded`, `used`); Q is landed and released once
+// a tile, the tile's number written beside it (Sm90Shared::tile; -1: none left).
 //
 // A consumer's turn j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then turns
 // S_j into P_j while the second product runs (HOPPER.md's intra-warpgroup overlap): O is
@@ -308,18 +325,19 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
 
   if (group == 0) {  // the producer
     sm90::set_max_registers<kProducerRegisters, false>();
-    if (threadIdx.x == 0) {
+    if (warp == 0) {  // (its values uniform: in the uniform datapath's registers)
+      const bool leader = lane == 0;  // asks for the loads and announces their bytes
       int loaded = 0, round = 0;  // key tiles and tiles so far
-      for (int t = blockIdx.x; t < schedule.count; t += gridDim.x) {
+      for (int t = blockIdx.x; t < schedule.count; t = schedule.next(t, args, lane)) {
         Block block;
         if (!tile(t, block)) continue;
         shared.q_released().wait((round++ & 1) ^ 1);
-        shared.load_q(args, block.q_row(), block.head, block.tma_batch);
+        if (leader) shared.tile() = t, shared.load_q(args, block.q_row(), block.head, block.tma_batch);
         // Key tile n (key tiles go from n_end - 1 down) into stage `loaded`: its K and V,
         // or, kApart, its K then the tile before it's V (the last V after the loop).
         auto load = [&](typename Shared::Operand x, int n, int i) {
           shared.released(x, i % kStages).wait(((i / kStages) & 1) ^ 1);
-          shared.load(x, args, block.k_row(n), i % kStages, block.kv_head, block.tma_batch);
+          if (leader) shared.load(x, args, block.k_row(n), i % kStages, block.kv_head, block.tma_batch);
         };
         for (int n = block.n_end - 1; n >= block.n_begin; --n, ++loaded) {
           if constexpr (Shared::kApart) {
@@ -331,6 +349,8 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         }
         if (Shared::kApart && block.n_end > block.n_begin) load(Shared::kValues, block.n_begin, loaded - 1);
       }
+      shared.q_released().wait((round & 1) ^ 1);  // none left: a Q "landed" with no tile
+      if (leader) shared.tile() = -1, shared.q_landed().arrive();
     }
   } else {  // a consumer
     sm90::set_max_registers<kConsumerRegisters, true>();
@@ -340,10 +360,13 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     float acc_s[1][kBlockN / 8][4];
     unsigned p_frag[kBlockN / 16][4];
     float alpha[1][2];
-    int used = 0, round = 0;  // key tiles and tiles so far
-    for (int t = blockIdx.x; t < schedule.count; t += gridDim.x) {
+    int used = 0;  // key tiles so far
+    for (int round = 0;; ++round) {  // the tiles the producer loads, in its order
+      shared.q_landed().wait(round & 1);
+      const int t = shared.tile();
+      if (t < 0) break;
       Block block;
-      if (!tile(t, block)) continue;
+      tile(t, block);
       const int tiles = max(0, block.n_end - block.n_begin);  // key tiles n_end - 1 down to n_begin
       const int row0 = block.m0 + warp_row0;
       OnlineSoftmax<1, true> softmax;
@@ -354,7 +377,6 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
       auto stage_of = [&](int j) { return (used + j) % kStages; };
       auto phase_of = [&](int j) { return ((used + j) / kStages) & 1; };
-      shared.q_landed().wait(round++ & 1);
       // S_j -> P_j: S = mod(S) (softcap, ALiBi); S = -inf where hidden; m and l moved,
       // P = exp(S - m); then, once O += P_{j-1} V_{j-1} has landed (its stage released),
       // O scaled and P = dropout(P). After the tile's last S, Q is released.

@@ -1,5 +1,6 @@
-// The sm_90a forward's one argument: the Params of the mma.sync kernels, the batch and the
-// section (the tile scheduler counts and orders the tiles of a launch), and the tensor maps
+// The sm_90a forward's one argument: the Params of the mma.sync kernels, the batch, the
+// section and the tile counter (the tile scheduler counts, orders and hands out the tiles
+// of a launch), and the tensor maps
 // of Q, K and V, each 4-D (headdim, seqlen, heads, batch) with a box of 64 columns (128
 // bytes, the swizzle's width) and a tile's rows (cuflash/_tensormap.py); packed (varlen)
 // arrays are one batch of all rows. cuflash/_params.py mirrors it.
@@ -13,6 +14,7 @@ struct Sm90Params {
   Params p;
   int batch;    // sequences (packed: of cu_seqlens)
   int section;  // (head, sequence) pairs whose tiles the scheduler interleaves (Sm90Tiles)
+  int* tile_counter;  // causal or windowed: 0 at launch, the tiles taken past the first wave
   sm90::TensorMap q, k, v;
 };
 
