@@ -7,7 +7,8 @@ A call is HEAD_DIM, c (causal) or n (no mask), SEQLEN; 16k tokens, 2048 / d head
 under their own key, the key being the source) so that one thread stamps clock64() at fixed
 points of each tile: the producer when it has asked for the tile's Q, consumer 0 when Q has
 landed, when its first S, second turn and last turn are issued, when its last P V has landed
-and when its output is stored, the last consumer when its output is stored; with the CTA's
+and when its output is finished (in registers: written under its next tile's first S, at
+d 256 at once), the last consumer when its output is finished; with the CTA's
 start (%globaltimer and clock64, which place every CTA on one time axis) and %globaltimer
 beside the last store (the rate the CTA's clock ran at), the multiprocessor, the CTA and
 the tile's key tiles. Printed per call: the median over tiles of each phase in
@@ -66,8 +67,8 @@ def patched(text: str, address: int) -> str:
         ("        shared.released(Shared::kValues, stage_of(tiles - 1)).arrive();\n",
          "        shared.released(Shared::kValues, stage_of(tiles - 1)).arrive();\n"
          f"        TRACE_AT(128, {POINTS['PV landed']});\n"),
-        ("      store_output<T>(p, block, warp_row0, lane, softmax, acc_o);\n",
-         "      store_output<T>(p, block, warp_row0, lane, softmax, acc_o);\n"
+        ("      pending = finish_output<T>(p, block, warp_row0, lane, softmax, acc_o);\n",
+         "      pending = finish_output<T>(p, block, warp_row0, lane, softmax, acc_o);\n"
          f"      TRACE_AT(128, {POINTS['stored']});\n"
          f"      TRACE_AT(128 * kConsumers, {POINTS['all stored']});\n"
          f"      if (threadIdx.x == 128 * kConsumers) {{ unsigned long long now;\n"

@@ -16,12 +16,12 @@
 //   P = dropout(P)                 score.cuh
 //   O += P V_n                     wgmma, P from registers, V read N-major
 //
-// then O / l and the LSE go straight from registers to global memory, while the producer
-// loads the next tile's Q (released at the tile's last S) and first keys. The pieces: the
-// shared layout and its loads (Sm90Shared), the order of the tiles (Sm90Tiles), the rows and
-// key tiles of a tile (Sm90Block), the products (issue_scores, issue_values), the
-// consumers' turns at the tensor cores (TurnTaking), the output (store_output) and the
-// entry that ties them together.
+// then O / l and the LSE, finished in registers, go to global memory once the consumer has
+// issued its next tile's first S, while the producer loads the next tile's Q (released at
+// the tile's last S) and first keys. The pieces: the shared layout and its loads
+// (Sm90Shared), the order of the tiles (Sm90Tiles), the rows and key tiles of a tile
+// (Sm90Block), the products (issue_scores, issue_values), the consumers' turns at the
+// tensor cores (TurnTaking), the output (Sm90Output) and the entry that ties them together.
 #include "common.cuh"
 #include "mask.cuh"
 #include "score.cuh"
@@ -247,28 +247,44 @@ struct TurnTaking {
   }
 };
 
-// O /= l (and / (1 - p) under dropout) and the LSE, from this warp's registers to global
-// memory.
-template <typename T, int kDTiles, int kBlockM, int kBlockN, bool kLocal, bool kExtras>
-__device__ __forceinline__ void store_output(const Params& p, const Sm90Block<kBlockM, kBlockN, kLocal, kExtras>& block,
-                                             int warp_row0, int lane, OnlineSoftmax<1, true>& softmax,
-                                             float (&acc_o)[1][kDTiles][4]) {
-  const Sequence& seq = block.seq;
-  const int batch = block.batch, head = block.head, row0 = block.m0 + warp_row0;
+// A tile's output in a consumer thread's registers: O / l (and / (1 - p) under dropout)
+// and the LSE of its rows g and g + 8, finished at the tile's end (finish_output) and
+// written to global memory once the next tile's first S is issued (write_output), so that
+// the stores run beside that product (kDeferOutput; at d 256 at once).
+struct Sm90Output {
+  elem_t* o;      // row g's first element of this thread's columns
+  float* lse;     // row g's LSE (null: not asked for)
+  bool rows[2];   // rows g and g + 8 inside the sequence (false, false: nothing to write)
   float row_lse[1][2];
-  softmax.finalize(acc_o, row_lse, block.scale_log2, block.dropping ? p.dropout_scale : 1.f);
-  elem_t* o = seq.rows(p.o, batch, head, true);
-  const int g = lane >> 2, t = lane & 3;
+};
+
+template <typename T, int kDTiles, int kBlockM, int kBlockN, bool kLocal, bool kExtras>
+__device__ __forceinline__ Sm90Output finish_output(const Params& p,
+                                                    const Sm90Block<kBlockM, kBlockN, kLocal, kExtras>& block,
+                                                    int warp_row0, int lane, OnlineSoftmax<1, true>& softmax,
+                                                    float (&acc_o)[1][kDTiles][4]) {
+  const Sequence& seq = block.seq;
+  const int row = block.m0 + warp_row0 + (lane >> 2);
+  Sm90Output out;
+  softmax.finalize(acc_o, out.row_lse, block.scale_log2, block.dropping ? p.dropout_scale : 1.f);
+  out.o = seq.rows(p.o, block.batch, block.head, true) + int64(row) * p.o.row_stride + 2 * (lane & 3);
+  out.lse = p.lse != nullptr ? p.lse + seq.lse_offset(p, block.batch, block.head) + row : nullptr;
+  out.rows[0] = row < seq.seqlen_q, out.rows[1] = row + 8 < seq.seqlen_q;
+  return out;
+}
+
+template <typename T, int kDTiles>
+__device__ __forceinline__ void write_output(const Params& p, const Sm90Output& out, int lane,
+                                             const float (&acc_o)[1][kDTiles][4]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = row0 + g + 8 * h;
-    if (row >= seq.seqlen_q) continue;
-    if (t == 0 && p.lse != nullptr) p.lse[seq.lse_offset(p, batch, head) + row] = row_lse[0][h];
+    if (!out.rows[h]) continue;
+    if ((lane & 3) == 0 && out.lse != nullptr) out.lse[8 * h] = out.row_lse[0][h];
+    elem_t* o = out.o + int64(8 * h) * p.o.row_stride;
 #pragma unroll
     for (int dt = 0; dt < kDTiles; ++dt)  // (a head dim the kernel's rounds up to: its columns only)
       if (dt * 8 < p.headdim)
-        *reinterpret_cast<unsigned*>(o + int64(row) * p.o.row_stride + dt * 8 + 2 * t) =
-            DType<T>::pack(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
+        *reinterpret_cast<unsigned*>(o + dt * 8) = DType<T>::pack(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
   }
 }
 
@@ -303,6 +319,9 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
                 "the products: m64n64, m64n80, m64n128, m64n176 (S); m64n64, m64n128 (O; two at d 256)");
   static_assert(kConsumers == 2 || kConsumers == 3, "turn taking among two or three consumers");
   constexpr int kBlockM = 64 * kConsumers;
+  // A tile's output written under the next tile's first S; at d 256 O's 128 registers a
+  // thread, kept that long, spill: written at once.
+  constexpr bool kDeferOutput = kHeadDim < 256;
   constexpr int kProducerRegisters = 24, kConsumerRegisters = kConsumers == 2 ? 240 : 160;
   using Block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
@@ -361,20 +380,30 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     unsigned p_frag[kBlockN / 16][4];
     float alpha[1][2];
     int used = 0;  // key tiles so far
+    Sm90Output pending{nullptr, nullptr, {false, false}, {{0.f, 0.f}}};  // the last tile's, not yet written
+    if (turns.last()) turns.pass_turn();  // (consumer 0's first turn)
     for (int round = 0;; ++round) {  // the tiles the producer loads, in its order
       shared.q_landed().wait(round & 1);
       const int t = shared.tile();
-      if (t < 0) break;
+      if (t < 0) {
+        write_output<T>(p, pending, lane, acc_o);
+        if (consumer == 0) turns.wait_turn();  // (the last consumer's last pass)
+        break;
+      }
       Block block;
       tile(t, block);
       const int tiles = max(0, block.n_end - block.n_begin);  // key tiles n_end - 1 down to n_begin
       const int row0 = block.m0 + warp_row0;
       OnlineSoftmax<1, true> softmax;
       softmax.init();
+      // The last tile's output written (beside this tile's first S), then O = 0.
+      auto write_pending = [&]() {
+        write_output<T>(p, pending, lane, acc_o);
 #pragma unroll
-      for (int dt = 0; dt < kHeadDim / 8; ++dt)
+        for (int dt = 0; dt < kHeadDim / 8; ++dt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+          for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+      };
       auto stage_of = [&](int j) { return (used + j) % kStages; };
       auto phase_of = [&](int j) { return ((used + j) / kStages) & 1; };
       // S_j -> P_j: S = mod(S) (softcap, ALiBi); S = -inf where hidden; m and l moved,
@@ -398,21 +427,22 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         if (kExtras && block.dropping) block.dropout.apply(acc_s, row0, n0, lane);
         pack_p<T>(acc_s, p_frag);
       };
-      // Turns 0 .. tiles of every consumer, round the ring from consumer 0: the last
-      // consumer passes first and skips its final pass, so that every wait_turn is matched
-      // by one pass_turn within the tile. Each consumer waits tiles + 1 times (the tile's
-      // key tiles, the same for all); consumer c > 0 is passed to by consumer c - 1 after
-      // each of its tiles + 1 turns, consumer 0 by the last once before its turn 0 and
-      // after its turns 0 .. tiles - 1: tiles + 1 as well. No barrier is arrived at twice
-      // before its wait: a consumer's next pass follows its next turn, which the ring
-      // reaches only through the turn it passed. (The products stay out of branches: ptxas
-      // serialises wgmma in a path it cannot prove warp-uniform.)
+      // Turns 0 .. tiles of every consumer, round the ring from consumer 0, and on from tile
+      // to tile: consumer 0's first turn of a tile follows the last consumer's last turn of
+      // the one before (passed before that turn's product lands), so that the next tile's
+      // first S runs beside the last P V, the softmax's end and the stores. Each consumer
+      // takes tiles + 1 turns a tile (its key tiles, the same for all); the last consumer
+      // passes once more before its first, which consumer 0 waits for once more after its
+      // last. No barrier is arrived at twice before its wait: a consumer's next pass
+      // follows its next turn, which the ring reaches only through the turn it passed.
+      // (The products stay out of branches: ptxas serialises wgmma in a path it cannot
+      // prove warp-uniform.)
       if (tiles > 0) {
-        if (turns.last()) turns.pass_turn();
         shared.landed(Shared::kKeys, stage_of(0)).wait(phase_of(0));
         turns.wait_turn();
         issue_scores<T>(shared, stage_of(0), consumer, acc_s);
         turns.pass_turn();
+        write_pending();
         softmax_step(0, false);
         for (int j = 1; j < tiles; ++j) {
           shared.landed(Shared::kKeys, stage_of(j)).wait(phase_of(j));
@@ -426,15 +456,17 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         if constexpr (Shared::kApart) shared.landed(Shared::kValues, stage_of(tiles - 1)).wait(phase_of(tiles - 1));
         turns.wait_turn();
         issue_values<T>(shared, stage_of(tiles - 1), p_frag, acc_o);
-        if (!turns.last()) turns.pass_turn();
+        turns.pass_turn();
         sm90::wgmma_wait<0>();
         sm90::fence_operands(acc_o);
         shared.released(Shared::kValues, stage_of(tiles - 1)).arrive();
       } else {
         shared.q_released().arrive();  // (rows that see no key: O = 0, LSE = +inf)
+        write_pending();
       }
       used += tiles;
-      store_output<T>(p, block, warp_row0, lane, softmax, acc_o);
+      pending = finish_output<T>(p, block, warp_row0, lane, softmax, acc_o);
+      if constexpr (!kDeferOutput) write_output<T>(p, pending, lane, acc_o), pending.rows[0] = pending.rows[1] = false;
     }
   }
 }
