@@ -366,7 +366,7 @@ class Sm90Forward(NamedTuple):
 # 1.03 / 1.03 / 1.00x, d 256 1.05 / 1.08 / 1.08 / 1.00x; 8 MiB d 256 1.03 / 1.02 / 1.00 /
 # 1.00x; 32 MiB (FlashAttention-3's figure) d 128 0.99 / 1.03 / 1.04 / 1.00x. At 512 and 1k
 # sections lost up to 9% (d 256 at 512 with 32 MiB; d 128 with 16 MiB 0.95x and 0.96x) and
-# gained at most 2%. (A CTA a tile either way: the hardware hands them out in order.)
+# gained at most 2%. (Measured on a grid of a CTA a tile, which the hardware hands out in order.)
 SM90_SECTION_BYTES = 16 << 20
 SM90_SECTION_ROWS = 2048
 # Head dim -> (keys a tile, K/V stages, consumer warpgroups). At d 128 FlashAttention-3's
