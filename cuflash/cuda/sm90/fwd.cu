@@ -466,7 +466,10 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
       }
       used += tiles;
       pending = finish_output<T>(p, block, warp_row0, lane, softmax, acc_o);
-      if constexpr (!kDeferOutput) write_output<T>(p, pending, lane, acc_o), pending.rows[0] = pending.rows[1] = false;
+      if constexpr (!kDeferOutput) {
+        write_output<T>(p, pending, lane, acc_o);
+        pending.rows[0] = pending.rows[1] = false;
+      }
     }
   }
 }
