@@ -35,7 +35,8 @@ namespace cuflash {
 // Shared memory, byte offsets from a 1024-byte aligned start (the swizzle's atoms): Q,
 // kStages K tiles, kStages V tiles, then the barriers: Q's two ("landed", "released"), then
 // each stage's "landed" and each stage's "released"; then the number of the tile whose Q
-// is loaded (the producer's word to the consumers, under Q's barriers). With two stages (kApart) K and V have
+// is loaded (the producer's word to the consumers, under Q's barriers) and a word the
+// consumers write to order their code (sink). With two stages (kApart) K and V have
 // barriers of their own (K's landed, V's landed, K's released, V's released): a stage's K
 // is done with at its S, its V only at the next turn's P V, and the copy engine refills
 // each as soon as it may. With three (d 64), a stage's K and V share one pair: the third
@@ -65,6 +66,8 @@ struct Sm90Shared {
   __device__ __forceinline__ unsigned char* k(int stage) const { return base + kK + stage * kKvTile; }
   __device__ __forceinline__ unsigned char* v(int stage) const { return base + kV + stage * kKvTile; }
   __device__ __forceinline__ volatile int& tile() const { return *reinterpret_cast<int*>(base + kTile); }
+  // A word the consumers write and nobody reads (sm90::keep_before_wait).
+  __device__ __forceinline__ volatile float& sink() const { return *reinterpret_cast<float*>(base + kTile + 4); }
   __device__ __forceinline__ sm90::Barrier barrier(int index) const {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
   }
@@ -322,6 +325,9 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   // A tile's output written under the next tile's first S; at d 256 O's 128 registers a
   // thread, kept that long, spill: written at once.
   constexpr bool kDeferOutput = kHeadDim < 256;
+  // The softmax kept ahead of P V's wait (sm90::keep_before_wait), but at d 256 under a
+  // mask: there its registers beside O's 128 spill.
+  constexpr bool kOverlapSoftmax = kHeadDim < 256 || !kLocal;
   constexpr int kProducerRegisters = 24, kConsumerRegisters = kConsumers == 2 ? 240 : 160;
   using Block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
@@ -419,6 +425,8 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
         const bool moves = softmax.update_scores(acc_s, block.scale_log2, alpha);
         if (values_in_flight) {
+          if constexpr (kOverlapSoftmax)
+            sm90::keep_before_wait(shared.sink(), softmax.row_sum[0][0] + softmax.row_sum[0][1]);
           sm90::wgmma_wait<0>();
           sm90::fence_operands(acc_o);
           shared.released(Shared::kValues, stage_of(j - 1)).arrive();

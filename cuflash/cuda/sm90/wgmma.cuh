@@ -45,6 +45,13 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
+// ptxas schedules a wgmma wait as early as its block allows, ahead of independent code
+// written before it: the softmax meant to run while P V is in flight would wait for P V to
+// land (in every variant without softcap, ALiBi or dropout). A shared-memory store of a
+// value that code computes stays ahead of the wait (ptxas keeps stores and waits in
+// order), and the code with it.
+__device__ __forceinline__ void keep_before_wait(volatile float& sink, float value) { sink = value; }
+
 // The products write their accumulators asynchronously, until wgmma_wait; the compiler sees
 // them written at the product's asm and could move ordinary code that reads them (or writes
 // them, before a product) across the wait. An empty asm that "writes" each register pins
