@@ -339,11 +339,11 @@ class Sm90Forward(NamedTuple):
     def shared_bytes(self) -> int:
         """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers (a landed and a
         released one for Q and for each stage, or with two stages for each stage's K and V:
-        kApart), the loaded tile's number and a sink word (8 bytes) and 1024 bytes of
-        alignment."""
+        kApart), the loaded tile's number (8 bytes), a sink word for each of up to 16 warps
+        and 1024 bytes of alignment."""
         stage_barriers = (2 if self.stages == 2 else 1) * self.stages
         return (2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + (2 + 2 * stage_barriers) * 8
-                + 8 + 1024)
+                + 8 + 16 * 4 + 1024)
 
     def grid(self, rows: int, heads: int, batch: int, multiprocessors: int = 0) -> tuple[int, int, int]:
         """A CTA per tile, or at most one per multiprocessor (one fits: its registers), each

@@ -5,7 +5,7 @@
 A consumer's turn issues S_j and P_{j-1} V_{j-1}, waits for S_j (WARPGROUP.DEPBAR.LE
 gsb0, 0x1), turns S_j into P_j and only then waits for P V (gsb0, 0x0). ptxas moves that
 second wait up to the top of its block unless something keeps it down (fwd.cu,
-sm90::keep_before_wait), and the exponentials then wait for P V to land: a loss of 3-5%
+sm90::keep_before_wait), and the exponentials then wait for P V to land: a loss of 2-6%
 at d 128 that no test sees. This script compiles every variant (cuflash's kernel cache),
 disassembles it (nvdisasm: on PATH or from the nvidia-cuda-nvdisasm wheel) and counts the
 MUFU.EX2 between the main loop's two waits. No GPU is needed.

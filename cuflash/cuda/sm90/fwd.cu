@@ -35,8 +35,8 @@ namespace cuflash {
 // Shared memory, byte offsets from a 1024-byte aligned start (the swizzle's atoms): Q,
 // kStages K tiles, kStages V tiles, then the barriers: Q's two ("landed", "released"), then
 // each stage's "landed" and each stage's "released"; then the number of the tile whose Q
-// is loaded (the producer's word to the consumers, under Q's barriers) and a word the
-// consumers write to order their code (sink). With two stages (kApart) K and V have
+// is loaded (the producer's word to the consumers, under Q's barriers), and a word for
+// each warp that the consumers write to order their code (sink). With two stages (kApart) K and V have
 // barriers of their own (K's landed, V's landed, K's released, V's released): a stage's K
 // is done with at its S, its V only at the next turn's P V, and the copy engine refills
 // each as soon as it may. With three (d 64), a stage's K and V share one pair: the third
@@ -54,7 +54,8 @@ struct Sm90Shared {
   static constexpr bool kApart = kStages == 2;
   static constexpr int kStageBarriers = (kApart ? 2 : 1) * kStages;  // "landed" ones, as many "released"
   static constexpr int kTile = kBarriers + (2 + 2 * kStageBarriers) * 8;
-  static constexpr int kBytes = kTile + 8 + 1024;
+  static constexpr int kSinks = kTile + 8, kMaxWarps = 16;
+  static constexpr int kBytes = kSinks + kMaxWarps * 4 + 1024;
   enum Operand { kKeys, kValues, kBoth };  // (kBoth: a stage's K and V under one pair)
 
   unsigned char* base;
@@ -66,8 +67,8 @@ struct Sm90Shared {
   __device__ __forceinline__ unsigned char* k(int stage) const { return base + kK + stage * kKvTile; }
   __device__ __forceinline__ unsigned char* v(int stage) const { return base + kV + stage * kKvTile; }
   __device__ __forceinline__ volatile int& tile() const { return *reinterpret_cast<int*>(base + kTile); }
-  // A word the consumers write and nobody reads (sm90::keep_before_wait).
-  __device__ __forceinline__ volatile float& sink() const { return *reinterpret_cast<float*>(base + kTile + 4); }
+  // A word of each warp's that its first lane writes and nobody reads (sm90::keep_before_wait).
+  __device__ __forceinline__ volatile float& sink(int warp) const { return reinterpret_cast<float*>(base + kSinks)[warp]; }
   __device__ __forceinline__ sm90::Barrier barrier(int index) const {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
   }
@@ -332,6 +333,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   using Block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
+  static_assert((kConsumers + 1) * 4 <= Shared::kMaxWarps, "a sink word a warp");
   const auto shared = Shared::of(dynamic_shared);
   const Params& p = args.p;
   const auto schedule = Sm90Tiles<kBlockM, kLocal>::of(args);
@@ -426,7 +428,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         const bool moves = softmax.update_scores(acc_s, block.scale_log2, alpha);
         if (values_in_flight) {
           if constexpr (kOverlapSoftmax)
-            sm90::keep_before_wait(shared.sink(), softmax.row_sum[0][0] + softmax.row_sum[0][1]);
+            sm90::keep_before_wait(shared.sink(warp), lane == 0, softmax.row_sum[0][0] + softmax.row_sum[0][1]);
           sm90::wgmma_wait<0>();
           sm90::fence_operands(acc_o);
           shared.released(Shared::kValues, stage_of(j - 1)).arrive();

@@ -49,8 +49,11 @@ __device__ __forceinline__ void wgmma_wait() {
 // written before it: the softmax meant to run while P V is in flight would wait for P V to
 // land (in every variant without softcap, ALiBi or dropout). A shared-memory store of a
 // value that code computes stays ahead of the wait (ptxas keeps stores and waits in
-// order), and the code with it.
-__device__ __forceinline__ void keep_before_wait(volatile float& sink, float value) { sink = value; }
+// order), and the code with it. One lane a word stores (a predicated store still waits for
+// the value in every lane; words written by several threads are races to racecheck).
+__device__ __forceinline__ void keep_before_wait(volatile float& sink, bool writer, float value) {
+  if (writer) sink = value;
+}
 
 // The products write their accumulators asynchronously, until wgmma_wait; the compiler sees
 // them written at the product's asm and could move ordinary code that reads them (or writes
