@@ -4,8 +4,9 @@
 # and SDPA-flash in bf16 and fp16 (and beside another build of cuflash where BASELINE names
 # its folder), ncu's view of four calls and their phases tile by tile (sm90_timeline.py).
 # Logs and CSVs go to $OUT (as logs.tar.gz too, refreshed after each step); a short summary
-# is printed last.
-#   usage: [BASELINE=build/ab/cuflash_prev] bash scripts/sm90_check.sh
+# is printed last. SUITES=1 adds the GPU suites of the forward and of the torch and JAX front
+# ends (test_gpu_forward.py, test_gpu_variants.py, test_torch.py, test_jax.py).
+#   usage: [BASELINE=build/ab/cuflash_prev] [SUITES=1] bash scripts/sm90_check.sh
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 OUT=${OUT:-/tmp/cuflash-out}; LOG=$(mktemp -d); mkdir -p "$OUT"
@@ -42,9 +43,13 @@ for call in "128" "128 causal" "128 causal 2048" "64 causal 2048"; do
     --metrics "$metrics" python3 scripts/ncu_forward.py $call
 done
 step timeline 300 python3 scripts/sm90_timeline.py
+if [[ -n ${SUITES:-} ]]; then  # the forward's GPU suites and the front ends' (6-7 minutes on an H200)
+  step suite_forward 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_forward.py tests/test_gpu_variants.py
+  step suite_frontends 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_torch.py tests/test_jax.py
+fi
 cp "$LOG"/*.csv "$OUT"/ 2>/dev/null
 echo "-- summary"
-tail -n 1 "$LOG/test_sm90.txt"
+for f in "$LOG"/test_sm90.txt "$LOG"/suite_*.txt; do [[ -f $f ]] && echo "$(basename "$f" .txt): $(tail -n 1 "$f")"; done
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG"/sanitize_*.txt
 for dtype in bfloat16 float16; do tail -n 38 "$LOG/grid_$dtype.txt"; done
 cat "$LOG/timeline.txt"
