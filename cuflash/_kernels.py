@@ -33,13 +33,19 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: Array
             stream: int, varlen: Varlen | None = None, workspace: tuple[ArrayInfo, ...] = ()) -> None:
     """out = attention(q, k, v) and its LSE ((batch, nheads, seqlen_q), or (nheads, total_q);
     contiguous, or None: not written). ``workspace``: scratch for the plan's workspace, in
-    its order (the sm_90a forward's tile counter: 4 bytes), or () where the plan has none."""
+    its order (the sm_90a forward's tile counter, or its tail pieces' results and counters),
+    or () where the plan has none."""
     key = _plan_key((q, k, v, out), options, varlen)
     launcher = _launchers.get(key) if key else None
     if launcher is None:
         launcher = _remember(key, forward_launcher(q, k, v, out, options, varlen))
+    needed = launcher.plan.workspace
+    if needed and (len(workspace) < len(needed) or any(
+            math.prod(w.shape) < math.prod(shape) for w, (_, shape, _) in zip(workspace, needed))):
+        raise ValueError(f"this forward needs its workspace {needed}; given "
+                         f"{[tuple(w.shape) for w in workspace]}")
     launcher(stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr,
-             *(w.ptr for w in workspace[:len(launcher.plan.workspace)]))
+             *(w.ptr for w in workspace[:len(needed)]))
 
 
 def forward_launcher(q, k, v, out, options: Options, varlen: Varlen | None) -> Launcher:

@@ -57,12 +57,15 @@ class TensorMap(ctypes.Structure):
 
 
 class Sm90Params(_Struct):
-    """``cuflash::Sm90Params``: the forward's Params, the batch, the scheduler's section
-    and tile counter, then the tensor maps of Q, K and V from the next 64-byte boundary
-    (the CUDA struct aligns them to 64)."""
+    """``cuflash::Sm90Params``: the forward's Params, the batch, the scheduler's section,
+    tile counter and tail cut (its first tile, its CTAs, the pieces' workspace), then the
+    tensor maps of Q, K and V from the next 64-byte boundary (the CUDA struct aligns them
+    to 64)."""
     _fields_ = [
         ("p", Params), ("batch", ctypes.c_int), ("section", ctypes.c_int), ("tile_counter", _ptr),
-        ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(Params) + 16) % 64)),
+        ("tail_start", ctypes.c_int), ("tail_ctas", ctypes.c_int), ("tail_key_tiles", ctypes.c_int),
+        ("partial_o", _ptr), ("partial_lse", _ptr), ("arrivals", _ptr),
+        ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(Params) + 56) % 64)),
         ("q", TensorMap), ("k", TensorMap), ("v", TensorMap),
     ]
 

@@ -553,15 +553,57 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
         shape, strides = (a.shape, a.strides) if varlen is None else \
             ((1, *a.shape), (a.shape[0] * a.strides[0], *a.strides))
         maps.append(TensorMapSpec(name, f"p.{name}", a.dtype, tuple(shape), tuple(strides), rows))
+    tiles = -(-p.seqlen_q // kernel.block_m) * p.nheads * batch
+    tail_start, tail_ctas = tiles, 0
+    if not options.local and varlen is None:
+        tail_start, tail_ctas = sm90_tail(tiles, -(-p.seqlen_k // kernel.block_n), multiprocessors)
     steps = ()
     if batch and p.seqlen_q and p.nheads:
-        steps = (Step(kernel, kernel.grid(p.seqlen_q, p.nheads, batch, multiprocessors)),)
+        grid = kernel.grid(p.seqlen_q, p.nheads, batch, multiprocessors)
+        steps = (Step(kernel, (max(grid[0], tail_ctas), *grid[1:])),)
     section = sm90_section(options.window, p.seqlen_q, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
     pointers, workspace = tuple(f"p.{n}" for n in FORWARD_POINTERS), ()
     if options.local:
         pointers, workspace = pointers + ("tile_counter",), (("tile_counter", (1,), "int32"),)
-    return Plan(bytes(Sm90Params(p=p, batch=batch, section=section)), pointers, steps, Sm90Params, workspace,
-                tuple(maps), tuple(name for name, _, _ in workspace))
+    if tail_ctas:  # a slot for each (tail tile, CTA) that meet; a counter for each tail tile's warps
+        slots, warps = tiles - tail_start + tail_ctas - 1, 4 * kernel.consumers
+        pointers += ("partial_o", "partial_lse", "arrivals")
+        workspace = (("partial_o", (slots, kernel.block_m, head_dim), "float32"),
+                     ("partial_lse", (slots, kernel.block_m), "float32"),
+                     ("arrivals", (tiles - tail_start, warps), "int32"))
+    params = Sm90Params(p=p, batch=batch, section=section, tail_start=tail_start, tail_ctas=tail_ctas,
+                        tail_key_tiles=-(-p.seqlen_k // kernel.block_n))
+    counters = tuple(name for name, _, _ in workspace if name in ("tile_counter", "arrivals"))
+    return Plan(bytes(params), pointers, steps, Sm90Params, workspace, tuple(maps), counters)
+
+
+# Without a mask (every tile as long) the tiles that do not fill the last wave are cut along
+# their keys among more CTAs (fwd.cu's tile scheduler, sm90/tile_scheduler.cuh: the tail's
+# turns laid end to end and shared out evenly, Stream-K's way), each piece's result merged
+# by the last to finish. A CTA's share takes SM90_TAIL_MIN_TURNS key tiles at least (a
+# piece costs about a turn beside its keys: its Q, the ring filling, its result stored and
+# merged), a tile goes to SM90_TAIL_MAX_PIECES pieces at most (the merging warp reads them
+# all), and the cut is made where the longest share is SM90_TAIL_MIN_GAIN turns shorter
+# than a tile or more.
+SM90_TAIL_MIN_TURNS = 4
+SM90_TAIL_MAX_PIECES = 16
+SM90_TAIL_MIN_GAIN = 2
+
+
+def sm90_tail(tiles: int, key_tiles: int, multiprocessors: int) -> tuple[int, int]:
+    """(tail_start, tail_ctas): the first tile of the last wave, when ``tiles`` of
+    ``key_tiles`` key tiles each run on ``multiprocessors`` CTAs, and the CTAs that share
+    out its key tiles; (tiles, 0) where it is not cut (a full last wave, a CTA a tile, too
+    little to gain)."""
+    if not multiprocessors or tiles % multiprocessors == 0:
+        return tiles, 0
+    start = tiles - tiles % multiprocessors
+    tail = tiles - start
+    units = tail * key_tiles
+    ctas = min(multiprocessors, units // SM90_TAIL_MIN_TURNS, tail * (SM90_TAIL_MAX_PIECES - 1))
+    if ctas <= tail or units * ctas >= 2 ** 31 or key_tiles - -(-units // ctas) < SM90_TAIL_MIN_GAIN:
+        return tiles, 0  # (the kernel's shares: 32-bit products of units and CTAs)
+    return start, ctas
 
 
 def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim: int, heads_per_kv: int,

@@ -461,9 +461,20 @@ def _lse_shape(q, config: _Config):
 
 
 def _forward(q, k, v, extras: dict, config: _Config):
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(_lse_shape(q, config), jnp.float32),
-               jax.ShapeDtypeStruct((1,), jnp.int32))  # (scratch: the sm_90a forward's tile counter)
-    call = buffer_callback(_ForwardCallback(config), results, vmap_method="sequential")
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(_lse_shape(q, config), jnp.float32))
+    workspace = {}
+    if _platform(q) != "cpu":  # the sm_90a forward's scratch (tile counter, tail pieces): shapes from the plan
+        described = {name: _describe(x, q) for name, x in (("q", q), ("k", k), ("v", v), *extras.items())}
+        options = _options.Options(config.causal, config.scale, config.window, config.softcap,
+                                   described.get("alibi_slopes"), config.dropout_p)
+        varlen = None
+        if config.varlen:
+            varlen = _options.Varlen(described["cu_seqlens_q"], described["cu_seqlens_k"], *config.max_seqlens)
+        plan = _plan.forward(described["q"], described["k"], described["v"], described["q"], options, varlen,
+                             _kernels.shared_limit(0), _kernels.sm90a(0), _kernels.multiprocessors(0))
+        workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in plan.workspace}
+    call = buffer_callback(_ForwardCallback(config, tuple(workspace)), (*results, workspace),
+                           vmap_method="sequential")
     out, lse, _ = call(q, k, v, *(extras[name] for name in config.inputs))
     return out, lse
 
@@ -485,17 +496,19 @@ def _backward(dout, dlse, q, k, v, out, lse, extras: dict, config: _Config):
 @dataclasses.dataclass(frozen=True)
 class _ForwardCallback:
     config: _Config
+    workspace: tuple[str, ...]  # the plan's scratch buffers, in its order
 
     def __call__(self, ctx, outputs, q, k, v, *extras):
         extras = dict(zip(self.config.inputs, extras))
         if _on_cpu(q):
             return _write(outputs, _call_cpu(api.attention, api.attention_varlen, self.config, [q, k, v], extras,
                                              return_lse=True))
-        out, lse, counter = outputs
+        out, lse, workspace = outputs
         dtype = self.config.dtype
         options, varlen = _gpu_options(self.config, extras, q, ctx.stream)
         _kernels.forward(*(_info(x, dtype) for x in (q, k, v, out)), _info(lse, "float32"), options,
-                         stream=ctx.stream, varlen=varlen, workspace=(_info(counter, "int32"),))
+                         stream=ctx.stream, varlen=varlen,
+                         workspace=tuple(_info(workspace[name], "float32") for name in self.workspace))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,8 @@ Every head dim's tile (d 64: three consumers; 128, 256: two), not causal on the 
 grid with more tiles than multiprocessors (so CTAs take several tiles and the producer loads
 the next tile's Q under the last one's output), causal (CTAs taking several tiles from the
 launch's counter; pair after pair, and in the scheduler's sections, of three pairs here), a sliding window with softcap (the extras
-variant), GQA, ragged lengths (sq != sk, tails of a tile). Each call's output and LSE are
+variant), unmasked calls whose last wave is cut along the keys (pieces merged by the last
+to finish), GQA, ragged lengths (sq != sk, tails of a tile). Each call's output and LSE are
 checked against the float64 reference.
 """
 import contextlib
@@ -56,6 +57,11 @@ def main() -> None:
         with sections(600, d, kv_heads=1):  # 12 pairs in sections of 3
             call(2, 600, 600, 6, 2, d, causal=True)
         call(1, 300, 300, 4, 1, d, window_size=(70, 20), softcap=30.0)
+        # Unmasked calls whose tail is cut along the keys (on 114 or 132 multiprocessors):
+        # fewer tiles than multiprocessors, every tile in pieces; a wave and a cut tail.
+        call(1, 500, 4001, 4, 2, d)
+        call(1, 300, 3001, 2, 1, d, softcap=30.0)
+        call(2, 1000, 2000, 11, 1, d)
 
 
 if __name__ == "__main__":

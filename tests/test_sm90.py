@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _arrays, _compile, _kernels, _options, _plan, api
@@ -101,6 +103,133 @@ def test_the_scheduler_interleaves_as_many_heads_as_fit_in_l2_under_a_causal_mas
     qkv = [np.zeros((2, 8192, 16, 128), np.float16) for _ in range(3)]
     assert section(*qkv) == 1 and section(*qkv, window_size=(64, 0)) == 1
     assert section(*qkv, causal=True) == budget // (4 * 8192 * 128)
+
+
+class TailModel:
+    """sm90/tile_scheduler.cuh's unmasked scheduler, line for line (C's integer division
+    of non-negative ints is Python's //): each CTA's works from first() through next()
+    to end, each work's tile, turns and piece."""
+
+    def __init__(self, tiles: int, key_tiles: int, grid: int, tail_start: int, tail_ctas: int):
+        self.count, self.key_tiles, self.grid = tiles, key_tiles, grid
+        self.start, self.ctas = tail_start, tail_ctas
+        self.units = (tiles - tail_start) * key_tiles
+        self.end = tiles + self.units
+
+    def unit_start(self, c):
+        return c * self.units // self.ctas
+
+    def cta_of(self, u):
+        return ((u + 1) * self.ctas - 1) // self.units
+
+    def tail_of(self, c):
+        if c < self.ctas and self.unit_start(c) < self.unit_start(c + 1):
+            return self.count + self.unit_start(c)
+        return self.count + self.units
+
+    def first(self, c):
+        return c if c < self.start else self.tail_of(c)
+
+    def next(self, t, c):
+        if t + self.grid < self.start:
+            return t + self.grid
+        if t < self.start:
+            return self.tail_of(c)
+        u = t - self.count
+        share_end = self.unit_start(self.cta_of(u) + 1)
+        piece_end = min(share_end, (u // self.key_tiles + 1) * self.key_tiles)
+        return self.count + (piece_end if piece_end < share_end else self.units)
+
+    def piece(self, i, c):
+        n = self.key_tiles
+        begin, end = max(self.unit_start(c), i * n), min(self.unit_start(c + 1), (i + 1) * n)
+        first, last = self.cta_of(i * n), self.cta_of((i + 1) * n - 1)
+        return dict(tile=self.start + i, turns=(begin - i * n, end - i * n), piece=c - first, pieces=last - first + 1,
+                    tail_tile=i, slot=i + c, first_slot=i + first)
+
+    def work(self, t):
+        if t < self.count:
+            return dict(tile=t, turns=(0, self.key_tiles), piece=0, pieces=1)
+        u = t - self.count
+        return self.piece(u // self.key_tiles, self.cta_of(u))
+
+    def works(self, c):
+        t = self.first(c)
+        while t < self.end:
+            yield self.work(t)
+            t = self.next(t, c)
+
+
+@settings(max_examples=400, deadline=None)
+@given(tiles=st.integers(1, 3000), key_tiles=st.integers(1, 2000), multiprocessors=st.sampled_from([1, 7, 114, 132]))
+def test_the_tail_is_cut_into_pieces_that_cover_every_key_tile_once(tiles, key_tiles, multiprocessors):
+    """The unmasked scheduler with the planner's cut (_plan.sm90_tail): whole tiles before
+    the tail, each once; each tail tile's turns covered once, by pieces numbered 0 ..
+    pieces - 1 in turn order, each in its own workspace slot, the tile's first piece's slot
+    its first_slot; the merging CTA finds its piece again from the tile alone (piece_of);
+    shares of SM90_TAIL_MIN_TURNS turns or more, at most SM90_TAIL_MAX_PIECES pieces a tile,
+    and the longest share SM90_TAIL_MIN_GAIN turns shorter than a tile."""
+    start, ctas = _plan.sm90_tail(tiles, key_tiles, multiprocessors)
+    grid = max(min(tiles, multiprocessors), ctas)
+    model = TailModel(tiles, key_tiles, grid, start, ctas)
+    whole, pieces, shares = [], {}, []
+    for c in range(grid):
+        share = 0
+        for work in model.works(c):
+            if work["tile"] < start:
+                whole.append(work["tile"])
+                continue
+            lo, hi = work["turns"]
+            assert 0 <= lo < hi <= key_tiles
+            assert work == model.piece(work["tile"] - start, c)
+            pieces.setdefault(work["tile"], []).append(work)
+            share += hi - lo
+        if c < ctas:
+            shares.append(share)
+    assert sorted(whole) == list(range(start))
+    assert sorted(pieces) == list(range(start, tiles if ctas else start))
+    slots = [w["slot"] for ws in pieces.values() for w in ws]
+    assert len(set(slots)) == len(slots) and all(0 <= s < tiles - start + ctas - 1 for s in slots)
+    for tile, ws in pieces.items():
+        ws.sort(key=lambda w: w["turns"])
+        assert [w["turns"][0] for w in ws] == [0] + [w["turns"][1] for w in ws[:-1]] and ws[-1]["turns"][1] == key_tiles
+        assert [w["piece"] for w in ws] == list(range(len(ws))) and {w["pieces"] for w in ws} == {len(ws)}
+        assert {w["first_slot"] for w in ws} == {ws[0]["slot"]}
+        assert len(ws) <= _plan.SM90_TAIL_MAX_PIECES
+    if ctas:
+        assert min(shares) >= _plan.SM90_TAIL_MIN_TURNS and model.units * ctas < 2 ** 31
+        assert key_tiles - max(shares) >= _plan.SM90_TAIL_MIN_GAIN
+
+
+def test_the_plan_cuts_the_tail_of_unmasked_dense_calls():
+    """A cut adds the pieces' workspace (a slot per piece, an arrival counter per tail tile
+    and consumer warp, zeroed at launch) and takes as many CTAs as share the tail; causal,
+    windowed and packed calls are not cut."""
+    q = np.zeros((1, 1000, 4, 128), np.float16)
+    k = v = np.zeros((1, 4000, 2, 128), np.float16)
+    infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", q))]
+
+    def plan(window=(-1, -1)):
+        options = _options.make_options(infos[0], infos[1], False, None, window, 0.0, None, 0.0, None, 0,
+                                        backward=False)
+        return _plan.forward(*infos, options, None, _plan.shared_memory_limit("sm_90"), True, 132)
+
+    cut, banded = plan(), plan((-1, 0))
+    params = Sm90Params.from_buffer_copy(cut.params)
+    tiles, key_tiles = 8 * 4, -(-4000 // 176)  # 128-row tiles; 176 keys each
+    assert (params.tail_start, params.tail_key_tiles) == (0, key_tiles) and params.tail_ctas == 132
+    assert _plan.sm90_tail(tiles, key_tiles, 132) == (0, 132)
+    assert cut.steps[0].grid[0] == 132 and cut.counters == ("arrivals",)
+    slots = tiles + 132 - 1
+    assert cut.workspace == (("partial_o", (slots, 128, 128), "float32"), ("partial_lse", (slots, 128), "float32"),
+                             ("arrivals", (tiles, 8), "int32"))
+    assert cut.pointers[-3:] == ("partial_o", "partial_lse", "arrivals")
+    banded_params = Sm90Params.from_buffer_copy(banded.params)
+    assert banded.counters == ("tile_counter",) and banded_params.tail_ctas == 0
+    assert _plan.sm90_tail(264, 50, 132) == (264, 0)     # a full last wave
+    assert _plan.sm90_tail(140, 3, 132) == (140, 0)      # too few turns to share
+    assert _plan.sm90_tail(130, 50, 132) == (130, 0)     # 130 of 132 CTAs busy: nothing to gain
+    assert _plan.sm90_tail(200, 0, 132) == (200, 0)
 
 
 def test_tensor_maps_are_encoded_once_per_array(monkeypatch):
@@ -351,3 +480,49 @@ def test_the_sm90_forward_is_bitwise_reproducible(paths, causal):
     first, first_lse = paths(False, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True))
     again, again_lse = paths(False, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True))
     assert (first.view(np.uint16) == again.view(np.uint16)).all() and (first_lse == again_lse).all()
+
+
+# Unmasked calls whose last wave the planner cuts along the keys (on 114 or 132
+# multiprocessors): fewer tiles than multiprocessors with many keys each (every tile cut,
+# up to sixteen pieces), and a wave and a bit (whole tiles, then the cut tail); d 96 rides on
+# d 128's kernel with zero columns.
+TAIL_CASES = [(128, "bfloat16", 1, 1000, 4001, 4, 2), (128, "float16", 2, 1000, 2000, 11, 1),
+              (64, "bfloat16", 1, 700, 5003, 3, 3), (256, "float16", 1, 300, 3001, 2, 1),
+              (96, "float16", 1, 129, 9000, 1, 1)]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("head_dim,dtype,batch,seqlen_q,seqlen_k,heads,heads_k", TAIL_CASES)
+@pytest.mark.parametrize("extras", ["", "softcap", "alibi", "dropout"])
+def test_a_cut_tail_matches_the_oracle_and_the_mma_sync_kernels(paths, head_dim, dtype, batch, seqlen_q, seqlen_k,
+                                                                 heads, heads_k, extras):
+    """Each piece's O and LSE merged by the last to finish: into poisoned memory every row
+    written, as the oracle and the mma.sync kernels have it (the same dropout mask: a
+    function of each score's coordinates), LSE included, the same bits call after call."""
+    import cupy
+
+    from cuflash.reference import attention_reference
+
+    from .test_gpu_forward import poisoned_allocations
+    kernel = _plan.Sm90Forward.of(dtype, next(d for d in _plan.SM90_HEAD_DIMS if d >= head_dim), False, bool(extras))
+    tiles = -(-seqlen_q // kernel.block_m) * heads * batch
+    assert _plan.sm90_tail(tiles, -(-seqlen_k // kernel.block_n), _kernels.multiprocessors(0))[1], "not cut"
+    rng = np.random.default_rng(seqlen_k + head_dim)
+    host, (q, k, v) = _arrays_of(rng, dtype, (batch, seqlen_q, heads, head_dim),
+                                 (batch, seqlen_k, heads_k, head_dim), (batch, seqlen_k, heads_k, head_dim))
+    options = {"": {}, "softcap": dict(softcap=5.0), "dropout": dict(dropout_p=0.2, seed=3),
+               "alibi": dict(alibi_slopes=cupy.asarray(rng.uniform(0.01, 0.2, (batch, heads)).astype(np.float32)))}
+    options = options[extras]
+    with poisoned_allocations():
+        out, lse = paths(False, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
+        again, again_lse = paths(False, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
+        want, want_lse = paths(True, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
+    scale = 1 + float(abs(want).max())
+    _close(out, want, 1e-2 * scale)
+    _close(lse, want_lse, 1e-3)
+    assert (out.view(np.uint16) == again.view(np.uint16)).all() and (lse == again_lse).all()
+    if not extras or extras == "softcap":
+        want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), **options)
+        _close(out, want, 4e-3 * scale)
+        _close(lse, want_lse, 1e-3)

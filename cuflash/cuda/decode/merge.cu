@@ -2,7 +2,7 @@
 // (partial.cuh): the merge step of the KV-cache call's splits, and cuflash.merge_states.
 #include "common.cuh"
 #include "decode/decode_params.cuh"
-#include "decode/partial.cuh"
+#include "partial.cuh"
 
 namespace cuflash {
 

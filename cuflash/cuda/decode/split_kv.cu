@@ -27,7 +27,7 @@
 #include "decode/cache.cuh"
 #include "decode/cluster.cuh"
 #include "decode/decode_params.cuh"
-#include "decode/partial.cuh"
+#include "partial.cuh"
 #include "decode/rotary.cuh"
 #include "layout.cuh"
 #include "mask.cuh"

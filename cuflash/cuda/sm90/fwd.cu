@@ -24,8 +24,10 @@
 // tensor cores (TurnTaking), the output (Sm90Output) and the entry that ties them together.
 #include "common.cuh"
 #include "mask.cuh"
+#include "partial.cuh"
 #include "score.cuh"
 #include "sm90/fwd_params.cuh"
+#include "sm90/tile_scheduler.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 #include "softmax.cuh"
@@ -108,45 +110,6 @@ struct Sm90Shared {
       if (x != kValues) sm90::tma_load(k(stage) + c * kKvBlock, args.k, landing, 64 * c, row, kv_head, batch);
       if (x != kKeys) sm90::tma_load(v(stage) + c * kKvBlock, args.v, landing, 64 * c, row, kv_head, batch);
     }
-  }
-};
-
-// The tiles of a launch, numbered 0 .. count - 1, and which CTA takes which. A (head,
-// sequence) pair's query blocks go together, the last first, sharing its K and V in L2.
-// Without a mask every tile is as long: CTA c takes c, c + gridDim.x, ... (a grid of one
-// CTA a tile is the plain launch). Under a causal mask or a window (kLocal) they differ:
-// CTA c takes c, then whichever tile is next in order when it gets free, from a counter
-// in global memory that the launch starts at zero (FlashAttention-3's dynamic scheduler),
-// as the hardware hands out the CTAs of a grid of one a tile, yet each CTA loads its next
-// tile's Q and keys under its current tile. And under a causal mask (a section of more
-// than one pair: _plan.sm90_section) the pairs go in sections of equal size whose K and V
-// fit in L2 together, and within a section query block by query block, the last first,
-// across its pairs (tile_major, the mma.sync grid's order): the longest tiles first, the
-// short ones filling in at the end, where pair after pair would leave the last pair's long
-// tiles to start late and run alone.
-template <int kBlockM, bool kLocal>
-struct Sm90Tiles {
-  int m_blocks, heads, count, section;
-
-  static __device__ __forceinline__ Sm90Tiles of(const Sm90Params& args) {
-    const int m_blocks = ceil_div(args.p.seqlen_q, kBlockM);  // packed: the longest sequence's
-    return {m_blocks, args.p.nheads, m_blocks * args.p.nheads * args.batch, args.section};
-  }
-  // The tile this warp takes after tile t (kLocal: lane 0 takes it from the launch's
-  // counter, of the tiles taken past the first gridDim.x).
-  static __device__ __forceinline__ int next(int t, const Sm90Params& args, int lane) {
-    if (!kLocal) return t + gridDim.x;
-    return gridDim.x + __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(args.tile_counter, 1) : 0, 0);
-  }
-  // Tile t's (query block, head, batch).
-  __device__ __forceinline__ void at(int t, int& m_block, int& head, int& batch) const {
-    int pair, from_last;  // pair: head + heads * batch
-    if (kLocal && section > 1) {
-      tile_major(t, m_blocks, count / m_blocks, section, from_last, pair);  // (common.cuh)
-    } else {
-      pair = t / m_blocks, from_last = t % m_blocks;
-    }
-    m_block = m_blocks - 1 - from_last, head = pair % heads, batch = pair / heads;
   }
 };
 
@@ -277,19 +240,95 @@ __device__ __forceinline__ Sm90Output finish_output(const Params& p,
   return out;
 }
 
-template <typename T, int kDTiles>
-__device__ __forceinline__ void write_output(const Params& p, const Sm90Output& out, int lane,
-                                             const float (&acc_o)[1][kDTiles][4]) {
+// Columns 8 dt0 .. 8 (dt0 + kTiles) - 1 of the rows g and g + 8 inside the sequence, from
+// acc[dt][2h], acc[dt][2h + 1] (row g + 8h) times scale[h]; each row's LSE where dt0 is 0.
+template <typename T, int kTiles>
+__device__ __forceinline__ void write_columns(const Params& p, const Sm90Output& out, int lane, int dt0,
+                                              const float (&acc)[kTiles][4], const float (&scale)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (!out.rows[h]) continue;
-    if ((lane & 3) == 0 && out.lse != nullptr) out.lse[8 * h] = out.row_lse[0][h];
-    elem_t* o = out.o + int64(8 * h) * p.o.row_stride;
+    if (dt0 == 0 && (lane & 3) == 0 && out.lse != nullptr) out.lse[8 * h] = out.row_lse[0][h];
+    elem_t* o = out.o + int64(8 * h) * p.o.row_stride + dt0 * 8;
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)  // (a head dim the kernel's rounds up to: its columns only)
-      if (dt * 8 < p.headdim)
-        *reinterpret_cast<unsigned*>(o + dt * 8) = DType<T>::pack(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
+    for (int dt = 0; dt < kTiles; ++dt)  // (a head dim the kernel's rounds up to: its columns only)
+      if ((dt0 + dt) * 8 < p.headdim)
+        *reinterpret_cast<unsigned*>(o + dt * 8) = DType<T>::pack(acc[dt][2 * h] * scale[h], acc[dt][2 * h + 1] * scale[h]);
   }
+}
+
+template <typename T, int kDTiles>
+__device__ __forceinline__ void write_output(const Params& p, const Sm90Output& out, int lane,
+                                             const float (&acc_o)[1][kDTiles][4]) {
+  write_columns<T>(p, out, lane, 0, acc_o[0], {1.f, 1.f});
+}
+
+// The last piece of a tail tile to arrive: every piece's O and LSE (this warp's rows) read
+// back in their order, whichever warp merges, its own too (bitwise reproducible), past L1,
+// merged (partial.cuh) and written as the tile's rows (`out`, its LSE replaced), kChunk n8
+// tiles at a time, a piece's loads of a chunk in flight at once. A function of its own: the
+// consumers' loop keeps its registers (inlined, it spilled at d 64 with softcap, ALiBi or
+// dropout).
+template <typename T, int kWarps, int kDTiles>
+__device__ __noinline__ void merge_pieces(const Sm90Params& args, Sm90Work work, Sm90Output out, int warp, int lane) {
+  constexpr int kChunk = kDTiles < 8 ? kDTiles : 8;
+  constexpr int64 kSlotO = int64(kWarps) * kDTiles * 32;  // float4s a slot
+  constexpr int kSlotLse = kWarps * 16;                   // rows a slot
+  const float4* parts = reinterpret_cast<const float4*>(args.partial_o) + warp * kDTiles * 32 + lane;
+  const float* lses = args.partial_lse + warp * 16 + lane / 4;  // row g (+ 8)
+  __threadfence();
+  PartialMerge merge[2];
+  for (int k = 0; k < work.pieces; ++k)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) merge[h].see(__ldcg(lses + (work.first_slot + k) * kSlotLse + 8 * h));
+  for (int k = 0; k < work.pieces; ++k)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) merge[h].weigh(__ldcg(lses + (work.first_slot + k) * kSlotLse + 8 * h));
+  const float scale[2] = {merge[0].out_scale(), merge[1].out_scale()};
+  out.row_lse[0][0] = merge[0].lse(), out.row_lse[0][1] = merge[1].lse();
+#pragma unroll
+  for (int c = 0; c < kDTiles; c += kChunk) {
+    float acc[kChunk][4] = {};
+    for (int k = 0; k < work.pieces; ++k) {
+      const int slot = work.first_slot + k;
+      const float w0 = merge[0].weight(__ldcg(lses + slot * kSlotLse));
+      const float w1 = merge[1].weight(__ldcg(lses + slot * kSlotLse + 8));
+      const float4* part = parts + slot * kSlotO + c * 32;
+#pragma unroll
+      for (int dt = 0; dt < kChunk; ++dt) {  // (an empty part's weight 0 selects it away, whatever it holds)
+        const float4 x = __ldcg(part + dt * 32);
+        acc[dt][0] += w0 != 0.f ? w0 * x.x : 0.f, acc[dt][1] += w0 != 0.f ? w0 * x.y : 0.f;
+        acc[dt][2] += w1 != 0.f ? w1 * x.z : 0.f, acc[dt][3] += w1 != 0.f ? w1 * x.w : 0.f;
+      }
+    }
+    write_columns<T>(args.p, out, lane, c, acc, scale);
+  }
+}
+
+// A piece's end (a tail tile cut along its keys: sm90/tile_scheduler.cuh): each consumer
+// warp stores its O (normalised over the piece's keys) and LSE into the piece's slot, and
+// the warp whose piece arrives last at its tile merges every piece's (partial.cuh) and
+// writes the tile's rows (merge_pieces). A slot holds a float4 of O a lane and n8 tile, and
+// one LSE a row; the stores are made visible (__threadfence) before the tile's counter
+// moves. O's registers are zeroed once stored: free (and nothing to save) for the merge.
+template <typename T, int kWarps, int kDTiles>
+__device__ __forceinline__ void finish_piece(const Sm90Params& args, const Sm90Work& work, const Sm90Output& out,
+                                             int warp, int lane, float (&acc_o)[1][kDTiles][4]) {
+  constexpr int kSlotLse = kWarps * 16;  // rows a slot
+  float4* mine = reinterpret_cast<float4*>(args.partial_o) + (int64(work.slot) * kWarps + warp) * kDTiles * 32 + lane;
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) {
+    mine[dt * 32] = make_float4(acc_o[0][dt][0], acc_o[0][dt][1], acc_o[0][dt][2], acc_o[0][dt][3]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+  }
+  float* lse = args.partial_lse + work.slot * kSlotLse + warp * 16 + lane / 4;  // row g (+ 8)
+  if (lane % 4 == 0) lse[0] = out.row_lse[0][0], lse[8] = out.row_lse[0][1];
+  __threadfence();
+  __syncwarp();
+  int arrived = 0;
+  if (lane == 0) arrived = atomicAdd(args.arrivals + work.tail_tile * kWarps + warp, 1);
+  if (__shfl_sync(0xffffffffu, arrived, 0) == work.pieces - 1) merge_pieces<T, kWarps, kDTiles>(args, work, out, warp, lane);
 }
 
 // Warpgroup 0 produces, warpgroups 1 .. kConsumers compute. The producer keeps 24 registers
@@ -338,12 +377,14 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   const Params& p = args.p;
   const auto schedule = Sm90Tiles<kBlockM, kLocal>::of(args);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
-  // Tile t's rows and key tiles; false where they are past its sequence (packed arrays:
-  // the tiles cover the longest).
-  auto tile = [&](int t, Block& block) {
+  // Work t's rows and key tiles (a piece's share of its tile's); false where they are past
+  // its sequence (packed arrays: the tiles cover the longest).
+  auto tile = [&](const Sm90Work& work, Block& block) {
     int m_block, head, batch;
-    schedule.at(t, m_block, head, batch);
+    schedule.at(work.tile, m_block, head, batch);
     block = Block::of(p, m_block, head, batch);
+    const int n_end = block.n_end;
+    block.n_end = n_end - work.first_turn, block.n_begin = max(block.n_begin, n_end - work.last_turn);
     return block.m0 < block.seq.seqlen_q;
   };
 
@@ -355,9 +396,9 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     if (warp == 0) {  // (its values uniform: in the uniform datapath's registers)
       const bool leader = lane == 0;  // asks for the loads and announces their bytes
       int loaded = 0, round = 0;  // key tiles and tiles so far
-      for (int t = blockIdx.x; t < schedule.count; t = schedule.next(t, args, lane)) {
+      for (int t = schedule.first(args); t < schedule.end(args); t = schedule.next(t, args, lane)) {
         Block block;
-        if (!tile(t, block)) continue;
+        if (!tile(schedule.work(t, args), block)) continue;
         shared.q_released().wait((round++ & 1) ^ 1);
         if (leader) shared.tile() = t, shared.load_q(args, block.q_row(), block.head, block.tma_batch);
         // Key tile n (key tiles go from n_end - 1 down) into stage `loaded`: its K and V,
@@ -399,7 +440,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         break;
       }
       Block block;
-      tile(t, block);
+      tile(schedule.work(t, args), block);
       const int tiles = max(0, block.n_end - block.n_begin);  // key tiles n_end - 1 down to n_begin
       const int row0 = block.m0 + warp_row0;
       OnlineSoftmax<1, true> softmax;
@@ -476,6 +517,14 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
       }
       used += tiles;
       pending = finish_output<T>(p, block, warp_row0, lane, softmax, acc_o);
+      const int number = kLocal ? 0 : schedule.number(block.m0 / kBlockM, block.head, block.batch);
+      if (!kLocal && number >= args.tail_start) {  // a piece of a tile: stored, and merged by the last
+        const Sm90Work work = schedule.piece_of(number, args);
+        if (work.pieces > 1) {
+          finish_piece<T, 4 * kConsumers>(args, work, pending, warp - 4, lane, acc_o);
+          pending.rows[0] = pending.rows[1] = false;  // (written, or another piece writes the tile)
+        }
+      }
       if constexpr (!kDeferOutput) {
         write_output<T>(p, pending, lane, acc_o);
         pending.rows[0] = pending.rows[1] = false;

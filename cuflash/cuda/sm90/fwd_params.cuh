@@ -1,6 +1,6 @@
 // The sm_90a forward's one argument: the Params of the mma.sync kernels, the batch, the
-// section and the tile counter (the tile scheduler counts, orders and hands out the tiles
-// of a launch), and the tensor maps
+// section, the tile counter and the tail's cut (the tile scheduler counts, orders and
+// hands out the tiles of a launch: sm90/tile_scheduler.cuh), and the tensor maps
 // of Q, K and V, each 4-D (headdim, seqlen, heads, batch) with a box of 64 columns (128
 // bytes, the swizzle's width) and a tile's rows (cuflash/_tensormap.py); packed (varlen)
 // arrays are one batch of all rows. cuflash/_params.py mirrors it.
@@ -15,6 +15,14 @@ struct Sm90Params {
   int batch;    // sequences (packed: of cu_seqlens)
   int section;  // (head, sequence) pairs whose tiles the scheduler interleaves (Sm90Tiles)
   int* tile_counter;  // causal or windowed: 0 at launch, the tiles taken past the first wave
+  // The tail cut along its keys (no mask; tail_start = the tile count: none): its first
+  // tile, its CTAs and the key tiles of each of its tiles; each piece's O and LSE
+  // (float32, a slot each: Sm90Work::slot), and the pieces of each tail tile stored so
+  // far, warp by warp (0 at launch).
+  int tail_start, tail_ctas, tail_key_tiles;
+  float* partial_o;
+  float* partial_lse;
+  int* arrivals;
   sm90::TensorMap q, k, v;
 };
 

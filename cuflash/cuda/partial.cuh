@@ -1,5 +1,6 @@
-// Partial attention results and their merge: the one contract of the split kernel's
-// in-CTA reduction, its merge step and cuflash.merge_states.
+// Partial attention results and their merge: the one contract of the KV-cache split
+// kernel's in-CTA reduction, its merge step, cuflash.merge_states and the sm_90a forward's
+// tail tiles cut along their keys.
 //
 // A part is the attention of a row over a subset of the keys: O_i normalised over that
 // subset and LSE_i = log sum exp(s) over it (natural log); LSE_i = +inf or -inf marks a
