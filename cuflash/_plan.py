@@ -587,7 +587,7 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
 # than a tile or more.
 SM90_TAIL_MIN_TURNS = 4
 SM90_TAIL_MAX_PIECES = 16
-SM90_TAIL_MIN_GAIN = 2
+SM90_TAIL_MIN_GAIN = 3
 
 
 def sm90_tail(tiles: int, key_tiles: int, multiprocessors: int) -> tuple[int, int]:

@@ -263,8 +263,10 @@ __device__ __forceinline__ void write_output(const Params& p, const Sm90Output& 
   write_columns<T>(p, out, lane, 0, acc_o[0], {1.f, 1.f});
 }
 
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
 // The last piece of a tail tile to arrive: every piece's O and LSE (this warp's rows) read
-// back in their order, whichever warp merges, its own too (bitwise reproducible), past L1,
+// back in their order, whichever warp merges, its own too (bitwise reproducible), from L2,
 // merged (partial.cuh) and written as the tile's rows (`out`, its LSE replaced), kChunk n8
 // tiles at a time, a piece's loads of a chunk in flight at once. A function of its own: the
 // consumers' loop keeps its registers (inlined, it spilled at d 64 with softcap, ALiBi or
@@ -276,7 +278,6 @@ __device__ __noinline__ void merge_pieces(const Sm90Params& args, Sm90Work work,
   constexpr int kSlotLse = kWarps * 16;                   // rows a slot
   const float4* parts = reinterpret_cast<const float4*>(args.partial_o) + warp * kDTiles * 32 + lane;
   const float* lses = args.partial_lse + warp * 16 + lane / 4;  // row g (+ 8)
-  __threadfence();
   PartialMerge merge[2];
   for (int k = 0; k < work.pieces; ++k)
 #pragma unroll
@@ -309,8 +310,11 @@ __device__ __noinline__ void merge_pieces(const Sm90Params& args, Sm90Work work,
 // warp stores its O (normalised over the piece's keys) and LSE into the piece's slot, and
 // the warp whose piece arrives last at its tile merges every piece's (partial.cuh) and
 // writes the tile's rows (merge_pieces). A slot holds a float4 of O a lane and n8 tile, and
-// one LSE a row; the stores are made visible (__threadfence) before the tile's counter
-// moves. O's registers are zeroed once stored: free (and nothing to save) for the merge.
+// one LSE a row. The warp's stores are ordered before the tile's counter moves, and the
+// counter before the merging warp's loads, by fences at the GPU's scope around the atomic
+// (the PTX memory model's release and acquire patterns; __syncwarp carries the other lanes'
+// stores and loads to and from lane 0's). O's registers are zeroed once stored: free (and
+// nothing to save) for the merge.
 template <typename T, int kWarps, int kDTiles>
 __device__ __forceinline__ void finish_piece(const Sm90Params& args, const Sm90Work& work, const Sm90Output& out,
                                              int warp, int lane, float (&acc_o)[1][kDTiles][4]) {
@@ -324,11 +328,17 @@ __device__ __forceinline__ void finish_piece(const Sm90Params& args, const Sm90W
   }
   float* lse = args.partial_lse + work.slot * kSlotLse + warp * 16 + lane / 4;  // row g (+ 8)
   if (lane % 4 == 0) lse[0] = out.row_lse[0][0], lse[8] = out.row_lse[0][1];
-  __threadfence();
   __syncwarp();
   int arrived = 0;
-  if (lane == 0) arrived = atomicAdd(args.arrivals + work.tail_tile * kWarps + warp, 1);
-  if (__shfl_sync(0xffffffffu, arrived, 0) == work.pieces - 1) merge_pieces<T, kWarps, kDTiles>(args, work, out, warp, lane);
+  if (lane == 0) {
+    fence_acq_rel_gpu();  // release: the warp's stores (before it by __syncwarp) before the count
+    arrived = atomicAdd(args.arrivals + work.tail_tile * kWarps + warp, 1);
+    fence_acq_rel_gpu();  // acquire: the other pieces' stores before this warp's loads
+  }
+  if (__shfl_sync(0xffffffffu, arrived, 0) == work.pieces - 1) {
+    __syncwarp();
+    merge_pieces<T, kWarps, kDTiles>(args, work, out, warp, lane);
+  }
 }
 
 // Warpgroup 0 produces, warpgroups 1 .. kConsumers compute. The producer keeps 24 registers
