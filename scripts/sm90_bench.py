@@ -5,7 +5,7 @@ tensors: TFLOP/s, CUDA events, median of rounds taken in turns after a warm-up
 
     PYTHONPATH=. python scripts/sm90_bench.py [--dtype float16] [--batch-tokens 16384] [--head-dim 128]
                                               [--tile 80,2[,2]] [--blocks] [--sections 0,8,32]
-                                              [--causal-only]
+                                              [--causal-only] [--whole] [--shapes 512x16384,...]
 """
 import argparse
 
@@ -16,18 +16,22 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from cuflash import _arrays, _kernels, _options, _plan, bench
 
 
-def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=True, section_bytes=None):
+def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=True, section_bytes=None,
+                 cut=True):
     """The forward of q, k, v into out on one path, planned once (on the sm_90a kernel with
     ``tile``, (keys, stages[, consumers]), instead of the planner's, its consumers where
     left out; a CTA per tile unless ``persistent``; the scheduler's sections sized by
-    ``section_bytes`` instead of SM90_SECTION_BYTES): a zero-argument call."""
+    ``section_bytes`` instead of SM90_SECTION_BYTES; the last wave left whole unless
+    ``cut``): a zero-argument call."""
     infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))]
     options = _options.make_options(infos[0], infos[1], causal, None, (-1, -1), 0.0, None, 0.0, None, 0,
                                     backward=False)
     entry = next(d for d in _plan.SM90_HEAD_DIMS if d >= q.shape[-1])
     tables = (_plan.SM90_TILES, _plan.SM90_BANDED_TILES, _plan.SM90_BANDED_EXTRAS_TILES)
     saved = [dict(table) for table in tables]
-    saved_section = _plan.SM90_SECTION_BYTES
+    saved_section, saved_tail = _plan.SM90_SECTION_BYTES, _plan.sm90_tail
+    if not cut:
+        _plan.sm90_tail = lambda tiles, key_tiles, multiprocessors: (tiles, 0)
     if section_bytes is not None:
         _plan.SM90_SECTION_BYTES = section_bytes
     if tile:  # (every table: with or without a mask)
@@ -40,7 +44,7 @@ def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=
     finally:
         for table, old in zip(tables, saved):
             table.clear(), table.update(old)
-        _plan.SM90_SECTION_BYTES = saved_section
+        _plan.SM90_SECTION_BYTES, _plan.sm90_tail = saved_section, saved_tail
     assert (plan.struct.__name__ == "Sm90Params") == sm90a, "the sm_90a forward does not take this call"
     launcher = _kernels.Launcher(plan, q.device.index)
     work = [torch.empty(shape, dtype=getattr(torch, dtype), device=q.device) for _, shape, dtype in plan.workspace]
@@ -62,6 +66,11 @@ def main() -> None:
                                            "sized for this much L2 (columns 's<MIB>'; 0: a pair a section, "
                                            "head after head)")
     parser.add_argument("--causal-only", action="store_true", help="only the causal calls")
+    parser.add_argument("--whole", action="store_true",
+                        help="also time the sm_90a kernel with the last wave left whole, not cut along the keys "
+                             "(column 'whole'), and print how far its output is from the cut one's")
+    parser.add_argument("--shapes", help="SEQLEN_QxSEQLEN_K,...: a batch of one of each instead of the square "
+                                         "grid (few query rows, many keys: a call the tail's cut spreads out)")
     args = parser.parse_args()
     d = args.head_dim
     kernel_dim = next(k for k in _plan.SM90_HEAD_DIMS if k >= d)
@@ -69,25 +78,35 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     heads = 2048 // d
     sections = [int(x) for x in args.sections.split(",")] if args.sections else []
-    columns = ("sm90", *(("tile",) if tile else ()), *(("blocks",) if args.blocks else ()),
+    columns = ("sm90", *(("whole",) if args.whole else ()), *(("tile",) if tile else ()),
+               *(("blocks",) if args.blocks else ()),
                *(f"s{mib}" for mib in sections), "mma.sync",
                "sdpa-cudnn", "sdpa-flash")
     banded = _plan.SM90_BANDED_TILES.get(kernel_dim, _plan.SM90_TILES[kernel_dim])
     print(f"forward, d {d}, {heads} heads, {args.dtype}, TFLOP/s; sm90 (keys a tile, stages, consumers): "
           f"{_plan.SM90_TILES[kernel_dim]}, causal {banded}; tile: {tile}")
-    print(f"{'seqlen':>6} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}"
-          + (f" {'tile err':>10}" if tile else ""))  # max |out - sm90's out|
-    for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
-        batch = max(1, args.batch_tokens // seqlen)
-        for causal in (True,) if args.causal_only else (False, True):
-            q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+    other = "tile" if tile else "whole" if args.whole else None  # max |out - sm90's out| of this column
+    print(f"{'seqlen':>11} {'causal':>6} " + " ".join(f"{c:>11}" for c in columns) + f" {'sm90/cudnn':>10}"
+          + (f" {other + ' err':>10}" if other else ""))
+    shapes = [(n, n) for n in (512, 1024, 2048, 4096, 8192, 16384)]
+    if args.shapes:
+        shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
+    for seqlen, seqlen_k in shapes:
+        batch = 1 if args.shapes else max(1, args.batch_tokens // seqlen)
+        # (--shapes: not causal; SDPA aligns a causal mask of sq != sk to the top left, cuflash to the bottom right)
+        for causal in (False,) if args.shapes else (True,) if args.causal_only else (False, True):
+            q = torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype)
+            k, v = (torch.randn(batch, seqlen_k, heads, d, device="cuda", dtype=dtype) for _ in range(2))
             out = torch.empty_like(q)
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             calls = {"sm90": forward_call(q, k, v, out, causal, True),
                      "mma.sync": forward_call(q, k, v, out, causal, False)}
             if tile:  # (into an output of its own, held against the planner's tile's below)
-                tile_out = torch.empty_like(q)
-                calls["tile"] = forward_call(q, k, v, tile_out, causal, True, tile)
+                other_out = torch.empty_like(q)
+                calls["tile"] = forward_call(q, k, v, other_out, causal, True, tile)
+            elif args.whole:
+                other_out = torch.empty_like(q)
+                calls["whole"] = forward_call(q, k, v, other_out, causal, True, cut=False)
             if args.blocks:
                 calls["blocks"] = forward_call(q, k, v, out, causal, True, persistent=False)
             for mib in sections:
@@ -98,13 +117,14 @@ def main() -> None:
                         sdpa(qt, kt, vt, is_causal=causal)
                 calls[name] = call
             ms = bench._median_ms_each(calls, torch)
-            flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+            flops = 4 * batch * heads * seqlen * seqlen_k * d / (2 if causal else 1)
             tflops = {name: flops / (t * 1e9) for name, t in ms.items()}
             differs = ""
-            if tile:
-                calls["sm90"](), calls["tile"]()
-                differs = f" {(out.float() - tile_out.float()).abs().max().item():10.2e}"
-            print(f"{seqlen:6d} {str(causal):>6} " + " ".join(f"{tflops[c]:11.1f}" for c in columns)
+            if other:
+                calls["sm90"](), calls[other]()
+                differs = f" {(out.float() - other_out.float()).abs().max().item():10.2e}"
+            label = str(seqlen) if seqlen == seqlen_k else f"{seqlen}x{seqlen_k}"
+            print(f"{label:>11} {str(causal):>6} " + " ".join(f"{tflops[c]:11.1f}" for c in columns)
                   + f" {tflops['sm90'] / tflops['sdpa-cudnn']:10.2f}" + differs, flush=True)
 
 

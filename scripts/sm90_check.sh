@@ -5,8 +5,10 @@
 # its folder), ncu's view of four calls and their phases tile by tile (sm90_timeline.py).
 # Logs and CSVs go to $OUT (as logs.tar.gz too, refreshed after each step); a short summary
 # is printed last. SUITES=1 adds the GPU suites of the forward and of the torch and JAX front
-# ends (test_gpu_forward.py, test_gpu_variants.py, test_torch.py, test_jax.py).
-#   usage: [BASELINE=build/ab/cuflash_prev] [SUITES=1] bash scripts/sm90_check.sh
+# ends (test_gpu_forward.py, test_gpu_variants.py, test_torch.py, test_jax.py); TAIL=1 times
+# the unmasked last wave cut along the keys against the same kernel with it whole
+# (sm90_bench.py --whole, each head dim, and calls of few query rows and many keys).
+#   usage: [BASELINE=build/ab/cuflash_prev] [SUITES=1] [TAIL=1] bash scripts/sm90_check.sh
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 OUT=${OUT:-/tmp/cuflash-out}; LOG=$(mktemp -d); mkdir -p "$OUT"
@@ -43,6 +45,11 @@ for call in "128" "128 causal" "128 causal 2048" "64 causal 2048"; do
     --metrics "$metrics" python3 scripts/ncu_forward.py $call
 done
 step timeline 300 python3 scripts/sm90_timeline.py
+if [[ -n ${TAIL:-} ]]; then  # the cut tail against the whole one (causal rows: not cut, the same kernel twice)
+  for d in 64 128 256; do step "tail_$d" 300 python3 scripts/sm90_bench.py --whole --head-dim "$d"; done
+  step tail_shapes 300 python3 scripts/sm90_bench.py --whole --head-dim 128 \
+    --shapes 128x8192,128x32768,512x16384,1024x65536,2048x8192
+fi
 if [[ -n ${SUITES:-} ]]; then  # the forward's GPU suites and the front ends' (6-7 minutes on an H200)
   step suite_forward 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_forward.py tests/test_gpu_variants.py
   step suite_frontends 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_torch.py tests/test_jax.py
@@ -53,6 +60,7 @@ for f in "$LOG"/test_sm90.txt "$LOG"/suite_*.txt; do [[ -f $f ]] && echo "$(base
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG"/sanitize_*.txt
 for dtype in bfloat16 float16; do tail -n 38 "$LOG/grid_$dtype.txt"; done
 cat "$LOG/timeline.txt"
+for f in "$LOG"/tail_*.txt; do [[ -f $f ]] && { echo "-- $(basename "$f" .txt)"; cat "$f"; }; done
 for f in "$LOG"/ncu_*.txt; do
   echo "-- $(basename "$f" .txt)"
   grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|hmma_cycles|pipe_xu|stalled_(wait|barrier|long_scoreboard)_" "$f" \

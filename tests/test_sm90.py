@@ -144,12 +144,12 @@ class TailModel:
         n = self.key_tiles
         begin, end = max(self.unit_start(c), i * n), min(self.unit_start(c + 1), (i + 1) * n)
         first, last = self.cta_of(i * n), self.cta_of((i + 1) * n - 1)
-        return dict(tile=self.start + i, turns=(begin - i * n, end - i * n), piece=c - first, pieces=last - first + 1,
-                    tail_tile=i, slot=i + c, first_slot=i + first)
+        return dict(tile=self.start + i, turns=(begin - i * n, end - i * n), pieces=last - first + 1, tail_tile=i,
+                    slot=i + c, first_slot=i + first)
 
     def work(self, t):
         if t < self.count:
-            return dict(tile=t, turns=(0, self.key_tiles), piece=0, pieces=1)
+            return dict(tile=t, turns=(0, self.key_tiles), pieces=1)
         u = t - self.count
         return self.piece(u // self.key_tiles, self.cta_of(u))
 
@@ -193,8 +193,7 @@ def test_the_tail_is_cut_into_pieces_that_cover_every_key_tile_once(tiles, key_t
     for tile, ws in pieces.items():
         ws.sort(key=lambda w: w["turns"])
         assert [w["turns"][0] for w in ws] == [0] + [w["turns"][1] for w in ws[:-1]] and ws[-1]["turns"][1] == key_tiles
-        assert [w["piece"] for w in ws] == list(range(len(ws))) and {w["pieces"] for w in ws} == {len(ws)}
-        assert {w["first_slot"] for w in ws} == {ws[0]["slot"]}
+        assert [w["slot"] - w["first_slot"] for w in ws] == list(range(len(ws))) and {w["pieces"] for w in ws} == {len(ws)}
         assert len(ws) <= _plan.SM90_TAIL_MAX_PIECES
     if ctas:
         assert min(shares) >= _plan.SM90_TAIL_MIN_TURNS and model.units * ctas < 2 ** 31

@@ -2,8 +2,9 @@
 //
 // Head dims of 64, 128 and 256 (the planner rounds others up: the copy engine brings the
 // columns past the array's as zeros, and the output stores only the array's own).
-// Each CTA takes tiles (a block of kConsumers x 64 query rows of one head and sequence)
-// from the tile scheduler (Sm90Tiles) until none is left: a persistent grid. The producer
+// Each CTA takes tiles (a block of kConsumers x 64 query rows of one head and sequence),
+// or pieces of tiles cut along their keys, from the tile scheduler (Sm90Tiles,
+// sm90/tile_scheduler.cuh) until none is left: a persistent grid. The producer
 // warpgroup's first warp asks the copy engine for each tile's Q and for its key tiles' K
 // and V, into a ring of kStages stages that runs on from tile to tile, and tells the
 // consumers which tile's Q it loaded; consumer warpgroup c owns query rows 64c .. 64c + 63
@@ -19,9 +20,9 @@
 // then O / l and the LSE, finished in registers, go to global memory once the consumer has
 // issued its next tile's first S, while the producer loads the next tile's Q (released at
 // the tile's last S) and first keys. The pieces: the shared layout and its loads
-// (Sm90Shared), the order of the tiles (Sm90Tiles), the rows and key tiles of a tile
-// (Sm90Block), the products (issue_scores, issue_values), the consumers' turns at the
-// tensor cores (TurnTaking), the output (Sm90Output) and the entry that ties them together.
+// (Sm90Shared), the rows and key tiles of a tile (Sm90Block), the products (issue_scores,
+// issue_values), the consumers' turns at the tensor cores (TurnTaking), the output
+// (Sm90Output; a piece's: finish_piece, merge_pieces) and the entry that ties them together.
 #include "common.cuh"
 #include "mask.cuh"
 #include "partial.cuh"

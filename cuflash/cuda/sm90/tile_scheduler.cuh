@@ -36,12 +36,12 @@ namespace cuflash {
 
 // A CTA's unit of work: tile `tile`'s turns first_turn .. last_turn - 1 (turn j: its key
 // tile n_end - 1 - j; a whole tile's last_turn is past any tile's last), or a piece of a
-// tile cut in `pieces`.
+// tile cut in `pieces` (1: whole), slot - first_slot its number among them.
 struct Sm90Work {
   int tile;
   int first_turn, last_turn;
-  int piece, pieces;   // (0, 1: a whole tile)
-  int tail_tile;       // a piece's tile among the tail's: its arrival counters
+  int pieces;
+  int tail_tile;         // a piece's tile among the tail's: its arrival counters
   int slot, first_slot;  // a piece's partial result in the workspace, and its tile's first piece's
 };
 
@@ -59,9 +59,10 @@ struct Sm90Tail {
   __device__ __forceinline__ int cta_of(int u) const { return ((u + 1) * ctas - 1) / units; }
 };
 
-// (Its values are held in registers, read once: through the parameters at each use, the
-// unmasked loop's bookkeeping left the uniform datapath and ran 1-8% slower at 512-2k. The
-// tail's are read where they are needed.)
+// (The tile count and sizes are held in registers, read once: read through the parameters
+// at each use, the unmasked loop's bookkeeping left the uniform datapath and ran 1-8%
+// slower at 512-2k. The tail's cut is read from the parameters where it is used, at a
+// work's start and end.)
 template <int kBlockM, bool kLocal>
 struct Sm90Tiles {
   int m_blocks, heads, count, section;
@@ -102,7 +103,7 @@ struct Sm90Tiles {
 
   // Work t: a whole tile or a piece of one.
   __device__ __forceinline__ Sm90Work work(int t, const Sm90Params& args) const {
-    if (kLocal || t < count) return {t, 0, 1 << 30, 0, 1, 0, 0, 0};
+    if (kLocal || t < count) return {t, 0, 1 << 30, 1, 0, 0, 0};
     const Sm90Tail tail = Sm90Tail::of(args, count);
     const int u = t - count;
     return piece(tail, u / tail.key_tiles, tail.cta_of(u));
@@ -115,7 +116,7 @@ struct Sm90Tiles {
   static __device__ __forceinline__ Sm90Work piece(const Sm90Tail& tail, int i, int c) {
     const int n = tail.key_tiles, begin = max(tail.unit_start(c), i * n), end = min(tail.unit_start(c + 1), (i + 1) * n);
     const int first = tail.cta_of(i * n), last = tail.cta_of((i + 1) * n - 1);
-    return {tail.start + i, begin - i * n, end - i * n, c - first, last - first + 1, i, i + c, i + first};
+    return {tail.start + i, begin - i * n, end - i * n, last - first + 1, i, i + c, i + first};
   }
   // The number of the tile of (query block, head, batch) (at's inverse; not kLocal).
   __device__ __forceinline__ int number(int m_block, int head, int batch) const {
