@@ -8,12 +8,15 @@
 # ends (test_gpu_forward.py, test_gpu_variants.py, test_torch.py, test_jax.py); TAIL=1 times
 # the unmasked last wave cut along the keys against the same kernel with it whole
 # (sm90_bench.py --whole, each head dim, and calls of few query rows and many keys).
-#   usage: [BASELINE=build/ab/cuflash_prev] [SUITES=1] [TAIL=1] bash scripts/sm90_check.sh
+# SKIP lists steps to leave out (names or shell patterns: SKIP="ncu_* timeline grid_float16"),
+# to keep a call within the device's ten minutes.
+#   usage: [BASELINE=build/ab/cuflash_prev] [SUITES=1] [TAIL=1] [SKIP="..."] bash scripts/sm90_check.sh
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 OUT=${OUT:-/tmp/cuflash-out}; LOG=$(mktemp -d); mkdir -p "$OUT"
 step() {  # name, seconds, command...: its output to $LOG/name.txt, its status and time printed
-  local name=$1 limit=$2; shift 2; local start=$SECONDS
+  local name=$1 limit=$2; shift 2; local start=$SECONDS skip
+  for skip in ${SKIP:-}; do [[ $name == $skip ]] && { echo "== $name skipped"; return; }; done
   timeout "$limit" "$@" > "$LOG/$name.txt" 2>&1; local rc=$?
   echo "== $name rc=$rc $((SECONDS - start)) s"; tar -czf "$OUT/logs.tar.gz" -C "$LOG" .
 }
@@ -58,10 +61,11 @@ cp "$LOG"/*.csv "$OUT"/ 2>/dev/null
 echo "-- summary"
 for f in "$LOG"/test_sm90.txt "$LOG"/suite_*.txt; do [[ -f $f ]] && echo "$(basename "$f" .txt): $(tail -n 1 "$f")"; done
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG"/sanitize_*.txt
-for dtype in bfloat16 float16; do tail -n 38 "$LOG/grid_$dtype.txt"; done
-cat "$LOG/timeline.txt"
+for dtype in bfloat16 float16; do [[ -f $LOG/grid_$dtype.txt ]] && tail -n 38 "$LOG/grid_$dtype.txt"; done
+[[ -f $LOG/timeline.txt ]] && cat "$LOG/timeline.txt"
 for f in "$LOG"/tail_*.txt; do [[ -f $f ]] && { echo "-- $(basename "$f" .txt)"; cat "$f"; }; done
 for f in "$LOG"/ncu_*.txt; do
+  [[ -f $f ]] || continue
   echo "-- $(basename "$f" .txt)"
   grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|hmma_cycles|pipe_xu|stalled_(wait|barrier|long_scoreboard)_" "$f" \
     | awk '{print $1, $NF}'
