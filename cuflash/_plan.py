@@ -307,14 +307,16 @@ class Sm90Forward(NamedTuple):
     arch = "sm_90a"
 
     @classmethod
-    def of(cls, dtype: str, head_dim: int, local: bool, extras: bool) -> Sm90Forward:
+    def of(cls, dtype: str, head_dim: int, local: bool, extras: bool, short: bool = False) -> Sm90Forward:
         """The variant with the planner's tile (SM90_TILES; under a causal mask or a window
-        SM90_BANDED_TILES, with softcap, ALiBi or dropout SM90_BANDED_EXTRAS_TILES, where
-        they name the head dim)."""
+        SM90_BANDED_TILES, with softcap, ALiBi or dropout SM90_BANDED_EXTRAS_TILES, and
+        ``short``, a causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows,
+        SM90_SHORT_CAUSAL_TILES, where they name the head dim)."""
         tile = SM90_TILES[head_dim]
         if local:
             tile = SM90_BANDED_TILES.get(head_dim, tile)
             tile = SM90_BANDED_EXTRAS_TILES.get(head_dim, tile) if extras else tile
+            tile = SM90_SHORT_CAUSAL_TILES.get(head_dim, tile) if short else tile
         return cls(dtype, head_dim, local, extras, *tile)
 
     @property
@@ -399,6 +401,13 @@ SM90_TILES = {64: (128, 3, 3), 128: (176, 2, 2), 256: (80, 2, 2)}
 # 1.02x; identical kernels timed the same way read 0.95-1.03x each other.
 SM90_BANDED_TILES = {128: (128, 3, 2)}
 SM90_BANDED_EXTRAS_TILES = {256: (64, 2, 2)}
+# A causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows at d 64 keeps two consumers
+# (128-row tiles): three consumers' 192-row tiles are fewer, and longer, to share out among
+# the multiprocessors (H200, bf16, 16k tokens, `scripts/sm90_bench.py --head-dim 64 --tile
+# 128,3,2`, three consumers against two: 1k 0.93x, 2k 1.06x, 4k-16k 1.08-1.16x; on the H100
+# with the later scheduler 0.93x, 1.06x and 1.09-1.18x).
+SM90_SHORT_CAUSAL_TILES = {64: (128, 3, 2)}
+SM90_SHORT_CAUSAL_ROWS = 2048
 SM90_HEAD_DIMS = tuple(SM90_TILES)
 
 
@@ -423,7 +432,8 @@ def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge | Sm90Forward]:
     """Every variant cuflash can launch on ``arch``: for sm_90a the sm90 kernels (the
     mma.sync ones run on compute capability 9.0 as sm_90)."""
     if arch == "sm_90a":
-        return [Sm90Forward.of(*v) for v in itertools.product(DTYPES, SM90_HEAD_DIMS, (False, True), (False, True))]
+        variants = itertools.product(DTYPES, SM90_HEAD_DIMS, (False, True), (False, True), (False, True))
+        return list(dict.fromkeys(Sm90Forward.of(*v) for v in variants))  # (short: the same but for some causal ones)
     limit = shared_memory_limit(arch)
     flags = (False, True)
     kinds = [kind for kind in KINDS if not KINDS[kind].clustered or int(arch[3:5]) >= 90]
@@ -547,7 +557,8 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
     tiles from a counter (fwd.cu, Sm90Tiles), the plan's workspace, which the launcher
     zeroes."""
     head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
-    kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras)
+    short = options.window == (-1, 0) and p.seqlen_q < SM90_SHORT_CAUSAL_ROWS  # (packed: the longest sequence)
+    kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras, short)
     maps = []
     for name, a, rows in (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n)):
         shape, strides = (a.shape, a.strides) if varlen is None else \

@@ -74,6 +74,10 @@ def test_the_planner_sends_the_sm90_forward_what_it_takes():
     assert [(p.steps[0].kernel.threads, [m.rows for m in p.maps]) for p in plans] == \
         [(512, [192, 128, 128]), (384, [128, 176, 176]), (384, [128, 128, 128])]
     assert [(p.steps[0].kernel.block_n, p.steps[0].kernel.stages) for p in plans[1:]] == [(176, 2), (128, 3)]
+    # d 64 causal below SM90_SHORT_CAUSAL_ROWS query rows: two consumers (more, shorter tiles)
+    rows = _plan.SM90_SHORT_CAUSAL_ROWS
+    assert [kernel(*qkv(n, d=64), causal=True).consumers for n in (1000, rows - 1, rows)] == [2, 2, 3]
+    assert kernel(*qkv(1000, d=64), window_size=(100, 0)).consumers == 3
     assert isinstance(kernel(*qkv(1000, d=32)), _plan.Kernel)         # below 64: the mma.sync kernels
     assert isinstance(kernel(*qkv(1000), sm90a=False), _plan.Kernel)  # other GPUs, or CUFLASH_PORTABLE
     q, k, v = qkv(1000)
