@@ -564,10 +564,10 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
         shape, strides = (a.shape, a.strides) if varlen is None else \
             ((1, *a.shape), (a.shape[0] * a.strides[0], *a.strides))
         maps.append(TensorMapSpec(name, f"p.{name}", a.dtype, tuple(shape), tuple(strides), rows))
-    tiles = -(-p.seqlen_q // kernel.block_m) * p.nheads * batch
+    tiles, key_tiles = -(-p.seqlen_q // kernel.block_m) * p.nheads * batch, -(-p.seqlen_k // kernel.block_n)
     tail_start, tail_ctas = tiles, 0
     if not options.local and varlen is None:
-        tail_start, tail_ctas = sm90_tail(tiles, -(-p.seqlen_k // kernel.block_n), multiprocessors)
+        tail_start, tail_ctas = sm90_tail(tiles, key_tiles, multiprocessors)
     steps = ()
     if batch and p.seqlen_q and p.nheads:
         grid = kernel.grid(p.seqlen_q, p.nheads, batch, multiprocessors)
@@ -583,7 +583,7 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
                      ("partial_lse", (slots, kernel.block_m), "float32"),
                      ("arrivals", (tiles - tail_start, warps), "int32"))
     params = Sm90Params(p=p, batch=batch, section=section, tail_start=tail_start, tail_ctas=tail_ctas,
-                        tail_key_tiles=-(-p.seqlen_k // kernel.block_n))
+                        tail_key_tiles=key_tiles)
     counters = tuple(name for name, _, _ in workspace if name in ("tile_counter", "arrivals"))
     return Plan(bytes(params), pointers, steps, Sm90Params, workspace, tuple(maps), counters)
 
