@@ -589,30 +589,35 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
 
 
 # Without a mask (every tile as long) the tiles that do not fill the last wave are cut along
-# their keys among more CTAs (fwd.cu's tile scheduler, sm90/tile_scheduler.cuh: the tail's
-# turns laid end to end and shared out evenly, Stream-K's way), each piece's result merged
-# by the last to finish. A CTA's share takes SM90_TAIL_MIN_TURNS key tiles at least (a
-# piece costs about a turn beside its keys: its Q, the ring filling, its result stored and
-# merged), a tile goes to SM90_TAIL_MAX_PIECES pieces at most (the merging warp reads them
-# all), and the cut is made where the longest share is SM90_TAIL_MIN_GAIN turns shorter
-# than a tile or more.
+# their keys among more CTAs (fwd.cu's tile scheduler, sm90/tile_scheduler.cuh), each piece's
+# result merged by the last to finish. Each tile of the tail goes to the same number of
+# CTAs, so that every share is a piece of one tile and the pieces of a head's tiles cover
+# the same keys at the same time: shared out evenly over all CTAs (Stream-K's way), the
+# shares start at different keys in each tile, the tiles of a head no longer read their K
+# and V together from L2, and a batch of one with 1k query rows over 64k keys ran 0.57x
+# uncut (H100). A share takes SM90_TAIL_MIN_TURNS key tiles at least, a tile goes to
+# SM90_TAIL_MAX_PIECES pieces at most (the merging warp reads them all), and the cut is
+# made where a share and SM90_TAIL_PIECE_TURNS (a piece's own costs: its Q, the ring
+# filling, its result stored and merged; fitted to the H100's: d 64 with 16 key tiles a
+# tile in 3 pieces 0.99-1.00x, with 32 1.01-1.02x, d 64 1k in 2 pieces of 4 0.96-0.99x)
+# are fewer turns than a tile.
 SM90_TAIL_MIN_TURNS = 4
 SM90_TAIL_MAX_PIECES = 16
-SM90_TAIL_MIN_GAIN = 3
+SM90_TAIL_PIECE_TURNS = 6
 
 
 def sm90_tail(tiles: int, key_tiles: int, multiprocessors: int) -> tuple[int, int]:
     """(tail_start, tail_ctas): the first tile of the last wave, when ``tiles`` of
     ``key_tiles`` key tiles each run on ``multiprocessors`` CTAs, and the CTAs that share
-    out its key tiles; (tiles, 0) where it is not cut (a full last wave, a CTA a tile, too
-    little to gain)."""
+    out its key tiles, as many for each; (tiles, 0) where it is not cut (a full last wave,
+    a CTA a tile, more than half the CTAs busy, too little to gain)."""
     if not multiprocessors or tiles % multiprocessors == 0:
         return tiles, 0
     start = tiles - tiles % multiprocessors
     tail = tiles - start
-    units = tail * key_tiles
-    ctas = min(multiprocessors, units // SM90_TAIL_MIN_TURNS, tail * (SM90_TAIL_MAX_PIECES - 1))
-    if ctas <= tail or units * ctas >= 2 ** 31 or key_tiles - -(-units // ctas) < SM90_TAIL_MIN_GAIN:
+    pieces = min(multiprocessors // tail, key_tiles // SM90_TAIL_MIN_TURNS, SM90_TAIL_MAX_PIECES)
+    ctas, units = tail * pieces, tail * key_tiles
+    if pieces < 2 or units * ctas >= 2 ** 31 or -(-key_tiles // pieces) + SM90_TAIL_PIECE_TURNS >= key_tiles:
         return tiles, 0  # (the kernel's shares: 32-bit products of units and CTAs)
     return start, ctas
 

@@ -171,14 +171,15 @@ def test_the_tail_is_cut_into_pieces_that_cover_every_key_tile_once(tiles, key_t
     the tail, each once; each tail tile's turns covered once, by pieces numbered 0 ..
     pieces - 1 in turn order, each in its own workspace slot, the tile's first piece's slot
     its first_slot; the merging CTA finds its piece again from the tile alone (piece_of);
-    shares of SM90_TAIL_MIN_TURNS turns or more, at most SM90_TAIL_MAX_PIECES pieces a tile,
-    and the longest share SM90_TAIL_MIN_GAIN turns shorter than a tile."""
+    every tail CTA one piece of one tile, as many pieces for every tile (2 to
+    SM90_TAIL_MAX_PIECES, of SM90_TAIL_MIN_TURNS turns or more), each with its own costs
+    (SM90_TAIL_PIECE_TURNS) shorter than a tile."""
     start, ctas = _plan.sm90_tail(tiles, key_tiles, multiprocessors)
     grid = max(min(tiles, multiprocessors), ctas)
     model = TailModel(tiles, key_tiles, grid, start, ctas)
     whole, pieces, shares = [], {}, []
     for c in range(grid):
-        share = 0
+        share, works = 0, 0
         for work in model.works(c):
             if work["tile"] < start:
                 whole.append(work["tile"])
@@ -187,9 +188,10 @@ def test_the_tail_is_cut_into_pieces_that_cover_every_key_tile_once(tiles, key_t
             assert 0 <= lo < hi <= key_tiles
             assert work == model.piece(work["tile"] - start, c)
             pieces.setdefault(work["tile"], []).append(work)
-            share += hi - lo
+            share, works = share + hi - lo, works + 1
         if c < ctas:
             shares.append(share)
+            assert works == 1
     assert sorted(whole) == list(range(start))
     assert sorted(pieces) == list(range(start, tiles if ctas else start))
     slots = [w["slot"] for ws in pieces.values() for w in ws]
@@ -200,8 +202,9 @@ def test_the_tail_is_cut_into_pieces_that_cover_every_key_tile_once(tiles, key_t
         assert [w["slot"] - w["first_slot"] for w in ws] == list(range(len(ws))) and {w["pieces"] for w in ws} == {len(ws)}
         assert len(ws) <= _plan.SM90_TAIL_MAX_PIECES
     if ctas:
+        assert {len(ws) for ws in pieces.values()} == {ctas // (tiles - start)} and ctas // (tiles - start) >= 2
         assert min(shares) >= _plan.SM90_TAIL_MIN_TURNS and model.units * ctas < 2 ** 31
-        assert key_tiles - max(shares) >= _plan.SM90_TAIL_MIN_GAIN
+        assert max(shares) + _plan.SM90_TAIL_PIECE_TURNS < key_tiles
 
 
 def test_the_plan_cuts_the_tail_of_unmasked_dense_calls():
@@ -219,11 +222,11 @@ def test_the_plan_cuts_the_tail_of_unmasked_dense_calls():
 
     cut, banded = plan(), plan((-1, 0))
     params = Sm90Params.from_buffer_copy(cut.params)
-    tiles, key_tiles = 8 * 4, -(-4000 // 176)  # 128-row tiles; 176 keys each
-    assert (params.tail_start, params.tail_key_tiles) == (0, key_tiles) and params.tail_ctas == 132
-    assert _plan.sm90_tail(tiles, key_tiles, 132) == (0, 132)
-    assert cut.steps[0].grid[0] == 132 and cut.counters == ("arrivals",)
-    slots = tiles + 132 - 1
+    tiles, key_tiles = 8 * 4, -(-4000 // 176)  # 128-row tiles; 176 keys each: 32 tiles in 4 pieces
+    assert (params.tail_start, params.tail_key_tiles) == (0, key_tiles) and params.tail_ctas == 128
+    assert _plan.sm90_tail(tiles, key_tiles, 132) == (0, 128)
+    assert cut.steps[0].grid[0] == 128 and cut.counters == ("arrivals",)
+    slots = tiles + 128 - 1
     assert cut.workspace == (("partial_o", (slots, 128, 128), "float32"), ("partial_lse", (slots, 128), "float32"),
                              ("arrivals", (tiles, 8), "int32"))
     assert cut.pointers[-3:] == ("partial_o", "partial_lse", "arrivals")
@@ -231,7 +234,8 @@ def test_the_plan_cuts_the_tail_of_unmasked_dense_calls():
     assert banded.counters == ("tile_counter",) and banded_params.tail_ctas == 0
     assert _plan.sm90_tail(264, 50, 132) == (264, 0)     # a full last wave
     assert _plan.sm90_tail(140, 3, 132) == (140, 0)      # too few turns to share
-    assert _plan.sm90_tail(130, 50, 132) == (130, 0)     # 130 of 132 CTAs busy: nothing to gain
+    assert _plan.sm90_tail(200, 50, 132) == (200, 0)     # 68 of 132 CTAs busy: not two pieces a tile
+    assert _plan.sm90_tail(160, 23, 132) == (132, 112)   # 28 tiles in 4 pieces
     assert _plan.sm90_tail(200, 0, 132) == (200, 0)
 
 
@@ -487,9 +491,9 @@ def test_the_sm90_forward_is_bitwise_reproducible(paths, causal):
 
 # Unmasked calls whose last wave the planner cuts along the keys (on 114 or 132
 # multiprocessors): fewer tiles than multiprocessors with many keys each (every tile cut,
-# up to sixteen pieces), and a wave and a bit (whole tiles, then the cut tail); d 96 rides on
-# d 128's kernel with zero columns.
-TAIL_CASES = [(128, "bfloat16", 1, 1000, 4001, 4, 2), (128, "float16", 2, 1000, 2000, 11, 1),
+# up to thirteen pieces), and a wave and a bit (whole tiles, then the cut tail); d 96 rides
+# on d 128's kernel with zero columns.
+TAIL_CASES = [(128, "bfloat16", 1, 1000, 4001, 4, 2), (128, "float16", 2, 1000, 4000, 10, 1),
               (64, "bfloat16", 1, 700, 5003, 3, 3), (256, "float16", 1, 300, 3001, 2, 1),
               (96, "float16", 1, 129, 9000, 1, 1)]
 
