@@ -11,9 +11,11 @@
 // c takes units [units * c / tail_ctas, units * (c + 1) / tail_ctas), a piece of one tile
 // or the end of one and the start of the next. Each piece's result (O normalised and its
 // LSE, over its keys) goes to the workspace, and the piece that finishes a tile last merges
-// them by their LSEs (fwd.cu, finish_piece). Half a wave of 128-row tiles on an idle half
-// of the GPU becomes as much work spread over all of it; a call with fewer tiles than
-// multiprocessors (a long sequence's few query rows) has its keys split the same way.
+// them by their LSEs (fwd.cu, finish_piece). The planner takes a multiple of the tail's
+// tiles in CTAs, so that each share is a piece of one tile and a head's pieces cover the
+// same keys at once (their K and V read from L2 together; uneven shares lost that). A
+// call with fewer tiles than multiprocessors (a long sequence's few query rows) has its
+// keys split the same way.
 //
 // Under a causal mask or a window (kLocal) tiles differ in length: CTA c takes c, then
 // whichever tile is next in order when it gets free, from a counter in global memory that
