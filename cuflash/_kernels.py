@@ -109,7 +109,8 @@ def backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options: Options
     """The backward of this call signature, ready to launch with (stream, dout, q, k, v,
     out, lse, dlse, dq, dk, dv, delta, dq_accum pointers). (dlse, like every pointer, is
     given at launch: the plan is the same with or without it.)"""
-    plan = _plan.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, shared_limit(q.device))
+    plan = _plan.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, shared_limit(q.device),
+                          sm90a(q.device))
     return Launcher(plan, q.device)
 
 

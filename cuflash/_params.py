@@ -1,6 +1,7 @@
 """The kernels' one argument as ctypes structures with the same fields in the same order
 as their CUDA structs: ``Params`` (cuda/params.cuh), ``DecodeParams`` and ``MergeParams``
-(cuda/decode/decode_params.cuh), ``Sm90Params`` (cuda/sm90/fwd_params.cuh). The C ABI
+(cuda/decode/decode_params.cuh), ``Sm90Params`` (cuda/sm90/fwd_params.cuh),
+``Sm90BackwardParams`` (cuda/sm90/bwd_params.cuh). The C ABI
 lays both sides out alike (tests/test_compile.py checks every offset against NVRTC's
 own)."""
 from __future__ import annotations
@@ -67,6 +68,17 @@ class Sm90Params(_Struct):
         ("partial_o", _ptr), ("partial_lse", _ptr), ("arrivals", _ptr),
         ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(Params) + 56) % 64)),
         ("q", TensorMap), ("k", TensorMap), ("v", TensorMap),
+    ]
+
+
+class Sm90BackwardParams(_Struct):
+    """``cuflash::Sm90BackwardParams`` (cuda/sm90/bwd_params.cuh): the backward's Params,
+    the batch, the columns of dQ's accumulator, then the tensor maps of Q, K, V and dO from
+    the next 64-byte boundary."""
+    _fields_ = [
+        ("p", Params), ("batch", ctypes.c_int), ("accum_cols", ctypes.c_int),
+        ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(Params) + 8) % 64)),
+        ("q", TensorMap), ("k", TensorMap), ("v", TensorMap), ("dout", TensorMap),
     ]
 
 

@@ -14,7 +14,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from ._params import ArrayView, DecodeParams, MergeParams, Params, Sm90Params, field_offset
+from ._params import ArrayView, DecodeParams, MergeParams, Params, Sm90BackwardParams, Sm90Params, field_offset
 
 if TYPE_CHECKING:
     from ._arrays import ArrayInfo
@@ -411,6 +411,51 @@ SM90_SHORT_CAUSAL_ROWS = 2048
 SM90_HEAD_DIMS = tuple(SM90_TILES)
 
 
+class Sm90Backward(NamedTuple):
+    """The sm_90a backward (cuda/sm90/bwd.cu: TMA, wgmma) for head dims up to ``head_dim``
+    (64 or 128; one between rides on the copy engine's zero columns): a producer warpgroup
+    and two consumer warpgroups of 64 keys each (a block of 128), ``block_m`` query rows a
+    step in ``stages`` Q/dO stages (SM90_BACKWARD_TILES)."""
+    dtype: str
+    head_dim: int
+    local: bool
+    block_m: int
+    stages: int
+    kind = "backward_sm90"
+    source = "sm90/bwd.cu"
+    arch = "sm_90a"
+    block_n = 128
+    threads = 384
+
+    @classmethod
+    def of(cls, dtype: str, head_dim: int, local: bool) -> Sm90Backward:
+        return cls(dtype, head_dim, local, *SM90_BACKWARD_TILES[head_dim])
+
+    @property
+    def instance(self) -> str:
+        return (f"cuflash::attention_backward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
+                f"{self.stages}, {'true' if self.local else 'false'}>")
+
+    @property
+    def shared_layout(self) -> str:
+        return f"cuflash::Sm90BackwardShared<{self.head_dim}, {self.block_m}, {self.block_n}, {self.stages}>"
+
+    @property
+    def shared_bytes(self) -> int:
+        """``Sm90BackwardShared<...>::kBytes``: K and V, the Q and dO stages, two dS^T tiles,
+        each stage's LSE and D rows, the barriers (K/V's, and a landed and a released one a
+        stage) and 1024 bytes of alignment."""
+        d, m, n, stages = self.head_dim, self.block_m, self.block_n, self.stages
+        return 2 * 2 * n * d + 2 * stages * 2 * m * d + 2 * 2 * n * m + 2 * stages * 4 * m + (1 + 2 * stages) * 8 + 1024
+
+
+# The sm_90a backward: head dim -> (query rows a step, Q/dO stages). A consumer keeps dK
+# and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and dP^T of a step's
+# query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128, 128 at d 64 (bwd.cu,
+# kEarlyValues: the order of the products that fits the 240 registers).
+SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
+
+
 def has_tile(kind: str, head_dim: int, extras: bool, shared_limit: int) -> bool:
     """Does ``kind`` have an instance for this head dim and extras within this much
     shared memory?"""
@@ -428,12 +473,14 @@ def kernel(kind: str, dtype: str, head_dim: int, local: bool, vectorized: bool, 
     raise RuntimeError(f"no {kind} tile for head dim {bucket} fits {shared_limit} bytes of shared memory")
 
 
-def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge | Sm90Forward]:
+def all_kernels(arch: str) -> list[Kernel | Elementwise | Merge | Sm90Forward | Sm90Backward]:
     """Every variant cuflash can launch on ``arch``: for sm_90a the sm90 kernels (the
     mma.sync ones run on compute capability 9.0 as sm_90)."""
     if arch == "sm_90a":
         variants = itertools.product(DTYPES, SM90_HEAD_DIMS, (False, True), (False, True), (False, True))
-        return list(dict.fromkeys(Sm90Forward.of(*v) for v in variants))  # (short: the same but for some causal ones)
+        forwards = dict.fromkeys(Sm90Forward.of(*v) for v in variants)  # (short: the same but for some causal ones)
+        backwards = [Sm90Backward.of(*v) for v in itertools.product(DTYPES, SM90_BACKWARD_TILES, (False, True))]
+        return [*forwards, *backwards]
     limit = shared_memory_limit(arch)
     flags = (False, True)
     kinds = [kind for kind in KINDS if not KINDS[kind].clustered or int(arch[3:5]) >= 90]
@@ -559,11 +606,8 @@ def _sm90_forward(p: Params, batch: int, q: ArrayInfo, k: ArrayInfo, v: ArrayInf
     head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
     short = options.window == (-1, 0) and p.seqlen_q < SM90_SHORT_CAUSAL_ROWS  # (packed: the longest sequence)
     kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras, short)
-    maps = []
-    for name, a, rows in (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n)):
-        shape, strides = (a.shape, a.strides) if varlen is None else \
-            ((1, *a.shape), (a.shape[0] * a.strides[0], *a.strides))
-        maps.append(TensorMapSpec(name, f"p.{name}", a.dtype, tuple(shape), tuple(strides), rows))
+    maps = [_tensor_map(name, a, varlen, rows) for name, a, rows in
+            (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n))]
     tiles, key_tiles = -(-p.seqlen_q // kernel.block_m) * p.nheads * batch, -(-p.seqlen_k // kernel.block_n)
     tail_start, tail_ctas = tiles, 0
     if not options.local and varlen is None:
@@ -646,9 +690,10 @@ def group_size(pairs: int, most: int) -> int:
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
              dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo | None, options: Options, varlen: Varlen | None,
-             shared_limit: int) -> Plan:
+             shared_limit: int, sm90a: bool = False) -> Plan:
     """dq, dk, dv: the one-pass kernel (dQ by atomics into ``dq_accum``) where it has a
-    tile, else the dQ pass and the dK/dV pass (bitwise reproducible)."""
+    tile, else the dQ pass and the dK/dV pass (bitwise reproducible); with ``sm90a`` (a
+    compute capability 9.0 device) the sm_90a backward where it takes the call."""
     p, batch = _params(q, k, v, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
     vec = vectorizable(dout, q, k, v, dq, dk, dv)
     nheads_kv = k.shape[-2]
@@ -662,6 +707,21 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     per_row = (groups, rows_per_batch, accum_cols, lanes)
     elementwise_grid = (-(-tasks * lanes // 256), 1, 1)
     preprocess_grid = (-(-(-(-tasks // PREPROCESS_ROWS)) * lanes // 256), 1, 1)
+    if sm90a and one_pass and sm90_backward_takes(dout, q, k, v, dq, dk, dv, options):
+        kernel = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_TILES if d >= p.headdim), options.local)
+        steps = []
+        if tasks:
+            steps.append(Step(Elementwise("backward_preprocess", q.dtype), preprocess_grid, per_row, argument="p"))
+        if batch and p.seqlen_k and nheads_kv:
+            steps.append(Step(kernel, (-(-p.seqlen_k // kernel.block_n), nheads_kv, batch)))
+        if tasks:
+            steps.append(Step(Elementwise("backward_convert_dq", q.dtype), elementwise_grid, per_row, argument="p"))
+        maps = tuple(_tensor_map(name, a, varlen, rows) for name, a, rows in
+                     (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n),
+                      ("dout", dout, kernel.block_m)))
+        params = Sm90BackwardParams(p=p, batch=batch, accum_cols=accum_cols)
+        return Plan(bytes(params), tuple(f"p.{n}" for n in BACKWARD_POINTERS), tuple(steps), Sm90BackwardParams,
+                    maps=maps)
     steps = []
     if tasks:
         steps.append(Step(Elementwise("backward_preprocess", q.dtype), preprocess_grid, per_row))
@@ -677,6 +737,22 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     # dq_accum stays unset without the one-pass kernel: nothing reads it then.
     pointers = BACKWARD_POINTERS if one_pass else BACKWARD_POINTERS[:-1]
     return Plan(bytes(p), pointers, tuple(steps))
+
+
+def sm90_backward_takes(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, dq: ArrayInfo, dk: ArrayInfo,
+                        dv: ArrayInfo, options: Options) -> bool:
+    """Does the sm_90a backward take this call (dQ by atomics: not deterministic)? Head dims
+    64 to 128 without softcap, ALiBi or dropout; arrays the copy engine can read (16-byte
+    aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
+    if not 64 <= q.shape[-1] <= max(SM90_BACKWARD_TILES) or q.dtype not in DTYPES or options.extras:
+        return False
+    return vectorizable(dout, q, k, v, dq, dk, dv) and all(a.strides[-1] == 1 for a in (dout, q, k, v))
+
+
+def _tensor_map(name: str, a: ArrayInfo, varlen: Varlen | None, rows: int) -> TensorMapSpec:
+    """The map of the struct's field ``name`` over ``a`` (packed arrays as one batch of all rows)."""
+    shape, strides = (a.shape, a.strides) if varlen is None else ((1, *a.shape), (a.shape[0] * a.strides[0], *a.strides))
+    return TensorMapSpec(name, f"p.{name}", a.dtype, tuple(shape), tuple(strides), rows)
 
 
 DECODE_POINTERS = ("q", "o", "k_cache", "v_cache", "k_new", "v_new", "lse", "partial_o", "partial_lse",

@@ -120,7 +120,8 @@ def _leaves(struct, prefix=""):
 
 @pytest.mark.parametrize("struct,header", [("Params", "params.cuh"), ("DecodeParams", "decode/decode_params.cuh"),
                                            ("MergeParams", "decode/decode_params.cuh"),
-                                           ("Sm90Params", "sm90/fwd_params.cuh")])
+                                           ("Sm90Params", "sm90/fwd_params.cuh"),
+                                           ("Sm90BackwardParams", "sm90/bwd_params.cuh")])
 def test_params_layout_matches_the_cuda_struct(struct, header):
     """cuflash._params' structs must lay out exactly like their CUDA structs. NVRTC has no
     offsetof, so one probe kernel per field reads it and the PTX says from where."""

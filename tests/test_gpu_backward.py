@@ -35,10 +35,10 @@ def run_backward(shape: Shape, dtype: str, seed: int, deterministic: bool):
     return (dout, q, k, v), grads, launches
 
 
-def check_gradients(dout, q, k, v, grads, causal, scale=None, dlse=None, varlen=None):
+def check_gradients(dout, q, k, v, grads, causal, scale=None, dlse=None, varlen=None, window_size=(-1, -1)):
     """The rule, for dense arrays or packed ones (varlen = (cu_seqlens_q, cu_seqlens_k)),
     of the gradients of out (dout) and, given dlse, of lse too; NumPy or CuPy arrays."""
-    options = dict(causal=causal, softmax_scale=scale, dlse=dlse)
+    options = dict(causal=causal, softmax_scale=scale, dlse=dlse, window_size=window_size)
     if varlen is None:
         refs = attention_reference_backward(dout, q, k, v, **options)
         lowps = attention_lowp_backward(dout, q, k, v, **options)
@@ -121,15 +121,17 @@ def forget_warm_calls(monkeypatch) -> None:
     (128, True, 0.0, False), (128, False, 5.0, False), (256, False, 5.0, True), (256, True, 5.0, False),
     (96, False, 0.0, True), (160, False, 5.0, True), (96, False, 5.0, False)])
 def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_pass):
-    """The one-pass kernel (dQ by atomics) by default, at every head dim; the dK/dV + dQ
+    """The one-pass kernel (dQ by atomics) by default, at every head dim (on a Hopper GPU
+    the sm_90a backward in its place from d 64 to 128 without extras); the dK/dV + dQ
     passes when deterministic and with softcap / ALiBi / dropout up to d 128."""
     import cupy
     q = cupy.ones((1, 70, 2, head_dim), dtype=cupy.float16)
     out, lse = cuflash.attention(q, q, q, softcap=softcap, return_lse=True)
     kinds = launched_kinds(monkeypatch)
     cuflash.attention_backward(q, q, q, q, out, lse, softcap=softcap, deterministic=deterministic)
-    expected = (["backward_preprocess", "backward", "backward_convert_dq"] if one_pass else
-                ["backward_preprocess", "backward_dq", "backward_dkdv"])
+    sm90 = _kernels.sm90a(0) and 64 <= head_dim <= 128 and not softcap
+    expected = (["backward_preprocess", "backward_sm90" if sm90 else "backward", "backward_convert_dq"] if one_pass
+                else ["backward_preprocess", "backward_dq", "backward_dkdv"])
     assert kinds == expected
 
 

@@ -111,7 +111,7 @@ def test_planned_shared_memory_is_the_kernels_own_layout():
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                                 reason="NVRTC comes with CuPy (the cuda12/cuda13 extra), not installed")
     variants = {k for arch in _plan.SHARED_MEMORY_LIMIT for k in _plan.all_kernels(arch)
-                if isinstance(k, (_plan.Kernel, _plan.Sm90Forward))}
+                if isinstance(k, (_plan.Kernel, _plan.Sm90Forward, _plan.Sm90Backward))}
     sources = _compile._sources()
     headers = {n: t for n, t in sources.items() if n.endswith(".cuh")}
     checked = 0

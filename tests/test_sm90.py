@@ -28,17 +28,26 @@ def _script(name: str):
 overlap = _script("sm90_overlap")
 
 
-@pytest.mark.parametrize("kernel", [k for k in _plan.all_kernels("sm_90a") if k.head_dim == 128 or k.local and k.extras],
+def _compiled_sample(kernel) -> bool:
+    """Every d 128 forward, each other head dim's forward with all its branches (compile-all
+    builds the rest), and every backward."""
+    if isinstance(kernel, _plan.Sm90Backward):
+        return True
+    return kernel.head_dim == 128 or kernel.local and kernel.extras
+
+
+@pytest.mark.parametrize("kernel", [k for k in _plan.all_kernels("sm_90a") if _compiled_sample(k)],
                          ids=lambda k: k.instance)
 def test_sm90a_instances_compile_clean(kernel):
-    """Every d 128 instance, and each other head dim with all its branches (compile-all
-    builds the rest). compile_kernel refuses a ptxas C75xx warning: setmaxnreg ignored,
-    wgmma serialised. Where nvdisasm is at hand (the test extra, on Linux), the machine
-    code keeps the softmax ahead of P V's wait (scripts/sm90_overlap.py): ptxas moves that
-    wait up unless sm90::keep_before_wait holds it, a loss no output would show."""
+    """compile_kernel refuses a ptxas C75xx warning: setmaxnreg ignored, wgmma serialised.
+    Where nvdisasm is at hand (the test extra, on Linux), the forward's machine code keeps
+    the softmax ahead of P V's wait (scripts/sm90_overlap.py): ptxas moves that wait up
+    unless sm90::keep_before_wait holds it, a loss no output would show."""
     compiled = _compile._run_nvrtc(kernel.source, kernel.instance, ("--gpu-architecture=sm_90a", *_compile.OPTIONS))
     resources = compiled.resources
     assert resources.spill_stores == 0 and resources.stack_bytes == 0, resources
+    if isinstance(kernel, _plan.Sm90Backward):
+        return
     nvdisasm = overlap.find_nvdisasm()
     if nvdisasm is None:
         pytest.skip("no nvdisasm (the test extra's nvidia-cuda-nvdisasm, Linux only): the schedule is not checked")

@@ -147,19 +147,6 @@ struct Sm90Block {
   __device__ __forceinline__ int k_row(int n) const { return seq.k_start + n * kBlockN; }
 };
 
-// P (the S accumulator, fp32) -> the A fragments of O += P V, k16 step by step: columns
-// 16j .. 16j + 15 are the accumulator's n8 tiles 2j and 2j + 1.
-template <typename T, int kNTiles>
-__device__ __forceinline__ void pack_p(const float (&s)[1][kNTiles][4], unsigned (&a)[kNTiles / 2][4]) {
-#pragma unroll
-  for (int j = 0; j < kNTiles / 2; ++j) {
-    a[j][0] = DType<T>::pack(s[0][2 * j][0], s[0][2 * j][1]);
-    a[j][1] = DType<T>::pack(s[0][2 * j][2], s[0][2 * j][3]);
-    a[j][2] = DType<T>::pack(s[0][2 * j + 1][0], s[0][2 * j + 1][1]);
-    a[j][3] = DType<T>::pack(s[0][2 * j + 1][2], s[0][2 * j + 1][3]);
-  }
-}
-
 // The products of a consumer warpgroup, issued and committed as one group each; they run
 // until wgmma_wait. S = Q K^T: its 64 query rows against the stage's keys, the head dim in
 // k16 steps, four to a 64-column block (32 bytes each).
@@ -487,7 +474,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         }
         if (moves) softmax.scale_output(acc_o, alpha);
         if (kExtras && block.dropping) block.dropout.apply(acc_s, row0, n0, lane);
-        pack_p<T>(acc_s, p_frag);
+        sm90::as_a_operand<T>(acc_s, p_frag);
       };
       // Turns 0 .. tiles of every consumer, round the ring from consumer 0, and on from tile
       // to tile: consumer 0's first turn of a tile follows the last consumer's last turn of

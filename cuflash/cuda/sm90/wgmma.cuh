@@ -78,6 +78,20 @@ __device__ __forceinline__ void set_max_registers() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
+// An accumulator (fp32, the m16n8 layout of a warp's 16 rows) as the A operand of a
+// product that follows from registers (rs_bt), k16 step by step: columns 16j .. 16j + 15
+// are the accumulator's n8 tiles 2j and 2j + 1 (P for O += P V; P^T and dS^T for dV and dK).
+template <typename T, int kNTiles>
+__device__ __forceinline__ void as_a_operand(const float (&s)[1][kNTiles][4], unsigned (&a)[kNTiles / 2][4]) {
+#pragma unroll
+  for (int j = 0; j < kNTiles / 2; ++j) {
+    a[j][0] = DType<T>::pack(s[0][2 * j][0], s[0][2 * j][1]);
+    a[j][1] = DType<T>::pack(s[0][2 * j][2], s[0][2 * j][3]);
+    a[j][2] = DType<T>::pack(s[0][2 * j + 1][0], s[0][2 * j + 1][1]);
+    a[j][3] = DType<T>::pack(s[0][2 * j + 1][2], s[0][2 * j + 1][3]);
+  }
+}
+
 // The products, m64nNk16 with fp32 accumulators d[0][kFirst + j][0..3] (j < N / 8: the
 // accumulator tiles of a larger array from tile kFirst on, so that a product of N = 256 can
 // be two of N = 128), for N = 64, 80, 128 and 176 (the key tiles and head dims of
@@ -85,6 +99,8 @@ __device__ __forceinline__ void set_max_registers() {
 // without a causal mask):
 //   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory; D is overwritten
 //                        where accumulate is 0.
+//   Wgmma<T, N>::ss_mn   as ss, A and B both MN-major (the transpose bits: A stored
+//                        [k][m], B [k][n], each with its m or n contiguous).
 //   Wgmma<T, N>::rs_bt   D += A B, A in registers (the mma.sync A fragment of each warp's
 //                        16 rows), B N-major in shared memory (the transpose bit).
 template <typename T, int N>
@@ -106,6 +122,16 @@ struct Wgmma;
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                                     \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " A ", " B       \
                    ", p, 1, 1, 0, 0;\n}\n"                                                                       \
+                   : D_OUTPUTS                                                                                  \
+                   : "l"(a), "l"(b), "r"(accumulate));                                                          \
+    }                                                                                                           \
+    template <int kTiles>                                                                                       \
+    static __device__ __forceinline__ void ss_mn(float (&d)[1][kTiles][4], unsigned long long a,                \
+                                                 unsigned long long b, int accumulate) {                        \
+      constexpr int kFirst = 0;                                                                                 \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                                     \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " A ", " B       \
+                   ", p, 1, 1, 1, 1;\n}\n"                                                                       \
                    : D_OUTPUTS                                                                                  \
                    : "l"(a), "l"(b), "r"(accumulate));                                                          \
     }                                                                                                           \

@@ -1,0 +1,324 @@
+// Backward attention on Hopper (sm_90a): TMA loads and wgmma products (bwd.cu has the
+// overview of the backward and the elementwise kernels around it: D = rowsum(dO O) and
+// dQ's accumulator zeroed before, dQ rounded after).
+//
+// One CTA per (key block of 128 keys, KV head, sequence). Warpgroup 0's first warp
+// produces: K and V of the block once, then for each step (query head of the group,
+// query block) Q and dO by TMA and the block's LSE and D by plain loads, into a ring of
+// kStages stages. Consumer warpgroups 1 and 2 own keys 64c .. 64c + 63 of the block and
+// keep their dK and dV in registers. The scores are computed transposed (FlashAttention-3's
+// swapAB: a warpgroup's wgmma rows are its keys), so that P^T and dS^T come out where
+// dV and dK need them, as the A operand in registers. Per step:
+//
+//   S^T = K Q^T,  dP^T = V dO^T           wgmma, all operands from shared memory
+//   P^T = exp(S^T - LSE)                  softmax_bwd.cuh (mask.cuh), under dP^T's product
+//   dV += P^T dO                          wgmma, P^T from registers (with 64 query rows a
+//                                         step under the next line, else after it)
+//   dS^T = P^T (dP^T - D)
+//   dK += dS^T Q                          wgmma, dS^T from registers
+//   dS^T -> shared memory; both consumers' keys written (named barrier)
+//   dQ = dS K                             wgmma, dS and K read MN-major
+//   dQ -> the fp32 accumulator            red.global.add (dq_accum.cuh)
+//
+// then dK (times the softmax scale) and dV from registers to global memory.
+#include "common.cuh"
+#include "dq_accum.cuh"
+#include "mask.cuh"
+#include "score.cuh"
+#include "sm90/bwd_params.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+#include "softmax_bwd.cuh"
+
+namespace cuflash {
+
+// Shared memory, byte offsets from a 1024-byte aligned start (the swizzle's atoms): K, V,
+// kStages Q tiles, kStages dO tiles, two dS^T tiles ([key][query]: a step writes one
+// while the other consumer may still read the one before), kStages rows of LSE (times
+// log2 e) and of D, then the barriers: K/V's "landed", each stage's "landed", each
+// stage's "released". A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes; dS^T is
+// kBlockM / 64 blocks of kBlockN x 128 bytes. The launch asks for 1024 bytes more
+// (alignment).
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
+struct Sm90BackwardShared {
+  static constexpr int kColumnBlocks = kHeadDim / 64;
+  static constexpr int kKvBlock = kBlockN * 128, kQBlock = kBlockM * 128;  // bytes of a 64-column block
+  static constexpr int kKvTile = kBlockN * kHeadDim * 2, kQTile = kBlockM * kHeadDim * 2;
+  static constexpr int kDsTile = kBlockN * kBlockM * 2;
+  static constexpr int kK = 0, kV = kKvTile, kQ = 2 * kKvTile, kDo = kQ + kStages * kQTile;
+  static constexpr int kDs = kDo + kStages * kQTile;
+  static constexpr int kLse = kDs + 2 * kDsTile, kDelta = kLse + kStages * kBlockM * 4;
+  static constexpr int kBarriers = kDelta + kStages * kBlockM * 4;
+  static constexpr int kBytes = kBarriers + (1 + 2 * kStages) * 8 + 1024;
+
+  unsigned char* base;
+
+  static __device__ __forceinline__ Sm90BackwardShared of(unsigned char* dynamic) {
+    return {dynamic + ((1024 - (sm90::shared_address(dynamic) & 1023)) & 1023)};
+  }
+  __device__ __forceinline__ unsigned char* k() const { return base + kK; }
+  __device__ __forceinline__ unsigned char* v() const { return base + kV; }
+  __device__ __forceinline__ unsigned char* q(int stage) const { return base + kQ + stage * kQTile; }
+  __device__ __forceinline__ unsigned char* dout(int stage) const { return base + kDo + stage * kQTile; }
+  __device__ __forceinline__ unsigned char* ds(int buffer) const { return base + kDs + buffer * kDsTile; }
+  __device__ __forceinline__ float* lse(int stage) const {
+    return reinterpret_cast<float*>(base + kLse) + stage * kBlockM;
+  }
+  __device__ __forceinline__ float* delta(int stage) const {
+    return reinterpret_cast<float*>(base + kDelta) + stage * kBlockM;
+  }
+  __device__ __forceinline__ sm90::Barrier barrier(int index) const {
+    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
+  }
+  __device__ __forceinline__ sm90::Barrier kv_landed() const { return barrier(0); }
+  __device__ __forceinline__ sm90::Barrier landed(int stage) const { return barrier(1 + stage); }
+  __device__ __forceinline__ sm90::Barrier released(int stage) const { return barrier(1 + kStages + stage); }
+
+  // The loading thread arrives at each "landed" barrier, every consumer thread at each
+  // "released" one.
+  __device__ __forceinline__ void init_barriers(int consumer_threads) const {
+    kv_landed().init(1);
+    for (int s = 0; s < kStages; ++s) landed(s).init(1), released(s).init(consumer_threads);
+    sm90::Barrier::fence_init();
+  }
+  // K and V of the block's rows from `row`, and a step's Q and dO (rows from `row`), each
+  // by one thread; boxes past a packed sequence's end bring the next one's rows, which
+  // the mask and the LSE of +inf take out.
+  __device__ __forceinline__ void load_kv(const Sm90BackwardParams& args, int row, int kv_head, int batch) const {
+    kv_landed().arrive_expecting(2 * kKvTile);
+#pragma unroll
+    for (int c = 0; c < kColumnBlocks; ++c) {
+      sm90::tma_load(k() + c * kKvBlock, args.k, kv_landed(), 64 * c, row, kv_head, batch);
+      sm90::tma_load(v() + c * kKvBlock, args.v, kv_landed(), 64 * c, row, kv_head, batch);
+    }
+  }
+  __device__ __forceinline__ void load_step(const Sm90BackwardParams& args, int stage, int row, int head,
+                                            int batch) const {
+    landed(stage).arrive_expecting(2 * kQTile);
+#pragma unroll
+    for (int c = 0; c < kColumnBlocks; ++c) {
+      sm90::tma_load(q(stage) + c * kQBlock, args.q, landed(stage), 64 * c, row, head, batch);
+      sm90::tma_load(dout(stage) + c * kQBlock, args.dout, landed(stage), 64 * c, row, head, batch);
+    }
+  }
+};
+
+// Transposed scores of a consumer's 64 keys against a step's queries, committed as one
+// group: S^T = K Q^T (keys: the K tile, queries: Q) or dP^T = V dO^T (V, dO). A: the keys'
+// rows, B: the queries' rows, both K-major; the head dim in k16 steps, four to a
+// 64-column block.
+template <typename T, class Shared, int kBlockM>
+__device__ __forceinline__ void issue_transposed_scores(const unsigned char* keys, const unsigned char* queries,
+                                                        int consumer, float (&acc)[1][kBlockM / 8][4]) {
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < Shared::kColumnBlocks * 4; ++k)
+    sm90::Wgmma<T, kBlockM>::ss(
+        acc, sm90::SmemDesc::k_major(keys + (k / 4) * Shared::kKvBlock + consumer * 64 * 128 + (k % 4) * 32),
+        sm90::SmemDesc::k_major(queries + (k / 4) * Shared::kQBlock + (k % 4) * 32), k > 0);
+  sm90::wgmma_commit();
+}
+
+// acc += A B for a consumer's 64 keys: A (64 keys x the step's queries) from registers,
+// B = a step's tile (queries x head dim: dO for dV, Q for dK) read N-major, 16 queries
+// (2048 bytes) a k16 step.
+template <typename T, class Shared, int kBlockM>
+__device__ __forceinline__ void issue_key_gradient(const unsigned char* tile, const unsigned (&a)[kBlockM / 16][4],
+                                                   float (&acc)[1][Shared::kColumnBlocks * 8][4]) {
+  using Product = sm90::Wgmma<T, Shared::kColumnBlocks * 64>;
+#pragma unroll
+  for (int k = 0; k < kBlockM / 16; ++k)
+    Product::template rs_bt<0>(acc, a[k], sm90::SmemDesc::n_major(tile + k * 16 * 128, Shared::kQBlock));
+}
+
+// dS^T (this warp's 16 keys, the A fragments of sm90::as_a_operand) -> the dS^T tile, [key][query]
+// in the 128-byte swizzle: 16-byte chunk c of row r lies at chunk c ^ (r % 8).
+template <class Shared, int kBlockM>
+__device__ __forceinline__ void store_transposed(unsigned char* tile, const unsigned (&a)[kBlockM / 16][4],
+                                                 int key_row, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kBlockM / 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = key_row + g + 8 * (e & 1), col = 16 * j + 8 * (e >> 1) + 2 * t;
+      unsigned char* block = tile + (col / 64) * Shared::kKvBlock + row * 128;
+      *reinterpret_cast<unsigned*>(block + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2) = a[j][e];
+    }
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// The two consumer warpgroups meet (named barrier 1): every key's dS^T is in shared memory.
+__device__ __forceinline__ void consumers_meet() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
+// Warpgroup 0 produces (its first warp, 24 registers a thread), warpgroups 1 and 2 compute
+// (240 registers: dK and dV of 64 keys stay in them). The producer refills a stage once
+// every consumer thread has released it (a fresh barrier counts as released: its waits
+// start on the other parity).
+// @tparam kBlockM  query rows a step: 64 or 128 (the registers of dK, dV, S^T, dP^T and
+//                  P^T's fragments: _plan.SM90_BACKWARD_TILES)
+// @tparam kStages  Q/dO stages in flight
+// @tparam kLocal   causal or sliding window
+template <typename T, int kHeadDim, int kBlockM, int kStages, bool kLocal>
+__global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_constant__ Sm90BackwardParams args) {
+  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128),
+                "the products: m64n64 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
+  constexpr int kBlockN = 128;
+  // dQ = dS K (64 query rows a warpgroup): with 64 query rows a step the consumers take
+  // half the head dim each, with 128 rows each its 64 rows.
+  constexpr int kDqCols = kBlockM == 64 ? kHeadDim / 2 : kHeadDim;
+  static_assert(kDqCols == 64, "dQ's products: m64n64");
+  // dV's product issued before dS^T is computed, running under it, where P^T's fragments
+  // fit beside S^T, dP^T, dK and dV (64 rows a step); with 128 rows dS^T first, then dV
+  // and dK together (P^T's fragments made once S^T's registers are free).
+  constexpr bool kEarlyValues = kBlockM == 64;
+  using Shared = Sm90BackwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
+  extern __shared__ __align__(16) unsigned char dynamic_shared[];
+  const auto shared = Shared::of(dynamic_shared);
+  const Params& p = args.p;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const Sequence seq = Sequence::of(p, batch);
+  const int n0 = n_block * kBlockN;
+  if (n0 >= seq.seqlen_k) return;  // packed: the grid covers the longest sequence
+  const int tma_batch = p.cu_seqlens_q ? 0 : batch;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
+
+  // The query blocks that see any key of the block, for each query head of the group.
+  const auto mask = Mask<kLocal>::of(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+  const int m_begin = mask.query_begin(n0) / kBlockM;
+  const int m_blocks = max(0, ceil_div(mask.query_end(min(n0 + kBlockN, seq.seqlen_k), seq.seqlen_q), kBlockM) - m_begin);
+  const int steps = p.heads_per_kv * m_blocks;
+  auto position = [&](int step, int& head, int& m0) {
+    head = kv_head * p.heads_per_kv + step / max(m_blocks, 1);
+    m0 = (m_begin + step % max(m_blocks, 1)) * kBlockM;
+  };
+
+  if (threadIdx.x == 0) shared.init_barriers(256);
+  __syncthreads();
+
+  if (group == 0) {  // the producer
+    sm90::set_max_registers<24, false>();
+    if (warp == 0) {
+      if (lane == 0) shared.load_kv(args, seq.k_start + n0, kv_head, tma_batch);
+      for (int step = 0; step < steps; ++step) {
+        int head, m0;
+        position(step, head, m0);
+        const int stage = step % kStages;
+        shared.released(stage).wait(((step / kStages) & 1) ^ 1);
+        // The step's LSE (in log2 units) and D; rows past the sequence see no key (LSE
+        // +inf: P = 0). The warp's stores precede lane 0's arrival (__syncwarp), whose
+        // release the consumers' wait acquires.
+        const int64 at = seq.lse_offset(p, batch, head);
+        for (int i = lane; i < kBlockM; i += 32) {
+          const bool inside = m0 + i < seq.seqlen_q;
+          shared.lse(stage)[i] = inside ? p.lse[at + m0 + i] * kLog2e : kInf;
+          shared.delta(stage)[i] = inside ? p.delta[at + m0 + i] : 0.f;
+        }
+        __syncwarp();
+        if (lane == 0) shared.load_step(args, stage, seq.q_start + m0, head, tma_batch);
+      }
+    }
+  } else {  // a consumer: keys 64c .. 64c + 63 of the block
+    sm90::set_max_registers<240, true>();
+    const int consumer = group - 1, key_row = 64 * consumer + 16 * (warp % 4);  // this warp's first key
+    const int g = lane >> 2, t = lane & 3;
+    float acc_dk[1][kHeadDim / 8][4], acc_dv[1][kHeadDim / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < kHeadDim / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = acc_dv[0][dt][e] = 0.f;
+    shared.kv_landed().wait(0);
+    for (int step = 0; step < steps; ++step) {
+      int head, m0;
+      position(step, head, m0);
+      const int stage = step % kStages;
+      shared.landed(stage).wait((step / kStages) & 1);
+      // S^T = K Q^T;  dP^T = V dO^T
+      float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];
+      issue_transposed_scores<T, Shared, kBlockM>(shared.k(), shared.q(stage), consumer, acc_s);
+      issue_transposed_scores<T, Shared, kBlockM>(shared.v(), shared.dout(stage), consumer, acc_dp);
+      // P^T = exp(S^T - LSE), while dP^T is in flight
+      sm90::wgmma_wait<1>();
+      sm90::fence_operands(acc_s);
+      const float* lse = shared.lse(stage);
+      const float* delta = shared.delta(stage);
+      probabilities<true, kLocal>(acc_s, p.scale_log2,
+                                  !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask,
+                                  [=](int c, int) { return lse[c]; }, n0 + key_row, m0, lane);
+      // dV += P^T dO;  dS^T = P^T (dP^T - D) -> shared memory;  dK += dS^T Q
+      unsigned p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+      if constexpr (kEarlyValues) {
+        sm90::as_a_operand<T>(acc_s, p_frag);
+        sm90::wgmma_fence();
+        issue_key_gradient<T, Shared, kBlockM>(shared.dout(stage), p_frag, acc_dv);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>();
+      } else {
+        sm90::wgmma_wait<0>();
+      }
+      sm90::fence_operands(acc_dp);
+      score_gradients<true>(acc_s, acc_dp, [=](int c, int) { return delta[c]; }, lane);
+      if constexpr (!kEarlyValues) sm90::as_a_operand<T>(acc_s, p_frag);
+      sm90::as_a_operand<T>(acc_dp, ds_frag);
+      unsigned char* ds_tile = shared.ds(step & 1);
+      store_transposed<Shared, kBlockM>(ds_tile, ds_frag, key_row, lane);
+      sm90::wgmma_fence();  // (dK's product and dV's, running while the consumers meet)
+      if constexpr (!kEarlyValues) issue_key_gradient<T, Shared, kBlockM>(shared.dout(stage), p_frag, acc_dv);
+      issue_key_gradient<T, Shared, kBlockM>(shared.q(stage), ds_frag, acc_dk);
+      sm90::wgmma_commit();
+      fence_proxy_async();  // dS^T's stores, before the products read them
+      consumers_meet();
+      // dQ = dS K: A = dS (the dS^T tile read MN-major), B = K read N-major; keys in k16
+      // steps of 16 rows (2048 bytes)
+      float acc_dq[1][kDqCols / 8][4];
+      const int dq_rows = kBlockM == 64 ? 0 : 64 * consumer, dq_col0 = kBlockM == 64 ? 64 * consumer : 0;
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockN / 16; ++k)
+        sm90::Wgmma<T, kDqCols>::ss_mn(
+            acc_dq, sm90::SmemDesc::n_major(ds_tile + (dq_rows / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock),
+            sm90::SmemDesc::n_major(shared.k() + (dq_col0 / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock),
+            k > 0);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(acc_dq);
+      sm90::fence_operands(acc_dk);
+      sm90::fence_operands(acc_dv);
+      shared.released(stage).arrive();  // Q and dO read
+      // dQ -> its accumulator: this warp's rows g and g + 8, a warp's 8 x 8 fragment one
+      // 256-byte block (DqAccum)
+      const int row = m0 + dq_rows + 16 * (warp % 4) + g;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (row + 8 * h >= seq.seqlen_q) continue;
+        float* dst = DqAccum::at(p.dq_accum, seq.q_rows_before + row + 8 * h, head, p.nheads, args.accum_cols,
+                                 dq_col0 + 2 * t);
+#pragma unroll
+        for (int dt = 0; dt < kDqCols / 8; ++dt)
+          if (dq_col0 + dt * 8 < args.accum_cols)
+            atomic_add_pair(dst + dt * DqAccum::kColBlock, acc_dq[0][dt][2 * h], acc_dq[0][dt][2 * h + 1]);
+      }
+    }
+    // dK (times the softmax scale) and dV: this warp's keys g and g + 8, the array's columns
+    const int key = n0 + key_row + g;
+    elem_t* dk = seq.rows(p.dk, batch, kv_head, false) + int64(key) * p.dk.row_stride + 2 * t;
+    elem_t* dv = seq.rows(p.dv, batch, kv_head, false) + int64(key) * p.dv.row_stride + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (key + 8 * h >= seq.seqlen_k) continue;
+#pragma unroll
+      for (int dt = 0; dt < kHeadDim / 8; ++dt) {
+        if (dt * 8 >= p.headdim) continue;
+        *reinterpret_cast<unsigned*>(dk + int64(8 * h) * p.dk.row_stride + dt * 8) =
+            DType<T>::pack(acc_dk[0][dt][2 * h] * p.scale, acc_dk[0][dt][2 * h + 1] * p.scale);
+        *reinterpret_cast<unsigned*>(dv + int64(8 * h) * p.dv.row_stride + dt * 8) =
+            DType<T>::pack(acc_dv[0][dt][2 * h], acc_dv[0][dt][2 * h + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace cuflash

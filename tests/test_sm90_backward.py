@@ -1,0 +1,162 @@
+"""The sm_90a backward (cuda/sm90/bwd.cu): the planner sends it the calls it takes and no
+other (no GPU needed); on a Hopper GPU its gradients meet flash-attn's rule against the
+float64 oracle (test_gpu_backward.check_gradients) in NaN-poisoned memory, on ragged
+lengths (1, a block + 1, primes), seqlen_q != seqlen_k, GQA and MQA, causal masks and
+windows, head dims 64 to 128 (those between on the copy engine's zero columns), packed
+sequences and the LSE's gradient, with every launch planned on the sm_90a path."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import _kernels, _options, _plan, api
+from cuflash._params import Sm90BackwardParams
+
+from .strategies import Shape, VarlenShape, attention_shapes, random_dout, random_qkv, window_sizes
+from .test_gpu_backward import check_gradients
+from .test_gpu_forward import cupy_dtype, poisoned_allocations
+from .test_plan import dense, info, no_compiler  # noqa: F401 (a fixture)
+
+
+def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, causal=True, sm90a=True, ptr=1 << 20,
+                   dtype="bfloat16"):
+    q, k, v = dense(2, 300, 301, 4, 2, head_dim, dtype)
+    q = info(q.shape, dtype, ptr)
+    options = _options.make_options(q, k, causal, None, (-1, -1), softcap, None, 0.0, None, 0, backward=True)
+    work = _plan.backward_workspace(q.shape, deterministic, options.extras)
+    accum = info(work["dq_accum"][0], "float32") if "dq_accum" in work else None
+    return _plan.backward(info(q.shape, dtype), q, k, v, info(q.shape, dtype), info(q.shape, dtype),
+                          info(k.shape, dtype), info(v.shape, dtype), accum, options, None,
+                          _plan.shared_memory_limit("sm_90a"), sm90a)
+
+
+@pytest.mark.parametrize("head_dim,kernel_head_dim", [(64, 64), (80, 128), (96, 128), (128, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_planner_sends_the_sm90_backward_what_it_takes(no_compiler, head_dim, kernel_head_dim, causal):
+    plan = _backward_plan(head_dim, causal=causal)
+    assert plan.struct is Sm90BackwardParams
+    assert [s.kernel.kind for s in plan.steps] == ["backward_preprocess", "backward_sm90", "backward_convert_dq"]
+    preprocess, kernel, convert = plan.steps
+    assert preprocess.argument == convert.argument == "p" and kernel.argument == ""
+    assert kernel.kernel == _plan.Sm90Backward.of("bfloat16", kernel_head_dim, causal)
+    assert kernel.grid == (-(-301 // 128), 2, 2)
+    assert plan.pointers == tuple(f"p.{n}" for n in _plan.BACKWARD_POINTERS)
+    assert {(m.field, m.rows) for m in plan.maps} == {("q", kernel.kernel.block_m), ("dout", kernel.kernel.block_m),
+                                                      ("k", 128), ("v", 128)}
+    params = Sm90BackwardParams.from_buffer_copy(plan.params)
+    assert params.batch == 2 and params.accum_cols == _plan.head_dim_bucket(head_dim)
+
+
+@pytest.mark.parametrize("case", [dict(deterministic=True), dict(softcap=5.0), dict(head_dim=256),
+                                  dict(head_dim=32), dict(sm90a=False), dict(ptr=(1 << 20) + 8)])
+def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
+    """Deterministic calls, softcap / ALiBi / dropout, head dims outside 64-128, other GPUs
+    and arrays the copy engine cannot read."""
+    assert _backward_plan(**case).struct is not Sm90BackwardParams
+
+
+# -- on a Hopper GPU -----------------------------------------------------------------------
+
+def _hopper() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0 and cupy.cuda.Device(0).compute_capability == "90"
+    except Exception:
+        return False
+
+
+hopper = pytest.mark.skipif(not _hopper(), reason="needs a compute capability 9.0 GPU (H100, H200)")
+
+
+@pytest.fixture
+def sm90_plans(monkeypatch):
+    """Every backward planned inside is checked to take the sm_90a kernel (plans made afresh)."""
+    planned = []
+    real = _plan.backward
+
+    def backward(*args, **kwargs):
+        planned.append(real(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(_plan, "backward", backward)
+    monkeypatch.setattr(api, "_warm", {})
+    monkeypatch.setattr(_kernels, "_launchers", {})
+    monkeypatch.setenv("CUFLASH_PORTABLE", "0")
+    yield planned
+    assert planned and all(p.struct is Sm90BackwardParams for p in planned if p.steps)
+
+
+def _gradients(shape, dtype: str, seed: int, window_size=(-1, -1), dlse: bool = False):
+    """(dout, q, k, v), the gradients of a fresh forward's out (and lse), dlse."""
+    import cupy
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(shape, cupy_dtype(dtype), rng, xp=cupy)
+    dout = random_dout(shape, cupy_dtype(dtype), rng, xp=cupy)
+    out, lse = cuflash.attention(q, k, v, causal=shape.causal, window_size=window_size, return_lse=True)
+    gradient_of_lse = cupy.asarray(rng.standard_normal(lse.shape), dtype=cupy.float32) if dlse else None
+    with poisoned_allocations():
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=shape.causal, window_size=window_size,
+                                           dlse=gradient_of_lse)
+    return (dout, q, k, v), grads, gradient_of_lse
+
+
+def _check(shape, dtype, seed, window_size=(-1, -1), dlse=False):
+    (dout, q, k, v), grads, gradient_of_lse = _gradients(shape, dtype, seed, window_size, dlse)
+    check_gradients(dout, q, k, v, grads, shape.causal, dlse=gradient_of_lse, window_size=window_size)
+
+
+@pytest.mark.gpu
+@hopper
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(shape=attention_shapes(max_batch=2, max_seqlen=700, max_nheads_kv=2, max_group=3,
+                              headdim=st.sampled_from([64, 72, 96, 128])),
+       dtype=st.sampled_from(["float16", "bfloat16"]), window=st.one_of(st.none(), window_sizes(700)),
+       dlse=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_drawn_calls_match_the_oracle(sm90_plans, shape, dtype, window, dlse, seed):
+    window_size = (-1, -1) if window is None or shape.causal else window
+    _check(shape, dtype, seed, window_size, dlse)
+
+
+# Ragged lengths around the 128-key block and the 64- and 128-row query blocks: 1, a block
+# + 1, primes; seqlen_q above and below seqlen_k; MQA; a long causal call.
+LONG = [Shape(1, 1, 1, 1, 1, 128, False), Shape(2, 129, 129, 4, 2, 128, True), Shape(1, 257, 127, 6, 1, 64, True),
+        Shape(1, 127, 1031, 4, 4, 96, False), Shape(2, 1999, 2047, 4, 2, 64, True),
+        Shape(1, 2048, 2048, 8, 1, 128, True), Shape(1, 1025, 700, 2, 2, 128, False),
+        Shape(1, 4096, 4096, 2, 2, 128, False)]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("shape", LONG, ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_long_and_ragged_calls_match_the_oracle(sm90_plans, shape, dtype):
+    _check(shape, dtype, shape.seqlen_q + shape.seqlen_k)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("window_size", [(100, 0), (37, 250), (0, 0), (-1, 64)])
+def test_windows_match_the_oracle(sm90_plans, window_size):
+    _check(Shape(2, 700, 900, 4, 2, 128, False), "bfloat16", 3, window_size)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_packed_sequences_match_the_oracle(sm90_plans, head_dim):
+    """Sequences shorter and longer than a block, one with no rows and one with no keys:
+    a block's boxes reach into the next sequence's rows, which must count for nothing."""
+    import cupy
+    shape = VarlenShape((100, 0, 257, 64, 1), (130, 40, 0, 300, 129), 4, 2, head_dim, True)
+    rng = np.random.default_rng(head_dim)
+    q, k, v = (cupy.asarray(rng.standard_normal(s), dtype=cupy.float16) for s in (shape.q_shape, shape.kv_shape,
+                                                                                  shape.kv_shape))
+    dout = cupy.asarray(rng.standard_normal(shape.q_shape), dtype=cupy.float16)
+    cu_q, cu_k = cupy.asarray(shape.cu_seqlens_q), cupy.asarray(shape.cu_seqlens_k)
+    packing = (cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k)
+    out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=True, return_lse=True)
+    with poisoned_allocations():
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=True)
+    check_gradients(dout, q, k, v, grads, True, varlen=(cu_q, cu_k))
