@@ -401,6 +401,8 @@ def kvcache(arrays: dict, cache_seqlens, cache_batch_idx, cache_leftpad, block_t
     cos, sin = _rotary(rotary_cos, rotary_sin, q, k)
     if lengths is None and isinstance(seqlens, ArrayInfo):
         lengths = _values_on_host(seqlens)
+    if table is not None:
+        check_table_capacity(seqlens if lengths is None else lengths, seqlen_new, table.shape[1], page_size)
     _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_size, table, k_cache.shape[0],
                      batch_idx, leftpad)
     return KVCache(seqlens, lengths, batch_idx, leftpad, table, page_size, capacity, seqlen_new, cos, sin,
@@ -507,10 +509,35 @@ def _rotary(rotary_cos, rotary_sin, q: ArrayInfo, k: ArrayInfo | None):
     return cos, sin
 
 
+def check_table_capacity(cache_seqlens, seqlen_new: int, max_blocks: int, page_size: int) -> None:
+    """A paged KV-cache call's lengths within its block table: cache_seqlens[b] + seqlen_new
+    at most max_blocks * page_size, the rows the table addresses (flash-attn's check, whose
+    error is a RuntimeError naming block_table). ``cache_seqlens``: host values, or the
+    array (described or not). Lengths on a GPU are read, one synchronisation, except where
+    host_values cannot (CUDA-graph capture, JAX tracing): the kernel clamps each length to
+    the table's capacity there (decode/cache.cuh), so its reads stay inside the table."""
+    if isinstance(cache_seqlens, np.ndarray):
+        lengths = cache_seqlens
+    else:
+        a = cache_seqlens if isinstance(cache_seqlens, ArrayInfo) else _arrays.inspect(cache_seqlens, "cache_seqlens")
+        lengths = host_values(a)
+    if lengths is None:
+        return
+    ends = np.asarray(lengths, dtype=np.int64) + seqlen_new
+    capacity = max_blocks * page_size
+    if (ends > capacity).any():
+        b = int(np.argmax(ends > capacity))
+        raise RuntimeError(f"block_table addresses max_blocks {max_blocks} * page_size {page_size} = {capacity} rows "
+                           f"a sequence, but sequence {b} needs cache_seqlens[{b}] + seqlen_new = "
+                           f"{int(ends[b]) - seqlen_new} + {seqlen_new} = {int(ends[b])}: give block_table more "
+                           f"columns")
+
+
 def _values_on_host(a: ArrayInfo) -> np.ndarray | None:
     """The values of a KV-cache call's integer array where they are on the host. On a GPU
-    they are not read: a decode step is a few microseconds of GPU time, and reading them
-    would wait for the GPU at every step (and break CUDA-graph capture). The kernel clamps
+    they are not read (a paged call's lengths excepted: check_table_capacity): a decode
+    step is a few microseconds of GPU time, and reading them would wait for the GPU at
+    every step (and break CUDA-graph capture). The kernel clamps
     instead (decode/cache.cuh, decode/rotary.cuh): lengths into the cache, leftpad into the
     length, cache indices into the caches, positions into the rotary tables, and rows of a
     page index out of range read as zeros and are never written."""
@@ -526,10 +553,9 @@ def _check_positions(lengths, seqlen_new, seqlen_q, capacity, local, cos, page_s
     if (lengths < 0).any():
         raise ValueError(f"cache_seqlens must be >= 0, got {lengths.tolist()}")
     ends = lengths + seqlen_new
-    if (ends > capacity).any():
+    if table is None and (ends > capacity).any():  # (a paged cache's: check_table_capacity)
         b = int(np.argmax(ends > capacity))
-        where = "block_table's max_blocks * page_size" if table is not None else "seqlen_cache"
-        raise ValueError(f"cache_seqlens[{b}] + seqlen_new must be at most the cache's length ({where}) "
+        raise ValueError(f"cache_seqlens[{b}] + seqlen_new must be at most the cache's length (seqlen_cache) "
                          f"{capacity}, got {int(lengths[b])} + {seqlen_new}")
     if cos is not None:
         needed = int((lengths + max(seqlen_new, seqlen_q if local else 1)).max(initial=0))

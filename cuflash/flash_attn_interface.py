@@ -26,16 +26,21 @@ softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. Wha
 - Head dims need no padding to a multiple of 8, and CPU tensors run the NumPy path.
 - The packed variants pass strided views of qkv / kv to the kernel (no copy); their
   gradients reach qkv / kv through those views.
-- ``flash_attn_varlen_func``'s ``block_table`` (k and v in pages) runs forward only.
+- ``flash_attn_varlen_func``'s ``block_table`` (k and v in pages) has no backward: the
+  forward runs (on inputs that require grad too), a backward through it raises.
 - ``flash_attn_with_kvcache``'s page size may be anything, not only multiples of 256.
 - ``window_size`` may hold one-element integer tensors (flash-attn's tests draw it with
   ``torch.randint``), as flash-attn's C++ binding takes them.
 - Bad arguments of ``flash_attn_with_kvcache`` and of the paged ``flash_attn_varlen_func``
   raise RuntimeError naming the argument, as flash-attn's checks do.
+
+flash-attn 2.8's internal functions ``_flash_attn_forward``, ``_flash_attn_backward``,
+``_flash_attn_varlen_forward`` and ``_flash_attn_varlen_backward`` take its parameters and
+return its values, over the same custom ops (see each one for what differs).
 """
 import contextlib
 
-from . import _philox
+from . import _options, _philox
 from . import torch as cuflash_torch
 
 __all__ = [
@@ -104,12 +109,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     float32 (nheads, total_q), differentiable.
     """
     window_size = _window(window_size)
-    if block_table is not None:  # k and v are page pools; forward only (flash-attn's paged varlen call)
-        with _as_flash_attn_errors():
-            out = cuflash_torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                 causal, softmax_scale, window_size=window_size, softcap=softcap,
-                                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                                 return_lse=return_attn_probs, block_table=block_table)
+    if block_table is not None:  # k and v are page pools (flash-attn's paged varlen call)
+        out = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                            causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=return_attn_probs)
         return (*out, None) if return_attn_probs else out
     q, k, v = _unit_stride(q, k, v)
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
@@ -163,6 +166,179 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             rotary_interleaved=rotary_interleaved, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, num_splits=num_splits,
             return_lse=return_softmax_lse)
+
+
+# --- flash-attn's internal functions ---------------------------------------------------------
+# Code built on flash-attn (its own autograd Functions, ring attention) calls these directly.
+
+
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                        alibi_slopes, return_softmax):
+    """flash-attn 2.8's ``_flash_attn_forward``: (out, softmax_lse, S_dmask, rng_state) of q
+    (batch, seqlen_q, nheads, headdim) over k and v, options as ``flash_attn_func``, without
+    autograd (callers wrap it in their own autograd.Function). softmax_lse is float32
+    (batch, nheads, seqlen_q); rng_state the dropout's int64 [seed, offset] on the CPU,
+    which ``_flash_attn_backward`` takes to regenerate the forward's mask; S_dmask, with
+    return_softmax, the dropout keep mask as ``flash_attn_func`` returns it (None without
+    dropout), else an empty tensor as flash-attn's."""
+    q, k, v = _unit_stride(q, k, v)
+    _options.check_bool("return_softmax", return_softmax)
+    args = cuflash_torch._op_options(
+        dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), causal=causal, softmax_scale=softmax_scale,
+        deterministic=False, window_size=_window((window_size_left, window_size_right)), softcap=softcap,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=None)
+    out, softmax_lse, rng_state = _op(cuflash_torch.attention_forward, cuflash_torch._attention_forward)(q, k, v, *args)
+    batch, seqlen_q, nheads, _ = q.shape
+    s_dmask = _s_dmask(return_softmax, rng_state, dropout_p, batch, nheads, seqlen_q, k.shape[1], q)
+    return out, softmax_lse, s_dmask, rng_state
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                         window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    """flash-attn 2.8's ``_flash_attn_backward``: writes the gradients of q, k and v into dq,
+    dk and dv in place (each shaped, typed and placed like its input; None: computed and
+    dropped, as flash-attn allocates it and returns it nowhere) and returns softmax_d,
+    (1 - dropout_p) * rowsum(dout * out), float32 laid out like softmax_lse (flash-attn
+    pads its rows to a multiple of 128). rng_state: the forward's (needed with dropout)."""
+    dout, q, k, v, out = _unit_stride(dout, q, k, v, out)
+    *head, alibi_slopes, dropout_p, _ = cuflash_torch._op_options(
+        dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), causal=causal, softmax_scale=softmax_scale,
+        deterministic=deterministic, window_size=_window((window_size_left, window_size_right)), softcap=softcap,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=None)
+    targets = _gradient_targets(dq=dq, dk=dk, dv=dv, q=q, k=k, v=v)
+    grads = _op(cuflash_torch.attention_backward, cuflash_torch._attention_backward)(
+        dout, q, k, v, out, softmax_lse, *head, alibi_slopes, dropout_p, rng_state, None)
+    return _write_gradients(targets, grads, dout, out, dropout_p)
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                               alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False):
+    """flash-attn 2.8's ``_flash_attn_varlen_forward``: ``_flash_attn_forward`` of packed
+    sequences (as ``flash_attn_varlen_func``), softmax_lse float32 (nheads, total_q). With
+    block_table, k and v are page pools (the paged ``flash_attn_varlen_func``: no dropout,
+    S_dmask None, rng_state zeros). leftpad_k and seqused_k must be None (cuflash's varlen
+    call has neither); zero_tensors changes nothing, since every row of out belongs to a
+    sequence and is written."""
+    _options.check_bool("return_softmax", return_softmax)
+    _options.check_bool("zero_tensors", zero_tensors)
+    for name, x in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
+        if x is not None:
+            raise ValueError(f"{name} must be None: cuflash's varlen call takes every key of a sequence "
+                             f"(cu_seqlens_k), got {type(x).__qualname__}")
+    window_size = _window((window_size_left, window_size_right))
+    if block_table is not None:
+        with cuflash_torch.torch.no_grad():  # (these functions carry no autograd: inputs requiring grad are fine)
+            out, softmax_lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             block_table, causal=causal, softmax_scale=softmax_scale,
+                                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                             dropout_p=dropout_p, return_lse=True)
+        return out, softmax_lse, None if return_softmax else q.new_empty((0,)), cuflash_torch._rng_state(None, 0)
+    q, k, v = _unit_stride(q, k, v)
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    args = cuflash_torch._op_options(
+        tensors, max_seqlens=(max_seqlen_q, max_seqlen_k), causal=causal, softmax_scale=softmax_scale,
+        deterministic=False, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p, seed=None)
+    out, softmax_lse, rng_state = _op(cuflash_torch.attention_varlen_forward, cuflash_torch._attention_varlen_forward)(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args)
+    s_dmask = _s_dmask(return_softmax, rng_state, dropout_p, cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q,
+                       max_seqlen_k, q)
+    return out, softmax_lse, s_dmask, rng_state
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+                                zero_tensors=False):
+    """flash-attn 2.8's ``_flash_attn_varlen_backward``: ``_flash_attn_backward`` of packed
+    sequences; softmax_d float32 (nheads, total_q). zero_tensors changes nothing (every row
+    of dq, dk and dv belongs to a sequence and is written)."""
+    _options.check_bool("zero_tensors", zero_tensors)
+    dout, q, k, v, out = _unit_stride(dout, q, k, v, out)
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    *head, alibi_slopes, dropout_p, _ = cuflash_torch._op_options(
+        tensors, max_seqlens=(max_seqlen_q, max_seqlen_k), causal=causal, softmax_scale=softmax_scale,
+        deterministic=deterministic, window_size=_window((window_size_left, window_size_right)), softcap=softcap,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=None)
+    targets = _gradient_targets(dq=dq, dk=dk, dv=dv, q=q, k=k, v=v)
+    grads = _op(cuflash_torch.attention_varlen_backward, cuflash_torch._attention_varlen_backward)(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *head, alibi_slopes,
+        dropout_p, rng_state, None)
+    return _write_gradients(targets, grads, dout, out, dropout_p)
+
+
+def _op(op, function):
+    """The custom op while torch.compile traces (an opaque node), else the function it runs:
+    eager calls skip the op's dispatch, as cuflash.torch's autograd wrappers do."""
+    return op if cuflash_torch.torch.compiler.is_compiling() else function
+
+
+def _s_dmask(return_softmax, rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k, q):
+    """The internal forwards' S_dmask: flash_attn_func's keep mask with return_softmax, else
+    flash-attn's empty tensor."""
+    if not return_softmax:
+        return q.new_empty((0,))
+    return _keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k, q)
+
+
+def _gradient_targets(**tensors) -> list:
+    """dq, dk and dv as given, each None or a tensor like q, k and v (checked before the backward runs)."""
+    torch = cuflash_torch.torch
+    targets = []
+    for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
+        target, x = tensors[name], tensors[like]
+        if target is not None:
+            if not isinstance(target, torch.Tensor):
+                raise TypeError(f"{name} must be None or a torch.Tensor, got {type(target).__qualname__}")
+            if (target.shape, target.dtype, target.device) != (x.shape, x.dtype, x.device):
+                raise ValueError(f"{name} must have {like}'s shape {tuple(x.shape)}, dtype {x.dtype} and device "
+                                 f"{x.device}, got {tuple(target.shape)}, {target.dtype} and {target.device}")
+        targets.append(target)
+    return targets
+
+
+def _write_gradients(targets, grads, dout, out, dropout_p):
+    """Copy the gradients into the given dq, dk and dv; return flash-attn's softmax_d."""
+    for target, grad in zip(targets, grads):
+        if target is not None:
+            target.copy_(grad)
+    torch = cuflash_torch.torch
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    # flash-attn keeps D scaled down by the keep probability, as its dP is (flash_bwd_preprocess_kernel.h)
+    d = (dout.to(acc) * out.to(acc)).sum(-1) * (1.0 - float(dropout_p))
+    # heads before rows, as lse: (batch, nheads, seqlen_q), or (nheads, total_q) packed
+    return d.movedim(-1, -2).to(torch.float32).contiguous()
+
+
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, **options):
+    """The varlen call over page pools k and v. It has no backward: where q, k or v take
+    part in autograd the forward runs all the same, and a backward through it raises."""
+    torch = cuflash_torch.torch
+
+    def run():
+        with _as_flash_attn_errors():
+            return cuflash_torch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  block_table=block_table, **options)
+
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        return _PagedVarlen.apply(q, k, v, run)
+    return run()
+
+
+class _PagedVarlen(cuflash_torch.torch.autograd.Function):
+    """The paged varlen call as an autograd node: the forward as it is (flash-attn runs it on
+    inputs that require grad too), a backward that says there is none."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, run):
+        return run()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("block_table: flash_attn_varlen_func over paged k and v has no backward (expected "
+                           "block_table=None, contiguous packed k and v, to train through it; got a block_table)")
 
 
 @contextlib.contextmanager

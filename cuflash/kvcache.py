@@ -35,11 +35,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     q (batch, seqlen_q, nheads, d); k_cache and v_cache (batch_cache, seqlen_cache,
     nheads_k, d), or paged (num_pages, page_size, nheads_k, d) with ``block_table`` int32
     (batch, max_blocks): logical row t of sequence b lies in page block_table[b, t //
-    page_size], row t % page_size (any page size). k and v (batch, seqlen_new, nheads_k, d)
-    are written at rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, then attended
-    to. ``cache_seqlens``: an int or int32 (batch,); ``cache_batch_idx`` int32 (batch,): the
-    cache row of each sequence; ``cache_leftpad`` int32 (batch,): rows before it are
-    padding, and key positions count from it. ``rotary_cos`` / ``rotary_sin`` (seqlen_ro,
+    page_size], row t % page_size (any page size); a length past the table's rows
+    (cache_seqlens[b] + seqlen_new > max_blocks * page_size) raises RuntimeError naming
+    block_table, the lengths read from the GPU for it except under CUDA-graph capture. k
+    and v (batch, seqlen_new, nheads_k, d) are written at rows cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1, then attended to. ``cache_seqlens``: an int or
+    int32 (batch,); ``cache_batch_idx`` int32 (batch,): the cache row of each sequence;
+    ``cache_leftpad`` int32 (batch,): rows before it are padding, and key positions count
+    from it. ``rotary_cos`` / ``rotary_sin`` (seqlen_ro,
     rotary_dim / 2) rotate the first rotary_dim features of the new keys at positions
     cache_seqlens[b] + j, and of q at cache_seqlens[b] + i when causal or windowed, else
     at cache_seqlens[b]; ``rotary_interleaved`` pairs features (0, 1), (2, 3), ... (else
@@ -72,6 +75,10 @@ def _attention_with_kvcache(given: tuple, rotary_interleaved, causal, window_siz
     key = _key(given, scalars)
     warm = _warm_calls.lookup(_warm, key)
     if warm is not None:
+        block_table = given[8]
+        if block_table is not None and cache_seqlens.__class__ is not int:  # (an int is part of the key: checked)
+            _options.check_table_capacity(cache_seqlens, 0 if k is None else k.shape[1], block_table.shape[1],
+                                          k_cache.shape[1])
         return _decode_warm(warm, given)
     infos = {name: _arrays.inspect(x, name) for name, x in zip(_ARRAY_ARGUMENTS, given)
              if x is not None and _is_array(x)}
