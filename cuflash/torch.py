@@ -56,7 +56,8 @@ import torch
 from . import _options, api, kvcache
 
 __all__ = ["attention", "attention_varlen", "attention_forward", "attention_backward",
-           "attention_varlen_forward", "attention_varlen_backward", "attention_with_kvcache", "merge_states"]
+           "attention_varlen_forward", "attention_varlen_backward", "attention_with_kvcache", "merge_states",
+           "ring_attention"]
 
 _UINT64 = 2**64
 
@@ -626,3 +627,6 @@ def _numpy(**tensors) -> list:
 def _tensor(x: np.ndarray) -> torch.Tensor:
     # Contiguous, as the fake implementations promise.
     return torch.from_numpy(np.ascontiguousarray(x))
+
+
+from .ring import ring_attention  # noqa: E402  (context parallelism, built on the ops above)
