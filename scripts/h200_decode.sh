@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The KV-cache path in one call on the H200: compile its kernels, run its GPU tests, the
 # decode and merge kernels under compute-sanitizer (memcheck, racecheck, synccheck), then the decode
-# bench. Full logs go to $OUT; a short summary is printed last.
+# bench. Full logs go to $OUT; a short summary is printed last. A GPU that CuPy cannot reach
+# fails the tests (CUFLASH_REQUIRE_GPU=1) rather than skipping them.
 #   usage: bash scripts/h200_decode.sh [tests|sanitize|bench|all ...] (default: all)
 set -uo pipefail
 steps=${*:-all}
 OUT=${OUT:-/tmp/cuflash-out}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
+export CUFLASH_REQUIRE_GPU=1
 want() { [[ " $steps " == *" $1 "* || " $steps " == *" all "* ]]; }
 summary=()
 for only in attention_decode merge; do

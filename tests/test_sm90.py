@@ -16,6 +16,8 @@ import cuflash
 from cuflash import _arrays, _compile, _kernels, _options, _plan, api
 from cuflash._params import Sm90Params
 
+from .conftest import hopper
+
 
 def _script(name: str):
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
@@ -267,17 +269,6 @@ def test_tensor_maps_are_encoded_once_per_array(monkeypatch):
         assert calls == [1 << 20, 2 << 20] and first is again and other.v[0] == 2 << 20
     finally:
         _tensormap.encode.cache_clear()
-
-
-def _hopper() -> bool:
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0 and cupy.cuda.Device(0).compute_capability == "90"
-    except Exception:
-        return False
-
-
-hopper = pytest.mark.skipif(not _hopper(), reason="needs a compute capability 9.0 GPU (H100, H200)")
 
 
 @pytest.fixture

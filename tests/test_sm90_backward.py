@@ -13,6 +13,7 @@ import cuflash
 from cuflash import _kernels, _options, _plan, api
 from cuflash._params import Sm90BackwardParams
 
+from .conftest import hopper
 from .strategies import Shape, VarlenShape, attention_shapes, random_dout, random_qkv, window_sizes
 from .test_gpu_backward import check_gradients
 from .test_gpu_forward import cupy_dtype, poisoned_allocations
@@ -57,17 +58,6 @@ def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
 
 
 # -- on a Hopper GPU -----------------------------------------------------------------------
-
-def _hopper() -> bool:
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0 and cupy.cuda.Device(0).compute_capability == "90"
-    except Exception:
-        return False
-
-
-hopper = pytest.mark.skipif(not _hopper(), reason="needs a compute capability 9.0 GPU (H100, H200)")
-
 
 @pytest.fixture
 def sm90_plans(monkeypatch):
