@@ -324,4 +324,4 @@ def shared_limit(device: int) -> int:
 def _function(kernel, device: int) -> int:
     clustered = isinstance(kernel, _plan.Kernel) and _plan.KINDS[kernel.kind].clustered
     return _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes,
-                                getattr(kernel, "arch", ""), clustered)
+                                kernel.arch, clustered)

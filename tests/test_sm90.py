@@ -404,8 +404,8 @@ def test_every_tile_is_computed_once_whatever_the_section(paths, monkeypatch, kv
 
     from .test_gpu_forward import poisoned_allocations
     seqlen = 300
-    monkeypatch.setattr(_plan, "SM90_SECTION_BYTES", kv_heads_a_section * 4 * seqlen * 128)
-    monkeypatch.setattr(_plan, "SM90_SECTION_ROWS", 1)
+    monkeypatch.setattr(_plan.sm90, "SM90_SECTION_BYTES", kv_heads_a_section * 4 * seqlen * 128)
+    monkeypatch.setattr(_plan.sm90, "SM90_SECTION_ROWS", 1)
     rng = np.random.default_rng(kv_heads_a_section)
     host, (q, k, v) = _arrays_of(rng, "bfloat16", (3, seqlen, 5, 128), (3, seqlen, 1, 128), (3, seqlen, 1, 128))
     want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), window_size=window_size)

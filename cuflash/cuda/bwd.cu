@@ -16,7 +16,7 @@
 //   that each warp-wide atomic covers 256 contiguous bytes.
 // - attention_backward_dkdv + attention_backward_dq (bwd_two_kernel.cu; deterministic,
 //   softcap / ALiBi / dropout up to d 128, and where the one-pass tiles do not fit the
-//   shared memory; see cuflash/_plan.py): a second kernel, one CTA per query tile,
+//   shared memory; see cuflash/_plan/mma_sync.py): a second kernel, one CTA per query tile,
 //   recomputes S and dP and keeps dQ in registers. Seven matmuls per tile, no atomics
 //   anywhere: every gradient is bitwise reproducible.
 //

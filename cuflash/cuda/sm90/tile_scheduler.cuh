@@ -29,7 +29,7 @@
 // start late and run alone. (No tail is cut: its tiles are the short ones.)
 //
 // A CTA's work goes round its warps as numbers: tile t as t, the piece that starts at unit
-// u as count + u; `end` is past the last. cuflash/_plan.py (sm90_tail) mirrors the cut.
+// u as count + u; `end` is past the last. cuflash/_plan/sm90.py (sm90_tail) mirrors the cut.
 #pragma once
 #include "common.cuh"
 #include "sm90/fwd_params.cuh"

@@ -1,0 +1,95 @@
+"""Which kernels a call launches: variant, tile shape, grid, shared memory and Params,
+from shapes, dtypes, options and the device's shared memory. Nothing here compiles or
+touches a GPU: ``_kernels`` binds a plan to compiled kernels and launches it.
+
+One module a concern: ``variants`` (the catalog: every variant as a value with one
+interface, the tiled kinds' tile tables), ``plan`` (steps, tensor maps, plans and the
+kernels' Params), and one module a kernel family: ``mma_sync`` (sm_80 and newer, the
+fallback), ``sm90`` (Hopper's sm_90a kernels) and ``decoding`` (the KV-cache call). This
+module picks the family of each call. A tiled variant's tile is the first entry of its
+kind's table, per head-dim bucket, whose shared memory fits the arch; register budgets
+behind these choices are checked by ``python -m cuflash compile``.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+from . import decoding, mma_sync, sm90
+from .decoding import DECODE_POINTERS, MERGE_POINTERS, decode, decode_splits, merge
+from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, PREPROCESS_ROWS, backward_workspace
+from .plan import Plan, Step, TensorMapSpec, dropout_threshold, group_size, pointer_offsets, scale_log2, vectorizable
+from .sm90 import (SM90_BACKWARD_TILES, SM90_BANDED_EXTRAS_TILES, SM90_BANDED_TILES, SM90_HEAD_DIMS,
+                   SM90_SECTION_BYTES, SM90_SECTION_ROWS, SM90_SHORT_CAUSAL_ROWS, SM90_SHORT_CAUSAL_TILES,
+                   SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS, SM90_TILES, Sm90Backward,
+                   Sm90Forward, sm90_section, sm90_tail)
+from .variants import (DTYPES, ELEMENTWISE, HEAD_DIM_BUCKETS, KINDS, MAX_HEAD_DIM, MERGES, SHARED_MEMORY_LIMIT,
+                       Elementwise, Kernel, Kind, Merge, Tile, Variant, copy_run_rows, has_tile, head_dim_bucket,
+                       kernel, shared_memory_limit)
+
+if TYPE_CHECKING:
+    from .._arrays import ArrayInfo
+    from .._options import Options, Varlen
+
+
+def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options, varlen: Varlen | None,
+            shared_limit: int, sm90a: bool = False, multiprocessors: int = 0) -> Plan:
+    """out = attention(q, k, v) (and its LSE where the launch is given a pointer); with
+    ``sm90a`` (a compute capability 9.0 device) through the sm_90a forward where it
+    takes the call, on a persistent grid of a CTA per multiprocessor (with
+    ``multiprocessors`` 0, a CTA per tile)."""
+    if sm90a and sm90.takes(q, k, v, out, options, varlen):
+        return sm90.forward(q, k, v, out, options, varlen, multiprocessors)
+    return mma_sync.forward(q, k, v, out, options, varlen, shared_limit)
+
+
+def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
+             dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo | None, options: Options, varlen: Varlen | None,
+             shared_limit: int, sm90a: bool = False) -> Plan:
+    """dq, dk, dv: the one-pass kernel (dQ by atomics into ``dq_accum``) where it has a
+    tile, else the dQ pass and the dK/dV pass (bitwise reproducible); with ``sm90a`` (a
+    compute capability 9.0 device) the sm_90a backward where it takes the call."""
+    one_pass = dq_accum is not None and has_tile("backward", q.shape[-1], options.extras, shared_limit)
+    if sm90a and one_pass and sm90.backward_takes(dout, q, k, v, dq, dk, dv, options):
+        return sm90.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen)
+    return mma_sync.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, shared_limit)
+
+
+def all_kernels(arch: str) -> list[Variant]:
+    """Every variant cuflash can launch on ``arch``: for sm_90a the sm90 kernels (the
+    mma.sync ones run on compute capability 9.0 as sm_90)."""
+    if arch == "sm_90a":
+        forwards = dict.fromkeys(Sm90Forward.of(*v) for v in itertools.product(DTYPES, SM90_HEAD_DIMS, *[(False, True)] * 3))  # (short: the same but for some causal ones)
+        backwards = [Sm90Backward.of(*v) for v in itertools.product(DTYPES, SM90_BACKWARD_TILES, (False, True))]
+        return [*forwards, *backwards]
+    limit = shared_memory_limit(arch)
+    flags = (False, True)
+    kinds = [kind for kind in KINDS if not KINDS[kind].clustered or int(arch[3:5]) >= 90]
+    tiled = [kernel(kind, dtype, bucket, local, vec, extras, limit)
+             for kind, dtype, bucket, local, vec, extras in
+             itertools.product(kinds, DTYPES, HEAD_DIM_BUCKETS, flags, flags, flags)
+             if has_tile(kind, bucket, extras, limit)]
+    return (tiled + [Elementwise(kind, dtype) for kind, dtype in itertools.product(ELEMENTWISE, DTYPES)]
+            + [Merge(*pair) for pair in MERGES])
+
+
+def covering_sample(archs: tuple[str, ...]) -> list[tuple[str, Variant]]:
+    """A few (arch, variant) pairs that between them reach every template branch of
+    ``all_kernels``: each kind with every head-dim bucket and tile, every combination
+    of its flags (band, vectorized, extras), each dtype, each arch with each (band,
+    extras) pair, and every elementwise instance. A compile of these catches what a
+    compile of everything would, in a tenth of the time (44 of 968 for sm_80 + sm_90)."""
+    def reaches(arch: str, k: Variant) -> set:
+        if not isinstance(k, Kernel):
+            return {(arch, k)}
+        return {("tile", k.kind, k.head_dim, k.tile), ("flags", k.kind, k.local, k.vectorized, k.extras),
+                ("dtype", k.kind, k.dtype), ("arch", arch, k.kind, k.local, k.extras)}
+
+    variants = [(arch, k) for arch in archs for k in all_kernels(arch)]
+    missing = set().union(*(reaches(*v) for v in variants))
+    chosen = []
+    while missing:  # greedy set cover: the variant that reaches the most still missing
+        best = max(variants, key=lambda v: len(reaches(*v) & missing))
+        chosen.append(best)
+        missing -= reaches(*best)
+    return chosen

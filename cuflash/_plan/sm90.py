@@ -1,0 +1,314 @@
+"""The sm_90a family's plans and variants (cuda/sm90/: TMA, wgmma, warp specialisation;
+compute capability 9.0 only): the forward (persistent grid, tile scheduler, the tail cut
+along its keys) and the backward, what each takes, their tiles."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from .._params import Sm90BackwardParams, Sm90Params
+from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, backward_rows
+from .plan import Plan, Step, call_params, group_size, tensor_map, vectorizable
+from .variants import DTYPES, Elementwise
+
+if TYPE_CHECKING:
+    from .._arrays import ArrayInfo
+    from .._options import Options, Varlen
+
+
+class Sm90Forward(NamedTuple):
+    """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma) for head dims up to ``head_dim``
+    (64, 128 or 256; a smaller one rides on the copy engine's zero columns): a producer
+    warpgroup and ``consumers`` consumer warpgroups of 64 query rows, key tiles and K/V
+    stages (SM90_TILES); ``extras``: softcap, ALiBi or dropout may be on."""
+    dtype: str
+    head_dim: int
+    local: bool
+    extras: bool
+    block_n: int  # keys a tile
+    stages: int  # K/V tiles in flight
+    consumers: int  # consumer warpgroups: 2 or 3
+    source = "sm90/fwd.cu"
+    arch = "sm_90a"
+
+    @classmethod
+    def of(cls, dtype: str, head_dim: int, local: bool, extras: bool, short: bool = False) -> Sm90Forward:
+        """The variant with the planner's tile (SM90_TILES; under a causal mask or a window
+        SM90_BANDED_TILES, with softcap, ALiBi or dropout SM90_BANDED_EXTRAS_TILES, and
+        ``short``, a causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows,
+        SM90_SHORT_CAUSAL_TILES, where they name the head dim)."""
+        tile = SM90_TILES[head_dim]
+        if local:
+            tile = SM90_BANDED_TILES.get(head_dim, tile)
+            tile = SM90_BANDED_EXTRAS_TILES.get(head_dim, tile) if extras else tile
+            tile = SM90_SHORT_CAUSAL_TILES.get(head_dim, tile) if short else tile
+        return cls(dtype, head_dim, local, extras, *tile)
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def instance(self) -> str:
+        return (f"cuflash::attention_forward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
+                f"{self.consumers}, {self.stages}, {'true' if self.local else 'false'}, "
+                f"{'true' if self.extras else 'false'}>")
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def shared_layout(self) -> str:
+        return f"cuflash::Sm90Shared<{self.head_dim}, {self.block_m}, {self.block_n}, {self.stages}>"
+
+    @property
+    def shared_bytes(self) -> int:
+        """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers (a landed and a
+        released one for Q and for each stage, or with two stages for each stage's K and V:
+        kApart), the loaded tile's number (8 bytes), a sink word for each of up to 16 warps
+        and 1024 bytes of alignment."""
+        stage_barriers = (2 if self.stages == 2 else 1) * self.stages
+        return (2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + (2 + 2 * stage_barriers) * 8
+                + 8 + 16 * 4 + 1024)
+
+    def grid(self, rows: int, heads: int, batch: int, multiprocessors: int = 0) -> tuple[int, int, int]:
+        """A CTA per tile, or at most one per multiprocessor (one fits: its registers), each
+        taking tiles until none is left (fwd.cu, Sm90Tiles)."""
+        tiles = -(-rows // self.block_m) * heads * batch
+        return (min(tiles, multiprocessors) if multiprocessors else tiles), 1, 1
+
+
+# The sm_90a forward runs on a persistent grid (a CTA a multiprocessor): the producer loads
+# the next tile's Q and keys while the consumers finish a tile and store it (H200, d 128
+# bf16, 16k tokens, no mask: 1.00-1.05x a CTA per tile, most at 1k). Where every tile sees
+# the same keys the CTAs take tiles in turn; under a causal mask or a window, whose tiles
+# differ in length, each takes the next in order as it gets free, from a counter (in static
+# shares the longest tiles first ran 0.91-0.99x a CTA per tile at 4k-16k).
+
+# Under a causal mask the scheduler takes the longest tiles first across a section of
+# (head, sequence) pairs (sm90_section, fwd.cu's Sm90Tiles) rather than pair after pair,
+# from SM90_SECTION_ROWS query rows, its section's K and V in SM90_SECTION_BYTES of L2.
+# Sections against pair after pair (H100, bf16, causal, 16k tokens, `scripts/sm90_bench.py
+# --sections`), at 2k / 4k / 8k / 16k: 16 MiB d 64 1.02 / 1.03 / 1.03 / 1.03x, d 128 1.03 /
+# 1.03 / 1.03 / 1.00x, d 256 1.05 / 1.08 / 1.08 / 1.00x; 8 MiB d 256 1.03 / 1.02 / 1.00 /
+# 1.00x; 32 MiB (FlashAttention-3's figure) d 128 0.99 / 1.03 / 1.04 / 1.00x. At 512 and 1k
+# sections lost up to 9% (d 256 at 512 with 32 MiB; d 128 with 16 MiB 0.95x and 0.96x) and
+# gained at most 2%. (Measured on a grid of a CTA a tile, which the hardware hands out in order.)
+SM90_SECTION_BYTES = 16 << 20
+SM90_SECTION_ROWS = 2048
+# Head dim -> (keys a tile, K/V stages, consumer warpgroups). At d 128 FlashAttention-3's
+# tile of 176 keys (m64n176 products: S, P and O in a consumer's 240 registers) in two
+# stages, 209 KiB of shared memory with Q. A consumer holds a tile's V until its next
+# turn; with two stages the copy engine keeps up only because each stage's K and V are
+# released apart (Sm90Shared::kApart): before that split, two stages of 128 keys ran 502
+# against 651 TFLOP/s for three at 16k, and 176 keys 0.81-0.87x the three-stage ring. With
+# it, 176 keys ran 0.97-1.04x the 128-key, three-stage tile without a mask, 1.02-1.04x
+# from 8k (H100, bf16 and fp16, 16k tokens, `bench --baseline`; 1.00-1.04x from 1k in
+# `scripts/sm90_bench.py`): fewer turns, barriers and softmax passes a key. At d 256
+# FlashAttention-3's tile of 80 keys keeps S, P and O in a consumer's 240 registers, and
+# two stages fit beside Q (225 KiB): 1.03-1.08x the 64-key tile at 1k-16k, causal or not
+# (bf16, same run). The causal or windowed variant with softcap, ALiBi or dropout spills 4
+# bytes with 80 keys and keeps 64 (SM90_BANDED_EXTRAS_TILES). At d 64 a consumer's S, P
+# and O fit in 160 registers, so three consumers share the multiprocessor:
+# FlashAttention-3's d64 tile of 192 query rows. Each K/V tile loaded serves half as many
+# rows again, and two consumers' products can run through the third's softmax; with three
+# stages of 128 keys it takes 121 KiB of shared memory (H200, 16k tokens, bf16, two ->
+# three consumers: not causal 1.12-1.28x at 2k-16k, 434 -> 557 TFLOP/s at 16k; causal
+# 1.06-1.16x, but 0.93x at 1k, where 192-row tiles leave fewer of them to share the
+# multiprocessors; fp16 alike). (At d 128 a consumer's S, P and O spill out of 160
+# registers.)
+SM90_TILES = {64: (128, 3, 3), 128: (176, 2, 2), 256: (80, 2, 2)}
+# Under a causal mask or a window d 128 keeps 128 keys in three stages (FlashAttention-3's
+# causal tile too): a 128-row block's diagonal tile hides more of 176 keys, and short calls
+# have few key tiles a row. 176 keys against it, bf16 / fp16 (H100, bench --baseline, one
+# run): causal 512 0.91 / 0.93x, 1k 0.95x, 2k 0.98x, 4k 0.99x, 8k 1.01 / 1.02x, 16k 1.01 /
+# 1.02x; identical kernels timed the same way read 0.95-1.03x each other.
+SM90_BANDED_TILES = {128: (128, 3, 2)}
+SM90_BANDED_EXTRAS_TILES = {256: (64, 2, 2)}
+# A causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows at d 64 keeps two consumers
+# (128-row tiles): three consumers' 192-row tiles are fewer, and longer, to share out among
+# the multiprocessors (H200, bf16, 16k tokens, `scripts/sm90_bench.py --head-dim 64 --tile
+# 128,3,2`, three consumers against two: 1k 0.93x, 2k 1.06x, 4k-16k 1.08-1.16x; on the H100
+# with the later scheduler 0.93x, 1.06x and 1.09-1.18x).
+SM90_SHORT_CAUSAL_TILES = {64: (128, 3, 2)}
+SM90_SHORT_CAUSAL_ROWS = 2048
+SM90_HEAD_DIMS = tuple(SM90_TILES)
+
+
+class Sm90Backward(NamedTuple):
+    """The sm_90a backward (cuda/sm90/bwd.cu: TMA, wgmma) for head dims up to ``head_dim``
+    (64 or 128; one between rides on the copy engine's zero columns): a producer warpgroup
+    and two consumer warpgroups of 64 keys each (a block of 128), ``block_m`` query rows a
+    step in ``stages`` Q/dO stages (SM90_BACKWARD_TILES)."""
+    dtype: str
+    head_dim: int
+    local: bool
+    block_m: int
+    stages: int
+    kind = "backward_sm90"
+    source = "sm90/bwd.cu"
+    arch = "sm_90a"
+    block_n = 128
+    threads = 384
+
+    @classmethod
+    def of(cls, dtype: str, head_dim: int, local: bool) -> Sm90Backward:
+        return cls(dtype, head_dim, local, *SM90_BACKWARD_TILES[head_dim])
+
+    @property
+    def instance(self) -> str:
+        return (f"cuflash::attention_backward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
+                f"{self.stages}, {'true' if self.local else 'false'}>")
+
+    @property
+    def shared_layout(self) -> str:
+        return f"cuflash::Sm90BackwardShared<{self.head_dim}, {self.block_m}, {self.block_n}, {self.stages}>"
+
+    @property
+    def shared_bytes(self) -> int:
+        """``Sm90BackwardShared<...>::kBytes``: K and V, the Q and dO stages, two dS^T tiles,
+        each stage's LSE and D rows, the barriers (K/V's, and a landed and a released one a
+        stage) and 1024 bytes of alignment."""
+        d, m, n, stages = self.head_dim, self.block_m, self.block_n, self.stages
+        return 2 * 2 * n * d + 2 * stages * 2 * m * d + 2 * 2 * n * m + 2 * stages * 4 * m + (1 + 2 * stages) * 8 + 1024
+
+
+# The sm_90a backward: head dim -> (query rows a step, Q/dO stages). A consumer keeps dK
+# and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and dP^T of a step's
+# query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128, 128 at d 64 (bwd.cu,
+# kEarlyValues: the order of the products that fits the 240 registers).
+SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
+
+
+def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options,
+          varlen: Varlen | None) -> bool:
+    """Does the sm_90a forward take this call? Head dims 64 to 256; arrays the copy engine
+    can read (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes)
+    and that hold keys."""
+    if not 64 <= q.shape[-1] <= 256 or q.dtype not in DTYPES or not vectorizable(q, k, v, out):
+        return False
+    if any(a.strides[-1] != 1 for a in (q, k, v)):
+        return False
+    seqlen_k = varlen.max_seqlen_k if varlen else k.shape[1]
+    return k.shape[-3] > 0 and seqlen_k > 0
+
+
+def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options, varlen: Varlen | None,
+            multiprocessors: int) -> Plan:
+    """The sm_90a forward's plan (``takes`` said it takes the call): its Params, and the maps of Q, K and V (packed arrays as
+    one batch of all rows; each tile starts at its sequence's first); at most
+    ``multiprocessors`` CTAs (0: no limit). Under a causal mask or a window the CTAs take
+    tiles from a counter (fwd.cu, Sm90Tiles), the plan's workspace, which the launcher
+    zeroes."""
+    p, batch = call_params(q, k, v, options, varlen, o=out)
+    head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
+    short = options.window == (-1, 0) and p.seqlen_q < SM90_SHORT_CAUSAL_ROWS  # (packed: the longest sequence)
+    kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras, short)
+    maps = [tensor_map(name, a, varlen, rows) for name, a, rows in
+            (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n))]
+    tiles, key_tiles = -(-p.seqlen_q // kernel.block_m) * p.nheads * batch, -(-p.seqlen_k // kernel.block_n)
+    tail_start, tail_ctas = tiles, 0
+    if not options.local and varlen is None:
+        tail_start, tail_ctas = sm90_tail(tiles, key_tiles, multiprocessors)
+    steps = ()
+    if batch and p.seqlen_q and p.nheads:
+        grid = kernel.grid(p.seqlen_q, p.nheads, batch, multiprocessors)
+        steps = (Step(kernel, (max(grid[0], tail_ctas), *grid[1:])),)
+    section = sm90_section(options.window, p.seqlen_q, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
+    pointers, workspace = tuple(f"p.{n}" for n in FORWARD_POINTERS), ()
+    if options.local:
+        pointers, workspace = pointers + ("tile_counter",), (("tile_counter", (1,), "int32"),)
+    if tail_ctas:  # a slot for each (tail tile, CTA) that meet; a counter for each tail tile's warps
+        slots, warps = tiles - tail_start + tail_ctas - 1, 4 * kernel.consumers
+        pointers += ("partial_o", "partial_lse", "arrivals")
+        workspace = (("partial_o", (slots, kernel.block_m, head_dim), "float32"),
+                     ("partial_lse", (slots, kernel.block_m), "float32"),
+                     ("arrivals", (tiles - tail_start, warps), "int32"))
+    params = Sm90Params(p=p, batch=batch, section=section, tail_start=tail_start, tail_ctas=tail_ctas,
+                        tail_key_tiles=key_tiles)
+    counters = tuple(name for name, _, _ in workspace if name in ("tile_counter", "arrivals"))
+    return Plan(bytes(params), pointers, steps, Sm90Params, workspace, tuple(maps), counters)
+
+
+# Without a mask (every tile as long) the tiles that do not fill the last wave are cut along
+# their keys among more CTAs (fwd.cu's tile scheduler, sm90/tile_scheduler.cuh), each piece's
+# result merged by the last to finish. Each tile of the tail goes to the same number of
+# CTAs, so that every share is a piece of one tile and the pieces of a head's tiles cover
+# the same keys at the same time: shared out evenly over all CTAs (Stream-K's way), the
+# shares start at different keys in each tile, the tiles of a head no longer read their K
+# and V together from L2, and a batch of one with 1k query rows over 64k keys ran 0.57x
+# uncut (H100). A share takes SM90_TAIL_MIN_TURNS key tiles at least, a tile goes to
+# SM90_TAIL_MAX_PIECES pieces at most (the merging warp reads them all), and the cut is
+# made where a share and SM90_TAIL_PIECE_TURNS (a piece's own costs: its Q, the ring
+# filling, its result stored and merged; fitted to the H100's: d 64 with 16 key tiles a
+# tile in 3 pieces 0.99-1.00x, with 32 1.01-1.02x, d 64 1k in 2 pieces of 4 0.96-0.99x)
+# are fewer turns than a tile.
+SM90_TAIL_MIN_TURNS = 4
+SM90_TAIL_MAX_PIECES = 16
+SM90_TAIL_PIECE_TURNS = 6
+
+
+def sm90_tail(tiles: int, key_tiles: int, multiprocessors: int) -> tuple[int, int]:
+    """(tail_start, tail_ctas): the first tile of the last wave, when ``tiles`` of
+    ``key_tiles`` key tiles each run on ``multiprocessors`` CTAs, and the CTAs that share
+    out its key tiles, as many for each; (tiles, 0) where it is not cut (a full last wave,
+    a CTA a tile, more than half the CTAs busy, too little to gain)."""
+    if not multiprocessors or tiles % multiprocessors == 0:
+        return tiles, 0
+    start = tiles - tiles % multiprocessors
+    tail = tiles - start
+    pieces = min(multiprocessors // tail, key_tiles // SM90_TAIL_MIN_TURNS, SM90_TAIL_MAX_PIECES)
+    ctas, units = tail * pieces, tail * key_tiles
+    if pieces < 2 or units * ctas >= 2 ** 31 or -(-key_tiles // pieces) + SM90_TAIL_PIECE_TURNS >= key_tiles:
+        return tiles, 0  # (the kernel's shares: 32-bit products of units and CTAs)
+    return start, ctas
+
+
+def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim: int, heads_per_kv: int,
+                 pairs: int) -> int:
+    """(head, sequence) pairs whose tiles the sm_90a scheduler interleaves, the longest
+    first (fwd.cu, Sm90Tiles). Where a tile's keys grow with its query block (a causal
+    mask, any window unbounded on the left and bounded on the right) and there are
+    SM90_SECTION_ROWS query rows or more: at most as many pairs as keep their K and V
+    within SM90_SECTION_BYTES of L2 (whole groups of heads sharing keys), in sections of
+    equal size. Otherwise one, pair after pair."""
+    if window[0] != -1 or window[1] == -1 or seqlen_q < SM90_SECTION_ROWS:
+        return 1
+    kv_heads = max(1, SM90_SECTION_BYTES // (4 * seqlen_k * head_dim))  # K and V, 2 bytes an element
+    return group_size(pairs, kv_heads * heads_per_kv)
+
+
+def backward_takes(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, dq: ArrayInfo, dk: ArrayInfo,
+                   dv: ArrayInfo, options: Options) -> bool:
+    """Does the sm_90a backward take this call (dQ by atomics: not deterministic)? Head dims
+    64 to 128 without softcap, ALiBi or dropout; arrays the copy engine can read (16-byte
+    aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
+    if not 64 <= q.shape[-1] <= max(SM90_BACKWARD_TILES) or q.dtype not in DTYPES or options.extras:
+        return False
+    return vectorizable(dout, q, k, v, dq, dk, dv) and all(a.strides[-1] == 1 for a in (dout, q, k, v))
+
+
+def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
+             dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo, options: Options, varlen: Varlen | None) -> Plan:
+    """The sm_90a backward's plan (``backward_takes`` said it takes the call): the
+    preprocess, the kernel (a CTA a 128-key block), dQ's conversion; the Params inside
+    the struct of the maps, the elementwise steps given its ``p``."""
+    p, batch = call_params(q, k, v, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
+    nheads_kv = k.shape[-2]
+    accum_cols = dq_accum.shape[2] * dq_accum.shape[-1]  # (rows / 8, nheads, cols / 8, 8, 8)
+    rows = backward_rows(p, batch, q, varlen, accum_cols)
+    per_row, tasks = rows.args, rows.tasks
+    tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_TILES if d >= p.headdim), options.local)
+    steps = []
+    if tasks:
+        steps.append(Step(Elementwise("backward_preprocess", q.dtype), rows.preprocess_grid, per_row, argument="p"))
+    if batch and p.seqlen_k and nheads_kv:
+        steps.append(Step(tiled, (-(-p.seqlen_k // tiled.block_n), nheads_kv, batch)))
+    if tasks:
+        steps.append(Step(Elementwise("backward_convert_dq", q.dtype), rows.convert_grid, per_row, argument="p"))
+    maps = tuple(tensor_map(name, a, varlen, rows) for name, a, rows in
+                 (("q", q, tiled.block_m), ("k", k, tiled.block_n), ("v", v, tiled.block_n),
+                  ("dout", dout, tiled.block_m)))
+    params = Sm90BackwardParams(p=p, batch=batch, accum_cols=accum_cols)
+    return Plan(bytes(params), tuple(f"p.{n}" for n in BACKWARD_POINTERS), tuple(steps), Sm90BackwardParams,
+                maps=maps)
