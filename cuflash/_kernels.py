@@ -19,7 +19,7 @@ import math
 import os
 import threading
 
-from . import _compile, _driver, _plan
+from . import _compile, _driver, _plan, _warm
 from ._arrays import ArrayInfo
 from ._options import KVCache, Options, Varlen
 from ._params import field_offset
@@ -36,7 +36,7 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: Array
     its order (the sm_90a forward's tile counter, or its tail pieces' results and counters),
     or () where the plan has none."""
     key = _plan_key((q, k, v, out), options, varlen)
-    launcher = _launchers.get(key) if key else None
+    launcher = _warm.lookup(_launchers, key)
     if launcher is None:
         launcher = _remember(key, forward_launcher(q, k, v, out, options, varlen))
     needed = launcher.plan.workspace
@@ -99,7 +99,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     reproducible. dK and dV always are."""
     arrays = (dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, dq_accum)
     key = _plan_key(arrays, options, varlen)
-    launcher = _launchers.get(key) if key else None
+    launcher = _warm.lookup(_launchers, key)
     if launcher is None:
         launcher = _remember(key, backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen))
     launcher(stream, *(0 if a is None else a.ptr for a in arrays))
@@ -121,7 +121,7 @@ def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Optio
     names the scratch buffers ``decode_pointers`` takes."""
     q = arrays["q"]
     key = _decode_key(arrays, out, cache, options) if varlen is None else None
-    launcher = _launchers.get(key) if key else None
+    launcher = _warm.lookup(_launchers, key)
     if launcher is None:
         def plan(clustered: bool) -> _plan.Plan:
             return _plan.decode(q, arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"), out,
@@ -162,8 +162,6 @@ def decode_pointers(pointers: dict, out: int, lse: int, partial_o: int, partial_
 def _decode_key(arrays: dict, out: ArrayInfo, cache: KVCache, options: Options):
     """What a KV-cache plan depends on: every array's layout, the options but ALiBi's
     pointer, and the cache's shape-like values (an int cache_seqlens is one)."""
-    if len(_launchers) >= 4096:
-        return None
     described = [*arrays.values(), out, *(a for a in (cache.batch_idx, cache.leftpad, cache.block_table,
                                                       cache.rotary_cos, options.alibi) if a is not None)]
     layouts = tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in described)
@@ -189,14 +187,13 @@ def _cacheable(options: Options, varlen: Varlen | None) -> bool:
 
 
 def _plan_key(arrays, options: Options, varlen: Varlen | None):
-    if not _cacheable(options, varlen) or len(_launchers) >= 4096:
+    if not _cacheable(options, varlen):
         return None
     return tuple((a.shape, a.strides, a.dtype, a.device, a.ptr % 16 == 0) for a in arrays if a is not None), options
 
 
 def _remember(key, launcher: Launcher) -> Launcher:
-    if key:
-        _launchers[key] = launcher
+    _warm.remember(_launchers, key, launcher)
     return launcher
 
 

@@ -7,7 +7,9 @@ time. Its key holds each array's signature (library, device, shape, strides, dty
 and every other argument beside its type (True, 1 and 1.0 are one key to a dict, not to
 the checks). Arrays without a signature (NumPy, JAX: each call waits for them) make no
 key, nor do arguments that cannot be hashed (a list for a window): such calls are
-checked and planned every time. Each front end keeps a table of its own.
+checked and planned every time. Each front end keeps a table of its own (api, kvcache,
+torch's checked scalars, and the launchers ``_kernels`` binds for JAX and the torch
+glue), through ``lookup`` and ``remember``.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import _options, api, kvcache
+from . import _options, _warm, api, kvcache
 
 __all__ = ["attention", "attention_varlen", "attention_forward", "attention_backward",
            "attention_varlen_forward", "attention_varlen_backward", "attention_with_kvcache", "merge_states",
@@ -170,7 +170,7 @@ def _op_options(tensors: dict, *, causal, softmax_scale, deterministic, window_s
     values = (causal, softmax_scale, deterministic, window_size, softcap, dropout_p, seed, max_seqlens)
     try:
         key = (values, tuple(map(type, values)), tuple(map(type, window_size)))
-        checked = _checked_scalars.get(key)
+        checked = _warm.lookup(_checked_scalars, key)
     except TypeError:  # unhashable, or window_size not a pair: the checks say what is wrong
         key = checked = None
     if checked is None:
@@ -194,8 +194,7 @@ def _check_scalars(key, q, k, causal, softmax_scale, deterministic, window_size,
     checked = ((options.causal, None if softmax_scale is None else options.scale, deterministic, int(left),
                 int(right), options.softcap),
                (options.dropout_p, None if seed is None else _int64(options.seed)))
-    if key is not None and len(_checked_scalars) < 4096:
-        _checked_scalars[key] = checked
+    _warm.remember(_checked_scalars, key, checked)
     return checked
 
 
