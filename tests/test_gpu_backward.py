@@ -269,18 +269,26 @@ def test_dlse_matches_reference(shape, dtype, deterministic):
     check_gradients(dout, q, k, v, grads, shape.causal, dlse=dlse)
 
 
+def packed_inputs(shape, seed: int):
+    """fp16 CuPy (dout, q, k, v) of a VarlenShape, and its packing (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+    import cupy
+    rng = np.random.default_rng(seed)
+    q, k, v = (cupy.asarray(rng.standard_normal(s), dtype=cupy.float16) for s in (shape.q_shape, shape.kv_shape,
+                                                                                  shape.kv_shape))
+    dout = cupy.asarray(rng.standard_normal(shape.q_shape), dtype=cupy.float16)
+    packing = (cupy.asarray(shape.cu_seqlens_q), cupy.asarray(shape.cu_seqlens_k), shape.max_seqlen_q,
+               shape.max_seqlen_k)
+    return (dout, q, k, v), packing
+
+
 def test_dlse_varlen_matches_reference():
     """Packed sequences (one with no rows, one with no keys): dlse laid out (nheads, total_q)."""
     import cupy
 
     from .strategies import VarlenShape
-    shape = VarlenShape((100, 0, 257, 64), (130, 40, 0, 300), 4, 2, 128, True)
-    rng = np.random.default_rng(11)
-    q, k, v = (cupy.asarray(rng.standard_normal(s), dtype=cupy.float16) for s in (shape.q_shape, shape.kv_shape,
-                                                                                  shape.kv_shape))
-    dout = cupy.asarray(rng.standard_normal(shape.q_shape), dtype=cupy.float16)
-    cu_q, cu_k = cupy.asarray(shape.cu_seqlens_q), cupy.asarray(shape.cu_seqlens_k)
-    packing = (cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k)
+    (dout, q, k, v), packing = packed_inputs(VarlenShape((100, 0, 257, 64), (130, 40, 0, 300), 4, 2, 128, True), 11)
+    cu_q, cu_k = packing[:2]
     out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=True, return_lse=True)
     dlse = lse_gradient(lse, seed=12)
     with poisoned_allocations():

@@ -15,7 +15,7 @@ from cuflash._params import Sm90BackwardParams
 
 from .conftest import hopper
 from .strategies import Shape, VarlenShape, attention_shapes, random_dout, random_qkv, window_sizes
-from .test_gpu_backward import check_gradients
+from .test_gpu_backward import check_gradients, packed_inputs
 from .test_gpu_forward import cupy_dtype, poisoned_allocations
 from .test_plan import dense, info, no_compiler  # noqa: F401 (a fixture)
 
@@ -138,14 +138,9 @@ def test_windows_match_the_oracle(sm90_plans, window_size):
 def test_packed_sequences_match_the_oracle(sm90_plans, head_dim):
     """Sequences shorter and longer than a block, one with no rows and one with no keys:
     a block's boxes reach into the next sequence's rows, which must count for nothing."""
-    import cupy
     shape = VarlenShape((100, 0, 257, 64, 1), (130, 40, 0, 300, 129), 4, 2, head_dim, True)
-    rng = np.random.default_rng(head_dim)
-    q, k, v = (cupy.asarray(rng.standard_normal(s), dtype=cupy.float16) for s in (shape.q_shape, shape.kv_shape,
-                                                                                  shape.kv_shape))
-    dout = cupy.asarray(rng.standard_normal(shape.q_shape), dtype=cupy.float16)
-    cu_q, cu_k = cupy.asarray(shape.cu_seqlens_q), cupy.asarray(shape.cu_seqlens_k)
-    packing = (cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k)
+    (dout, q, k, v), packing = packed_inputs(shape, head_dim)
+    cu_q, cu_k = packing[:2]
     out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=True, return_lse=True)
     with poisoned_allocations():
         grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=True)

@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
       sm90::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kBlockN / 16; ++k)
-        sm90::Wgmma<T, kDqCols>::ss_mn(
+        sm90::Wgmma<T, kDqCols>::template ss<true>(
             acc_dq, sm90::SmemDesc::n_major(ds_tile + (dq_rows / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock),
             sm90::SmemDesc::n_major(shared.k() + (dq_col0 / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock),
             k > 0);

@@ -97,10 +97,9 @@ __device__ __forceinline__ void as_a_operand(const float (&s)[1][kNTiles][4], un
 // be two of N = 128), for N = 64, 80, 128 and 176 (the key tiles and head dims of
 // _plan.SM90_TILES; 80 keys is FlashAttention-3's tile at d 256, 176 its tile at d 128
 // without a causal mask):
-//   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory; D is overwritten
-//                        where accumulate is 0.
-//   Wgmma<T, N>::ss_mn   as ss, A and B both MN-major (the transpose bits: A stored
-//                        [k][m], B [k][n], each with its m or n contiguous).
+//   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory (or, kMnMajor, both
+//                        MN-major: the transpose bits, A stored [k][m], B [k][n], each
+//                        with its m or n contiguous); D is overwritten where accumulate is 0.
 //   Wgmma<T, N>::rs_bt   D += A B, A in registers (the mma.sync A fragment of each warp's
 //                        16 rows), B N-major in shared memory (the transpose bit).
 template <typename T, int N>
@@ -110,30 +109,20 @@ struct Wgmma;
   "+f"(d[0][kFirst + j][0]), "+f"(d[0][kFirst + j][1]), "+f"(d[0][kFirst + j][2]), "+f"(d[0][kFirst + j][3])
 
 // One specialisation: the instruction's type and N, the accumulators as PTX operands and
-// as asm outputs, then the PTX operands that follow them (ss: a, b, accumulate; rs_bt:
-// a's four registers, b).
-#define CUFLASH_WGMMA(T, TYPE, N, D_PTX, D_OUTPUTS, A, B, ACCUMULATE, RS_OPERANDS)                               \
+// as asm outputs, then the PTX operands that follow them (ss: a, b, accumulate, the
+// transpose bits; rs_bt: a's four registers, b).
+#define CUFLASH_WGMMA(T, TYPE, N, D_PTX, D_OUTPUTS, A, B, ACCUMULATE, TRANSPOSE, RS_OPERANDS)                    \
   template <>                                                                                                   \
   struct Wgmma<T, N> {                                                                                          \
-    template <int kTiles>                                                                                       \
+    template <bool kMnMajor = false, int kTiles>                                                                \
     static __device__ __forceinline__ void ss(float (&d)[1][kTiles][4], unsigned long long a,                   \
                                               unsigned long long b, int accumulate) {                           \
       constexpr int kFirst = 0;                                                                                 \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                                     \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " A ", " B       \
-                   ", p, 1, 1, 0, 0;\n}\n"                                                                       \
+                   ", p, 1, 1, " TRANSPOSE ", " TRANSPOSE ";\n}\n"                                               \
                    : D_OUTPUTS                                                                                  \
-                   : "l"(a), "l"(b), "r"(accumulate));                                                          \
-    }                                                                                                           \
-    template <int kTiles>                                                                                       \
-    static __device__ __forceinline__ void ss_mn(float (&d)[1][kTiles][4], unsigned long long a,                \
-                                                 unsigned long long b, int accumulate) {                        \
-      constexpr int kFirst = 0;                                                                                 \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                                     \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " A ", " B       \
-                   ", p, 1, 1, 1, 1;\n}\n"                                                                       \
-                   : D_OUTPUTS                                                                                  \
-                   : "l"(a), "l"(b), "r"(accumulate));                                                          \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kMnMajor ? 1 : 0));                                   \
     }                                                                                                           \
     template <int kFirst, int kTiles>                                                                           \
     static __device__ __forceinline__ void rs_bt(float (&d)[1][kTiles][4], const unsigned (&a)[4],              \
@@ -146,9 +135,9 @@ struct Wgmma;
   };
 // Both types at one N, whose asm outputs are CUFLASH_WGMMA_D<N> (named here, expanded as
 // CUFLASH_WGMMA's argument: passed on expanded, its commas would split it).
-#define CUFLASH_WGMMA_N(N, D_PTX, A, B, ACCUMULATE, RS_OPERANDS)                                  \
-  CUFLASH_WGMMA(half_t, "f16", N, D_PTX, CUFLASH_WGMMA_D##N, A, B, ACCUMULATE, RS_OPERANDS) \
-  CUFLASH_WGMMA(bfloat16_t, "bf16", N, D_PTX, CUFLASH_WGMMA_D##N, A, B, ACCUMULATE, RS_OPERANDS)
+#define CUFLASH_WGMMA_N(N, D_PTX, A, B, ACCUMULATE, TRANSPOSE, RS_OPERANDS)                                  \
+  CUFLASH_WGMMA(half_t, "f16", N, D_PTX, CUFLASH_WGMMA_D##N, A, B, ACCUMULATE, TRANSPOSE, RS_OPERANDS) \
+  CUFLASH_WGMMA(bfloat16_t, "bf16", N, D_PTX, CUFLASH_WGMMA_D##N, A, B, ACCUMULATE, TRANSPOSE, RS_OPERANDS)
 
 // The accumulators of each N, each list the one before it and the tiles N adds.
 #define CUFLASH_WGMMA_D64 \
@@ -163,16 +152,16 @@ struct Wgmma;
   CUFLASH_WGMMA_D4(20), CUFLASH_WGMMA_D4(21)
 CUFLASH_WGMMA_N(64,
                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
-                "%32", "%33", "%34", "{%32, %33, %34, %35}, %36")
+                "%32", "%33", "%34", "%35", "{%32, %33, %34, %35}, %36")
 CUFLASH_WGMMA_N(80,
                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}",
-                "%40", "%41", "%42", "{%40, %41, %42, %43}, %44")
+                "%40", "%41", "%42", "%43", "{%40, %41, %42, %43}, %44")
 CUFLASH_WGMMA_N(128,
                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
-                "%64", "%65", "%66", "{%64, %65, %66, %67}, %68")
+                "%64", "%65", "%66", "%67", "{%64, %65, %66, %67}, %68")
 CUFLASH_WGMMA_N(176,
                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}",
-                "%88", "%89", "%90", "{%88, %89, %90, %91}, %92")
+                "%88", "%89", "%90", "%91", "{%88, %89, %90, %91}, %92")
 #undef CUFLASH_WGMMA_D176
 #undef CUFLASH_WGMMA_D128
 #undef CUFLASH_WGMMA_D80
