@@ -292,11 +292,10 @@ def check_supported(name: str, major: int, minor: int) -> None:
 
 
 def device_arch(device_id: int) -> str:
-    from . import _driver
-    major = _driver.attribute(device_id, _driver.COMPUTE_CAPABILITY_MAJOR)
-    minor = _driver.attribute(device_id, _driver.COMPUTE_CAPABILITY_MINOR)
-    check_supported(_driver.name(device_id), major, minor)
-    return f"sm_{major}{minor}"
+    from . import _device
+    device = _device.facts(device_id)
+    check_supported(device.name, *device.capability)
+    return device.arch
 
 
 @functools.cache

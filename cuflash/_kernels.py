@@ -16,10 +16,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
 import threading
 
-from . import _compile, _driver, _plan, _warm
+from . import _compile, _device, _driver, _plan, _warm
 from ._arrays import ArrayInfo
 from ._options import KVCache, Options, Varlen
 from ._params import field_offset
@@ -54,37 +53,25 @@ def forward_launcher(q, k, v, out, options: Options, varlen: Varlen | None) -> L
                                   multiprocessors(q.device)), q.device)
 
 
+# The device's facts the planner takes (cuflash/_device.py, read once per device).
 def sm90a(device: int) -> bool:
-    """Are the sm_90a kernels for this device? Compute capability 9.0 (H100, H200), unless
-    the environment's CUFLASH_PORTABLE is set (to anything but 0): then every call takes
-    the mma.sync kernels, as on other GPUs (for comparisons and bug reports; read when a
-    call signature is first planned)."""
-    return _compute_capability(device) == (9, 0) and not _portable()
+    return _device.facts(device).sm90a
 
 
 def clusters(device: int) -> bool:
-    """Do the KV-cache call's splits merge in thread block clusters on this device? From
-    compute capability 9.0, unless CUFLASH_PORTABLE is set (then a merge kernel, as on
-    older GPUs)."""
-    return _compute_capability(device) >= (9, 0) and not _portable()
+    return _device.facts(device).clusters
 
 
 def dependent_launches(device: int) -> bool:
-    """May a kernel of a plan start while the one before it ends (programmatic dependent
-    launch, waiting in the kernel for its results)? From compute capability 9.0, with a
-    driver that also captures such launches into CUDA graphs (CUDA 12.3), unless
-    CUFLASH_PORTABLE is set."""
-    return _compute_capability(device) >= (9, 0) and _driver.version() >= 12030 and not _portable()
+    return _device.facts(device).dependent_launches
 
 
-def _portable() -> bool:
-    return os.environ.get("CUFLASH_PORTABLE", "0") not in ("", "0")
+def shared_limit(device: int) -> int:
+    return _device.facts(device).shared_limit
 
 
-@functools.cache
-def _compute_capability(device: int) -> tuple[int, int]:
-    return (_driver.attribute(device, _driver.COMPUTE_CAPABILITY_MAJOR),
-            _driver.attribute(device, _driver.COMPUTE_CAPABILITY_MINOR))
+def multiprocessors(device: int) -> int:
+    return _device.facts(device).multiprocessors
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
@@ -303,18 +290,8 @@ def tile_group(kernel: _plan.Kernel, heads: int, device: int) -> int:
 
 
 @functools.cache
-def multiprocessors(device: int) -> int:
-    return _driver.attribute(device, _driver.MULTIPROCESSOR_COUNT)
-
-
-@functools.cache
 def _resident_ctas(kernel: _plan.Kernel, device: int) -> int:
     return max(1, _driver.resident_blocks(_function(kernel, device), kernel.threads, kernel.shared_bytes))
-
-
-@functools.cache
-def shared_limit(device: int) -> int:
-    return _driver.attribute(device, _driver.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
 
 
 @functools.cache

@@ -146,8 +146,8 @@ def merge_step(request, monkeypatch):
     """Where a split call's parts merge: in the splits' thread block cluster (the default
     from sm_90) or in the merge kernel (before sm_90, and with CUFLASH_PORTABLE). The
     planned calls are forgotten on both sides of the test."""
-    from cuflash import _kernels, kvcache
-    if request.param == "cluster" and _kernels._compute_capability(0) < (9, 0):
+    from cuflash import _device, _kernels, kvcache
+    if request.param == "cluster" and _device.facts(0).capability < (9, 0):
         pytest.skip("thread block clusters need compute capability 9.0")
     monkeypatch.setattr(_kernels, "clusters", lambda device: request.param == "cluster")
     for table in (_kernels._launchers, kvcache._warm):
