@@ -4,6 +4,7 @@
 // dropout of the variants. Both backward paths take it, in either orientation.
 #pragma once
 #include "common.cuh"
+#include "fragment.cuh"
 #include "mask.cuh"
 #include "score.cuh"
 
@@ -54,32 +55,18 @@ __device__ __forceinline__ void probabilities_and_gradients(
 template <bool kTransposed, bool kLocal, int kMTiles, int kNTiles, typename Lse>
 __device__ __forceinline__ void probabilities(float (&s)[kMTiles][kNTiles][4], float scale_log2, bool masked,
                                               const Mask<kLocal>& mask, Lse lse_log2, int row0, int col0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
   if (masked) mask.template apply<kTransposed>(s, row0, col0, lane);
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int local = kTransposed ? nt * 8 + 2 * t + (e & 1) : mt * 16 + g + 8 * (e >> 1);
-        s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - lse_log2(local, e));
-      }
+  for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int r, int c) {
+    s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - lse_log2(kTransposed ? c : r, e));
+  });
 }
 
 template <bool kTransposed, int kMTiles, int kNTiles, typename Delta>
 __device__ __forceinline__ void score_gradients(const float (&p)[kMTiles][kNTiles][4],
                                                 float (&dp)[kMTiles][kNTiles][4], Delta delta, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int local = kTransposed ? nt * 8 + 2 * t + (e & 1) : mt * 16 + g + 8 * (e >> 1);
-        dp[mt][nt][e] = p[mt][nt][e] * (dp[mt][nt][e] - delta(local, e));
-      }
+  for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int r, int c) {
+    dp[mt][nt][e] = p[mt][nt][e] * (dp[mt][nt][e] - delta(kTransposed ? c : r, e));
+  });
 }
 
 }  // namespace cuflash
