@@ -191,8 +191,8 @@ def bench(args) -> int:
 
 
 def plot(args) -> int:
-    from cuflash import bench as bench_module
-    bench_module.plot(bench_module.read_csv(args.csv), args.png, args.csv)
+    from cuflash.bench import plot as plots
+    plots.forward(plots.read_csv(args.csv), args.png, args.csv)
     return 0
 
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from cuflash import bench
+from cuflash.bench import decode, plot, timing
 
 ROWS = [
     {"pass": p, "d": d, "causal": c, "seqlen": s, "batch": 16384 // s, "nheads": 2048 // d,
@@ -25,7 +25,7 @@ def _write(path, rows):
 
 def test_csv_reads_back_typed(tmp_path):
     _write(tmp_path / "b.csv", ROWS)
-    rows = bench.read_csv(str(tmp_path / "b.csv"))
+    rows = plot.read_csv(str(tmp_path / "b.csv"))
     for got, want in zip(rows, ROWS):
         assert {k: got[k] for k in want if k != "baseline"} == want
         assert got["baseline"] is None
@@ -33,7 +33,7 @@ def test_csv_reads_back_typed(tmp_path):
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is not installed (only the bench plots need it)")
-    bench.plot(ROWS, str(tmp_path / "p.png"), "test")
+    plot.forward(ROWS, str(tmp_path / "p.png"), "test")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -64,10 +64,10 @@ def test_timed_implementations_take_turns():
             clock[0] += ms
         return fn
 
-    medians = bench._median_ms_each({"a": call("a", 1.0), "b": call("b", 3.0), "c": call("c", 2.0)}, fake_torch)
+    medians = timing.median_ms_each({"a": call("a", 1.0), "b": call("b", 3.0), "c": call("c", 2.0)}, fake_torch)
     assert medians == {"a": 1.0, "b": 3.0, "c": 2.0}
-    timed = calls[3 * bench.WARMUP:]
-    assert len(timed) == 3 * -(-bench.REPEATS // 6) * 6  # whole sets of three callables' six orders
+    timed = calls[3 * timing.WARMUP:]
+    assert len(timed) == 3 * -(-timing.REPEATS // 6) * 6  # whole sets of three callables' six orders
     # Within a round, each callable comes right after each other one equally often.
     rounds = [timed[i:i + 3] for i in range(0, len(timed), 3)]
     after = collections.Counter((r[i - 1], r[i]) for r in rounds for i in (1, 2))
@@ -76,7 +76,7 @@ def test_timed_implementations_take_turns():
 
 def test_balanced_orders_put_each_callable_after_every_other_equally_often():
     for n in range(1, 8):
-        orders = bench._balanced_orders(n)
+        orders = timing.balanced_orders(n)
         assert all(sorted(order) == list(range(n)) for order in orders)
         after = collections.Counter((o[i - 1], o[i]) for o in orders for i in range(1, n))
         assert sorted(after) == sorted(itertools.permutations(range(n), 2)) and len(set(after.values())) <= 1
@@ -85,19 +85,17 @@ def test_balanced_orders_put_each_callable_after_every_other_equally_often():
 def test_decode_pages_hold_the_contiguous_cache():
     """bench --decode's paged layout: the block table reads back every row of the cache."""
     torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
-    from cuflash import bench_decode
     cache = torch.randn(3, 50, 2, 4)
     order = torch.randperm(3 * 4)
-    pages = bench_decode.paged(torch, cache, 16, order)
+    pages = decode.paged(torch, cache, 16, order)
     assert torch.equal(pages[order.reshape(3, 4)].reshape(3, 64, 2, 4)[:, :50], cache)
 
 
 def test_decode_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is not installed (only the bench plots need it)")
-    from cuflash import bench_decode
     rows = [dict(layout=layout, heads=heads, d=d, batch=b, L=length, cuflash=1000.0 + length / 100,
                  **({"sdpa-cudnn": 1500.0} if layout == "contiguous" else {}))
-            for layout in bench_decode.LAYOUTS for heads in ("32/8", "32/32") for d in (64, 128)
-            for b, length in bench_decode.QUICK_GRID]
-    bench_decode.plot(rows, str(tmp_path / "d.png"), "test")
+            for layout in decode.LAYOUTS for heads in ("32/8", "32/32") for d in (64, 128)
+            for b, length in decode.QUICK_GRID]
+    plot.decode(rows, str(tmp_path / "d.png"), "test")
     assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -4,30 +4,16 @@ the calls it takes and no other; on a Hopper GPU its output and LSE match the fl
 oracle and the mma.sync kernels (CUFLASH_PORTABLE=1). The rest of the GPU suite runs on
 whichever path the planner picks: on an H100 or H200 once as is and once with
 CUFLASH_PORTABLE=1 (docs/testing.md)."""
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _arrays, _compile, _kernels, _options, _plan, api
+from cuflash import _arrays, _compile, _kernels, _options, _plan, _sass, api
 from cuflash._params import Sm90Params
 
 from .conftest import hopper
-
-
-def _script(name: str):
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-overlap = _script("sm90_overlap")
 
 
 def _compiled_sample(kernel) -> bool:
@@ -43,20 +29,20 @@ def _compiled_sample(kernel) -> bool:
 def test_sm90a_instances_compile_clean(kernel):
     """compile_kernel refuses a ptxas C75xx warning: setmaxnreg ignored, wgmma serialised.
     Where nvdisasm is at hand (the test extra, on Linux), the forward's machine code keeps
-    the softmax ahead of P V's wait (scripts/sm90_overlap.py): ptxas moves that wait up
+    the softmax ahead of P V's wait (cuflash/_sass.py): ptxas moves that wait up
     unless sm90::keep_before_wait holds it, a loss no output would show."""
     compiled = _compile._run_nvrtc(kernel.source, kernel.instance, ("--gpu-architecture=sm_90a", *_compile.OPTIONS))
     resources = compiled.resources
     assert resources.spill_stores == 0 and resources.stack_bytes == 0, resources
     if isinstance(kernel, _plan.Sm90Backward):
         return
-    nvdisasm = overlap.find_nvdisasm()
+    nvdisasm = _sass.find_nvdisasm()
     if nvdisasm is None:
         pytest.skip("no nvdisasm (the test extra's nvidia-cuda-nvdisasm, Linux only): the schedule is not checked")
-    if overlap.keeps_softmax_beside_values(kernel):
-        sass = overlap.disassemble(compiled.cubin, nvdisasm)
-        assert overlap.overlapped(sass, kernel), \
-            f"{overlap.exponentials_between_waits(sass)} exp2 ahead of P V's wait, {kernel.block_n // 2} expected"
+    if _sass.keeps_softmax_beside_values(kernel):
+        sass = _sass.disassemble(compiled.cubin, nvdisasm)
+        assert _sass.overlapped(sass, kernel), \
+            f"{_sass.exponentials_between_waits(sass)} exp2 ahead of P V's wait, {kernel.block_n // 2} expected"
 
 
 def _plan_of(q, k, v, sm90a=True, **options):

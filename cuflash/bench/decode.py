@@ -8,57 +8,23 @@ and 16 at 4k and 16k). The cache is contiguous, or paged with pages of 16 and 25
 Caches are cycled through copies of at least ``CYCLE_BYTES`` together (L2 holds 50-60 MB),
 so every call reads them from HBM. Two ways: calls replayed from a CUDA graph (the GPU's
 time) and plain back-to-back calls (the host's time included); CUDA events, median of
-``ROUNDS`` rounds. Figures are GB/s of K and V bytes read. ``append`` is cuflash's call with
-a new key and value appended and rotated (the decode step of a serving loop), graph replay.
+``timing.ROUNDS`` rounds. Figures are GB/s of K and V bytes read. ``append`` is cuflash's
+call with a new key and value appended and rotated (the decode step of a serving loop),
+graph replay.
 """
 from __future__ import annotations
 
 import csv
-import statistics
-import time
+
+from . import plot
+from .timing import ROUNDS, graph_and_plain
 
 NHEADS = 32
 CYCLE_BYTES = 400e6
-ROUNDS = 5
-WARMUP_SECONDS = 0.1
 GRID = ((1, 4096), (1, 16384), (1, 65536), (16, 4096), (16, 16384), (64, 4096), (64, 16384))
 QUICK_GRID = ((1, 4096), (1, 16384), (16, 4096), (16, 16384))
 LAYOUTS = ("contiguous", "paged16", "paged256")
 COLUMNS = ("cuflash", "cuflash-plain", "append", "sdpa-cudnn", "sdpa-cudnn-plain", "sdpa-flash", "sdpa-flash-plain")
-
-
-def median_us(torch, run, calls: int) -> float:
-    """One call's time: the median over ROUNDS of ``run()`` (``calls`` calls) by CUDA events."""
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(ROUNDS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def graph_and_plain(torch, calls: list) -> tuple[float, float]:
-    """(graph replay, plain) microseconds per call of the zero-argument ``calls``, run in turn,
-    after WARMUP_SECONDS of passes over them (at least three): the first passes over newly allocated caches of
-    several GB read up to 13% slower (H200, batch 64, 16k keys: 3,991-4,010 GB/s for the
-    first measured call, 4,594-4,609 for the same call measured again, contiguous or paged)."""
-    def plain():
-        for call in calls:
-            call()
-    start, passes = time.perf_counter(), 0
-    while passes < 3 or time.perf_counter() - start < WARMUP_SECONDS:
-        plain()
-        torch.cuda.synchronize()
-        passes += 1
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plain()
-    return median_us(torch, graph.replay, len(calls)), median_us(torch, plain, len(calls))
 
 
 def paged(torch, cache, page_size: int, order):
@@ -133,6 +99,7 @@ def cell(torch, batch: int, length: int, nheads_k: int, d: int, layout: str) -> 
 
 
 def main(args, torch, gpu: str) -> int:
+    """The decode table (and its CSV and plot, as ``args`` asks)."""
     grid = QUICK_GRID if args.quick else GRID
     dims = args.head_dims or (64, 128)
     rows = []
@@ -158,33 +125,6 @@ def main(args, torch, gpu: str) -> int:
             writer.writeheader()
             writer.writerows(rows)
     if args.plot:
-        plot(rows, args.plot, f"{gpu}, bf16, KV-cache decode (graph replay)")
+        plot.decode(rows, args.plot, f"{gpu}, bf16, KV-cache decode (graph replay)")
     return 0
 
-
-def plot(rows: list[dict], path: str, title: str) -> None:
-    """GB/s against L, one panel per (heads, d, batch), one line per implementation and
-    cuflash layout (graph replay)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .bench import save_figure, style_panel
-    panels = sorted({(r["heads"], r["d"], r["batch"]) for r in rows})
-    columns = 3
-    fig, axes = plt.subplots(-(-len(panels) // columns), columns, figsize=(4.2 * columns, 3 * -(-len(panels) //
-                                                                                                columns)),
-                             squeeze=False)
-    for (heads, d, batch), ax in zip(panels, axes.flat):
-        cells = [r for r in rows if (r["heads"], r["d"], r["batch"]) == (heads, d, batch)]
-        lines = [(f"cuflash {layout}", layout, "cuflash") for layout in LAYOUTS] + \
-            [(name, "contiguous", name) for name in ("sdpa-cudnn", "sdpa-flash")]
-        for label, layout, column in lines:
-            points = sorted((r["L"], r[column]) for r in cells if r["layout"] == layout and r.get(column))
-            if points:
-                ax.plot(*zip(*points), marker="o", label=label)
-        style_panel(ax, f"GQA {heads}, d {d}, batch {batch}", "keys cached (L)", "GB/s")
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    axes[0][0].legend(fontsize=7)
-    save_figure(fig, title, path)

@@ -1,6 +1,6 @@
 """Time several copies of the cuflash package side by side (A/B of kernel changes).
 
-    python scripts/ab.py --mode fwd --d 128,256 .baseline/cuflash_prev .baseline/cuflash_x cuflash
+    python scripts/common/ab.py --mode fwd --d 128,256 .baseline/cuflash_prev .baseline/cuflash_x cuflash
 
 Each folder is imported under its own name (bench._load_baseline), so every copy
 compiles and caches its own kernels; all copies run in one process on the same inputs

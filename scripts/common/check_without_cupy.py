@@ -3,7 +3,7 @@ backward (the backward from autograd's device thread) launch through ctypes, and
 with torch SDPA. (A compile loads NVRTC, which comes with CuPy: the script runs itself
 once first to fill the cache.)
 
-    PYTHONPATH=. python scripts/check_without_cupy.py
+    PYTHONPATH=. python scripts/common/check_without_cupy.py
 """
 import subprocess
 import sys

@@ -5,7 +5,7 @@ writes no bytecode (PYTHONDONTWRITEBYTECODE, a fresh copy of the tree) every imp
 compiles cuflash's sources; compile them first, as a pip install does:
 
     python -m compileall -q cuflash
-    PYTHONPATH=. python scripts/first_call.py [cupy|torch]
+    PYTHONPATH=. python scripts/common/first_call.py [cupy|torch]
 """
 import sys
 import time

@@ -3,7 +3,7 @@
 # Full logs go to $OUT; a short summary is printed last. CUFLASH_PORTABLE=1 in the
 # environment runs the tests and the bench on the mma.sync kernels only. A GPU that CuPy
 # cannot reach fails the tests (CUFLASH_REQUIRE_GPU=1) rather than skipping them.
-#   usage: [BENCH_ARGS="--mode fwd"] bash scripts/h200.sh [tests|bench|all] [pytest args, default: tests]
+#   usage: [BENCH_ARGS="--mode fwd"] bash scripts/common/h200.sh [tests|bench|all] [pytest args, default: tests]
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/cuflash-out}; mkdir -p "$OUT"

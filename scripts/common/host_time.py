@@ -1,8 +1,8 @@
 """Where a small call's host time goes: each step of a warm call timed on its own.
 
-    PYTHONPATH=. python scripts/host_time.py            # table of steps, CuPy and torch
-    PYTHONPATH=. python scripts/host_time.py --profile  # and cProfile of the torch calls
-    PYTHONPATH=. python scripts/host_time.py --kvcache  # the KV-cache call's steps instead
+    PYTHONPATH=. python scripts/common/host_time.py            # table of steps, CuPy and torch
+    PYTHONPATH=. python scripts/common/host_time.py --profile  # and cProfile of the torch calls
+    PYTHONPATH=. python scripts/common/host_time.py --kvcache  # the KV-cache call's steps instead
 
 Calls are issued back to back without synchronising (the GPU work of a (1, 128, 1, 64)
 call is shorter than its host time) and timed with perf_counter: median of 5 x 1000.

@@ -1,6 +1,6 @@
 """Where a call's GPU time goes, kernel by kernel, beside SDPA-flash's (torch profiler).
 
-    PYTHONPATH=. python scripts/kernel_times.py 512,1024 64,128 0,1 1    # seqlens, head dims, causal, backward
+    PYTHONPATH=. python scripts/common/kernel_times.py 512,1024 64,128 0,1 1    # seqlens, head dims, causal, backward
 
 bf16 on the bench grid's shapes (bench.TOKENS, bench.HIDDEN). For each implementation:
 the mean device time of every kernel per call, their sum, and the event-timed median of

@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k attention_backward --launch-count 1 \
         --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,... \
-        python3 scripts/one_call.py 8192 128 0 1      # seqlen, head dim, causal, backward, [sdpa]
+        python3 scripts/common/one_call.py 8192 128 0 1      # seqlen, head dim, causal, backward, [sdpa]
 
 bf16, hidden 2048 (nheads = 2048 / d), batch * seqlen = 16k, through cuflash.torch (or,
 with a fifth argument "sdpa", torch SDPA's flash backend: flash-attn's kernels).

@@ -3,7 +3,7 @@ the GPU machine spends no device minutes in NVRTC. The cache key includes the NV
 version: compile with the GPU machine's (the H200's CuPy uses NVRTC 13.0: a venv
 with nvidia-cuda-nvrtc==13.0.*) and carry the cache there (CUFLASH_CACHE_DIR).
 
-    CUFLASH_CACHE_DIR=.baseline/cache python scripts/precompile.py cuflash .baseline/cuflash_x
+    CUFLASH_CACHE_DIR=.baseline/cache python scripts/common/precompile.py cuflash .baseline/cuflash_x
 """
 import argparse
 import concurrent.futures

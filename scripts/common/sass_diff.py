@@ -1,10 +1,10 @@
 """Compare the machine code of every kernel variant between two copies of cuflash/cuda.
 
-    python scripts/sass_diff.py                        # the working tree against HEAD, every variant
-    python scripts/sass_diff.py --sample               # the covering sample only (44 pairs)
-    python scripts/sass_diff.py --base /tmp/cuda-base  # against a folder holding another copy
-    python scripts/sass_diff.py --base v0.3 --only attention_forward --arch sm_90
-    python scripts/sass_diff.py --sample --ptx /tmp/ptx  # and the PTX of each variant that differs
+    python scripts/common/sass_diff.py                        # the working tree against HEAD, every variant
+    python scripts/common/sass_diff.py --sample               # the covering sample only (44 pairs)
+    python scripts/common/sass_diff.py --base /tmp/cuda-base  # against a folder holding another copy
+    python scripts/common/sass_diff.py --base v0.3 --only attention_forward --arch sm_90
+    python scripts/common/sass_diff.py --sample --ptx /tmp/ptx  # and the PTX of each variant that differs
 
 For a change meant to leave the kernels as they are (renaming, moving code between
 files, naming a step): every (arch, variant) of cuflash._plan is compiled by NVRTC
@@ -43,10 +43,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from cuflash import _compile, _plan  # noqa: E402
+from cuflash import _compile, _plan, experiment  # noqa: E402
 
 # Sections of one kernel, named after its mangled name: the code and what the code reads.
 KERNEL_SECTIONS = (".text.", ".nv.constant2.", ".nv.info.", ".nv.shared.", ".rel.text.", ".rela.text.")
@@ -126,11 +126,9 @@ def defining_source(cuda_dir: Path, preferred: str, instance: str) -> str:
 
 def _compile_in(cuda_dir: str, source: str, instance: str, arch: str):
     """(own sections, other sections, resources) of one instance compiled from cuda_dir
-    (in a worker process: the source folder is module state of cuflash._compile)."""
-    if _compile.CUDA_DIR != Path(cuda_dir):
-        _compile.CUDA_DIR = Path(cuda_dir)
-        _compile._sources.cache_clear()
-    compiled = _compile.compile_kernel(source, instance, arch)
+    (in a worker process)."""
+    with experiment.override(sources=cuda_dir):
+        compiled = _compile.compile_kernel(source, instance, arch)
     own, rest = kernel_parts(compiled.cubin, compiled.lowered_name)
     return own, rest, compiled.resources
 
@@ -165,10 +163,8 @@ def describe(base: dict[str, bytes], new: dict[str, bytes]) -> list[str]:
 def normalized_ptx(cuda_dir: Path, source: str, instance: str, arch: str) -> str:
     """The PTX of one instance, with virtual registers and labels renumbered in order of
     appearance so that two copies differ only where their instructions do."""
-    if _compile.CUDA_DIR != cuda_dir:
-        _compile.CUDA_DIR = cuda_dir
-        _compile._sources.cache_clear()
-    nvrtc, sources = _compile._nvrtc(), _compile._sources()
+    with experiment.override(sources=cuda_dir):
+        nvrtc, sources = _compile._nvrtc(), _compile._sources()
     headers = {n: t for n, t in sources.items() if n.endswith(".cuh")}
     prog = nvrtc.createProgram(sources[source].decode(), source, list(headers.values()), [n.encode() for n in headers])
     try:

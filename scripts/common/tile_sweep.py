@@ -1,20 +1,20 @@
 """Time candidate tile shapes beside SDPA-flash, in one process, on the GPU machine.
 
-    python scripts/tile_sweep.py --mode fwd --d 128 --tiles "forward=128x64x4x2,128x32x4x2"
-    python scripts/tile_sweep.py --mode fwdbwd --d 128 \
+    python scripts/common/tile_sweep.py --mode fwd --d 128 --tiles "forward=128x64x4x2,128x32x4x2"
+    python scripts/common/tile_sweep.py --mode fwdbwd --d 128 \
         --tiles "backward_dkdv=32x64x4x2;backward_dq=64x32x4x2,64x64x4x2"
 
 Each ``kind=tile,tile`` list replaces that kind's table entry for the head dim
 (tile = block_m x block_n x warps x stages [x col_split]); every combination of
 the lists is timed on the standard grid's shapes (bf16, hidden 2048, 16k tokens).
-Used to choose the entries of ``cuflash/_plan.py``; not part of the package.
+Used to choose the entries of ``cuflash/_plan/variants.py``; not part of the package.
 """
 import argparse
 import itertools
 
 import torch
 
-from cuflash import _kernels, _plan, api, bench
+from cuflash import _plan, bench, experiment
 
 
 def parse_tiles(spec: str) -> dict[str, list[_plan.Tile]]:
@@ -46,7 +46,6 @@ def main() -> None:
     args = parser.parse_args()
     backward = args.mode == "fwdbwd"
     kinds = parse_tiles(args.tiles)
-    original = {kind: _plan.KINDS[kind].tiles[args.d] for kind in kinds}
     precompile(kinds, args.d)
     print(f"{args.mode} d {args.d}, TFLOP/s (cuflash / sdpa-flash)")
     for causal in (False, True):
@@ -57,20 +56,14 @@ def main() -> None:
             flash = flops / (bench._median_ms(impls["sdpa-flash"], torch) * 1e-3) / 1e12
             cells = []
             for combo in itertools.product(*kinds.values()):
-                for kind, tile in zip(kinds, combo):
-                    _plan.KINDS[kind].tiles[args.d] = (tile,)
-                _plan.kernel.cache_clear()
-                api._warm.clear()  # warm calls hold their launchers
-                _kernels._launchers.clear()
                 try:
-                    tflops = flops / (bench._median_ms(impls["cuflash"], torch) * 1e-3) / 1e12
+                    with experiment.override(tiles={kind: {args.d: tile} for kind, tile in zip(kinds, combo)}):
+                        tflops = flops / (bench._median_ms(impls["cuflash"], torch) * 1e-3) / 1e12
                     cells.append(f"{'/'.join(f'{t.block_m}x{t.block_n}x{t.warps}x{t.stages}x{t.col_split}' for t in combo)}"
                                  f" {tflops:6.1f} ({tflops / flash:.3f})")
                 except Exception as e:  # a tile that does not fit or fails to compile
                     cells.append(f"{combo}: {type(e).__name__}: {str(e)[:80]}")
             print(f"causal {causal!s:5} seqlen {s:5d}  flash {flash:6.1f} | " + " | ".join(cells), flush=True)
-            for kind, tiles in original.items():
-                _plan.KINDS[kind].tiles[args.d] = tiles
             torch.cuda.empty_cache()
 
 

@@ -2,8 +2,8 @@
 process on the GPU machine (A/B of decode kernel changes):
 
     mkdir -p build/ab/before && git archive HEAD~1 cuflash/cuda | tar -x -C build/ab/before --strip-components=2
-    CUFLASH_CACHE_DIR=build/kcache python scripts/decode_ab.py build/ab/before --compile sm_90 [--d 64,128]
-    PYTHONPATH=. python scripts/decode_ab.py build/ab/before [--cells 1x4096,1x16384] [--d 128] [--heads-k 8] \
+    CUFLASH_CACHE_DIR=build/kcache python scripts/decode/decode_ab.py build/ab/before --compile sm_90 [--d 64,128]
+    PYTHONPATH=. python scripts/decode/decode_ab.py build/ab/before [--cells 1x4096,1x16384] [--d 128] [--heads-k 8] \
         [--page-size 16]
 
 Each folder holds a copy of ``cuflash/cuda/``; the working tree's own is timed too, as
@@ -19,15 +19,9 @@ import argparse
 import pathlib
 import statistics
 
-from cuflash import _compile, _plan
+from cuflash import _compile, _plan, experiment
 
 ROUNDS = 3
-
-
-def read_from(folder: pathlib.Path) -> None:
-    """Compile from this copy of cuflash/cuda from now on (as scripts/sass_diff.py does)."""
-    _compile.CUDA_DIR = folder
-    _compile._sources.cache_clear()
 
 
 def compile_copies(copies: dict[str, pathlib.Path], arch: str, head_dims: list[int]) -> None:
@@ -39,21 +33,10 @@ def compile_copies(copies: dict[str, pathlib.Path], arch: str, head_dims: list[i
                if (isinstance(k, _plan.Kernel) and k.kind.startswith("decode") and k.dtype == "bfloat16"
                    and k.head_dim in buckets) or k == _plan.Merge("float32", "bfloat16")]
     for name, folder in copies.items():
-        read_from(folder)
-        for kernel in kernels:
-            _compile.compile_kernel(kernel.source, kernel.instance, arch)
+        with experiment.override(sources=folder):
+            for kernel in kernels:
+                _compile.compile_kernel(kernel.source, kernel.instance, arch)
         print(f"{name}: {len(kernels)} variants in the cache", flush=True)
-
-
-def use(folder: pathlib.Path) -> None:
-    """Launch from this copy's kernels from now on (cubins are cached under their source's key)."""
-    from cuflash import _kernels, kvcache
-    read_from(folder)
-    _compile.load_kernel.cache_clear()
-    _kernels._function.cache_clear()  # (the loaded functions, by kernel variant)
-    _kernels._resident_ctas.cache_clear()
-    _kernels._launchers.clear()
-    kvcache._warm.clear()
 
 
 def main() -> None:
@@ -79,7 +62,8 @@ def time_copies(copies: dict[str, pathlib.Path], args) -> None:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import cuflash.torch
-    from cuflash import bench_decode
+    from cuflash.bench import decode as bench_decode
+    from cuflash.bench.timing import graph_and_plain
     d = int(args.d)
     call = cuflash.torch.attention_with_kvcache
     print(f"KV-cache call, GQA {bench_decode.NHEADS}/{args.heads_k}, d {d}, bf16, pages {args.page_size or '-'}, "
@@ -98,19 +82,18 @@ def time_copies(copies: dict[str, pathlib.Path], args) -> None:
         }
         views = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in dense]  # (SDPA: contiguous)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            cudnn, _ = bench_decode.graph_and_plain(torch, [
+            cudnn, _ = graph_and_plain(torch, [
                 lambda k=k, v=v: sdpa(q.transpose(1, 2), k, v, enable_gqa=args.heads_k != bench_decode.NHEADS)
                 for k, v in views])
         for label, run in variants.items():
             times = {name: [] for name in copies}
             for _ in range(ROUNDS):
                 for name, folder in copies.items():
-                    use(folder)
-                    us, _ = bench_decode.graph_and_plain(torch, [lambda k=k, v=v: run(k, v) for k, v in caches])
+                    with experiment.override(sources=folder):  # (cubins are cached under their source's key)
+                        us, _ = graph_and_plain(torch, [lambda k=k, v=v: run(k, v) for k, v in caches])
                     times[name].append(us)
             print(f"{cell:>12} {label:>16} " + " ".join(f"{statistics.median(t):10.2f}" for t in times.values())
                   + f" {cudnn:10.2f}", flush=True)
-        use(copies["here"])
         caches.clear()
         dense.clear()
         torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
 """The KV-cache call on decode shapes beside torch SDPA's cuDNN and flash backends, with the
 figures kernel work asks for beyond ``python -m cuflash bench --decode`` (its timing rules):
 
-    PYTHONPATH=. python scripts/decode_bench.py [--quick] [--splits] [--profile]
+    PYTHONPATH=. python scripts/decode/decode_bench.py [--quick] [--splits] [--profile]
 
 The table: GQA 32/8, d 128, contiguous caches, bench --decode's grid; then the host time
 of a warm call; --splits: batch 1 by num_splits; --profile: cProfile of a warm call.
@@ -13,13 +13,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import cuflash.torch
-from cuflash import bench, bench_decode
+from cuflash.bench import decode as bench_decode, timing
 
 NHEADS, NHEADS_K, D = 32, 8, 128
 
 
 def median_us(run, calls: int) -> float:
-    return bench_decode.median_us(torch, run, calls)
+    return timing.median_us(torch, run, calls)
 
 
 def host_times() -> None:
@@ -50,7 +50,7 @@ def host_times() -> None:
     print("host time per call, batch 1, L 4096 (median of 5 x 1000 calls)")
     for name, call in calls.items():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            print(f"{name:>34}: {bench.host_us(torch, call):6.1f} us")
+            print(f"{name:>34}: {timing.host_us(torch, call):6.1f} us")
     if "--profile" in sys.argv:
         import cProfile
         import pstats

@@ -1,7 +1,7 @@
 """Where a KV-cache call's time goes (GQA 32/8, d 128, bf16, caches cycled as in
 ``bench --decode``), on the GPU machine:
 
-    PYTHONPATH=. python scripts/decode_profile.py [--cells 1x4096,16x4096]
+    PYTHONPATH=. python scripts/decode/decode_profile.py [--cells 1x4096,16x4096]
 
 For each cell: the graph-replay time per call of each variant (read only, append, append +
 rotary + causal, pages of 16, a contiguous call with the pages' split count, cuDNN), and the
@@ -20,7 +20,8 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from torch.profiler import ProfilerActivity, profile
 
 import cuflash.torch
-from cuflash import _plan, bench_decode
+from cuflash import _plan
+from cuflash.bench import decode as bench_decode, timing
 
 READ = r"""
 extern "C" __global__ void stream_read(const uint4* __restrict__ p, long long n, unsigned* out) {
@@ -84,7 +85,7 @@ def floor(kv_bytes: int, copies: int) -> dict:
             graph = stream.end_capture()
             graph.launch()
             times = []
-            for _ in range(bench_decode.ROUNDS):
+            for _ in range(timing.ROUNDS):
                 start, end = cupy.cuda.Event(), cupy.cuda.Event()
                 start.record()
                 graph.launch()
@@ -120,12 +121,12 @@ def main() -> None:
         views = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in caches]
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             cudnn = [lambda k=k, v=v: sdpa(q.transpose(1, 2), k, v, enable_gqa=True) for k, v in views]
-            us, _ = bench_decode.graph_and_plain(torch, cudnn)
+            us, _ = timing.graph_and_plain(torch, cudnn)
             print(f"batch {batch} L {length} {'cuDNN':>28}: {us:6.2f} us {kv_bytes / (us * 1e3):6.0f} GB/s")
             for name, (count, mean) in kernels_of(cudnn).items():
                 print(f"{'':>40} {count:.0f} x {mean:6.2f} us  {name}")
         for label, calls in variants.items():
-            us, _ = bench_decode.graph_and_plain(torch, calls)
+            us, _ = timing.graph_and_plain(torch, calls)
             print(f"batch {batch} L {length} {label:>28}: {us:6.2f} us {kv_bytes / (us * 1e3):6.0f} GB/s")
             for name, (count, mean) in kernels_of(calls).items():
                 print(f"{'':>40} {count:.0f} x {mean:6.2f} us  {name}")

@@ -1,7 +1,7 @@
 """Time the KV-cache call's candidate tiles, split counts and merge steps beside cuDNN, in one
 process, on the GPU machine (graph replay, ``bench --decode``'s timing rules):
 
-    PYTHONPATH=. python scripts/decode_sweep.py --tiles 16x64x4x2,16x128x8x2 --splits 0,1,2 \
+    PYTHONPATH=. python scripts/decode/decode_sweep.py --tiles 16x64x4x2,16x128x8x2 --splits 0,1,2 \
         --merge cluster,kernel [--dependent on,off] --cells 1x4096,16x4096,64x16384 [--d 128] [--heads-k 8] \
         [--page-size 16]
 
@@ -10,7 +10,7 @@ num_splits (0: the planner's), merge step (``cluster``: where the planner gives 
 ``kernel``: the merge kernel always) and launch (``--dependent on``: each kernel a
 programmatic dependent of the one before, as planned on sm_90; ``off``: one after the
 other) is timed on each ``batch x L`` cell, GB/s of K+V read. Used to choose the entries of
-``cuflash/_plan.py``; not part of the package.
+``cuflash/_plan/variants.py``; not part of the package.
 """
 import argparse
 import itertools
@@ -20,7 +20,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import cuflash.torch
-from cuflash import _kernels, _plan, bench_decode, kvcache
+from cuflash import _plan, experiment
+from cuflash.bench import decode as bench_decode
+from cuflash.bench.timing import graph_and_plain
 
 NHEADS = bench_decode.NHEADS
 
@@ -37,9 +39,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=0)
     args = parser.parse_args()
     bucket = _plan.head_dim_bucket(args.d)
-    original = _plan.KINDS["decode"].tiles[bucket]
     tiles = [_plan.Tile(*map(int, t.split("x"))) for t in args.tiles.split(",")]
-    clusters, dependent = _kernels.clusters, _kernels.dependent_launches
     print(f"KV-cache call, GQA {NHEADS}/{args.heads_k}, d {args.d}, bf16, pages {args.page_size or '-'}: GB/s "
           "(graph replay) by tile / num_splits / merge step")
     for cell in args.cells.split(","):
@@ -52,32 +52,23 @@ def main() -> None:
         row = []
         if views:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                us, _ = bench_decode.graph_and_plain(torch, [
+                us, _ = graph_and_plain(torch, [
                     lambda k=k, v=v: sdpa(q.transpose(1, 2), k, v, enable_gqa=args.heads_k != NHEADS)
                     for k, v in views])
             row.append(f"cudnn {kv_bytes / (us * 1e3):6.0f}")
         for tile, splits, merge, launch in itertools.product(tiles, map(int, args.splits.split(",")),
                                                              args.merge.split(","), args.dependent.split(",")):
-            for kind in ("decode", "decode_cluster"):
-                _plan.KINDS[kind].tiles[bucket] = (tile,)
-            _plan.kernel.cache_clear()
-            _kernels.clusters = clusters if merge == "cluster" else (lambda device: False)
-            _kernels.dependent_launches = dependent if launch == "on" else (lambda device: False)
-            kvcache._warm.clear()
             name = f"{tile.block_n}x{tile.warps}x{tile.stages}/{splits}/{merge}/{launch}"
-            _kernels._launchers.clear()
             try:
-                us, _ = bench_decode.graph_and_plain(torch, [
-                    lambda k=k, v=v: cuflash.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
-                                                                          block_table=table, num_splits=splits)
-                    for k, v in caches])
+                with experiment.override(tiles={"decode": {bucket: tile}, "decode_cluster": {bucket: tile}},
+                                         clusters=merge == "cluster", dependent_launches=launch == "on"):
+                    us, _ = graph_and_plain(torch, [
+                        lambda k=k, v=v: cuflash.torch.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
+                                                                              block_table=table, num_splits=splits)
+                        for k, v in caches])
                 row.append(f"{name} {kv_bytes / (us * 1e3):6.0f}")
             except Exception as e:  # a tile that does not fit or fails to compile
                 row.append(f"{name} {type(e).__name__}: {str(e)[:60]}")
-        for kind in ("decode", "decode_cluster"):
-            _plan.KINDS[kind].tiles[bucket] = original
-        _plan.kernel.cache_clear()
-        _kernels.clusters, _kernels.dependent_launches = clusters, dependent
         print(f"batch {batch:3d} L {length:6d}: " + "  ".join(row), flush=True)
         caches.clear()
         torch.cuda.empty_cache()

@@ -1,9 +1,9 @@
 """A per-CTA timeline of the KV-cache decode kernel (GQA 32/8, d 128, bf16, caches cycled
 as in ``bench --decode``), on the GPU machine:
 
-    PYTHONPATH=. python scripts/decode_timeline.py [--cells 1x4096,16x4096]
+    PYTHONPATH=. python scripts/decode/decode_timeline.py [--cells 1x4096,16x4096]
 
-The kernel's source is patched in memory (its cubins are cached under their own key, the
+The kernel's source is patched in a copy (its cubins are cached under their own key, the
 key being the source) so that thread 0 of every CTA writes clock64() at fixed points: its
 start, its lengths read, Q's copy issued, the part loop entered, the first part's loads
 issued, q rotated, each key tile landed (every thread's copies, past the barrier) and
@@ -23,11 +23,12 @@ which step a variant's extra time sits in. Not part of the package.
 import argparse
 import statistics
 
-import cupy
 import torch
 
 import cuflash.torch
-from cuflash import _compile, bench_decode
+from cuflash import experiment
+from cuflash.bench import decode as bench_decode
+from scripts.common.gpu_clock import cycles_per_ns
 
 SLOTS = 48
 POINTS = {"seq": 2, "q issued": 40, "loop": 41, "issued": 3, "q ready": 4, "part": 5, "cluster": 6,
@@ -91,36 +92,6 @@ def patched(text: str, address: int) -> str:
     return text
 
 
-CALIBRATE = r"""
-extern "C" __global__ void calibrate(unsigned long long* out) {
-  unsigned long long t0, t1;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  const long long c0 = clock64();
-  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)); } while (t1 - t0 < 2000000);
-  out[0] = clock64() - c0;
-  out[1] = t1 - t0;
-}
-"""
-
-
-def use_patched(name: str, patch, address: int) -> None:
-    """Compile cuflash/cuda/``name`` as ``patch(text, address)`` from here on (the kernel
-    cache keys the patched source apart), and forget kernels already loaded."""
-    sources = dict(_compile._sources())
-    sources[name] = patch(sources[name].decode(), address).encode()
-    _compile._sources = lambda: sources
-    _compile.load_kernel.cache_clear()
-
-
-def cycles_per_ns() -> float:
-    out = cupy.zeros(2, dtype=cupy.uint64)
-    kernel = cupy.RawKernel(CALIBRATE, "calibrate")
-    kernel((1,), (1,), (out,))
-    kernel((1,), (1,), (out,))
-    cycles, ns = out.get()
-    return float(cycles) / float(ns)
-
-
 def timeline(trace, ctas: int, rate: float) -> list[dict]:
     """Each CTA's points in us from the first CTA's start."""
     t = trace[: ctas * SLOTS].view(ctas, SLOTS).cpu().tolist()
@@ -159,47 +130,49 @@ def main() -> None:
     parser.add_argument("--cells", default="1x4096,16x4096")
     args = parser.parse_args()
     trace = torch.zeros(SLOTS * (1 << 16), dtype=torch.int64, device="cuda")
-    use_patched("decode/split_kv.cu", patched, trace.data_ptr())
     rate = cycles_per_ns()
     print(f"SM clock {rate:.3f} GHz (clock64 per globaltimer ns)")
-    for cell in args.cells.split(","):
-        batch, length = map(int, cell.split("x"))
-        caches, _, _ = bench_decode.cycled_caches(torch, batch, length, 8, 128)
-        paged, table, _ = bench_decode.cycled_caches(torch, batch, length, 8, 128, 16)
-        in_order = torch.arange(table.numel(), device="cuda", dtype=torch.int32).reshape(table.shape)
-        ordered = [tuple(c.reshape(-1, 16, 8, 128) for c in pair) for pair in caches]  # page j of b: its rows
-        q, new_k, new_v, full, before, cos, sin = bench_decode.step_inputs(torch, batch, length, 8, 128)
-        call = cuflash.torch.attention_with_kvcache
-        def touched(k, v):  # one element of every 2 MB of the caches read first: their address
-            for x in (k, v):   # translations warm, nearly none of their bytes in L2
-                x.view(-1)[::(2 << 20) // x.element_size()].sum()
-            return call(q, k, v, cache_seqlens=full)
+    with experiment.override(patches={"decode/split_kv.cu": lambda text: patched(text, trace.data_ptr())}):
+        for cell in args.cells.split(","):
+            batch, length = map(int, cell.split("x"))
+            caches, _, _ = bench_decode.cycled_caches(torch, batch, length, 8, 128)
+            paged, table, _ = bench_decode.cycled_caches(torch, batch, length, 8, 128, 16)
+            in_order = torch.arange(table.numel(), device="cuda", dtype=torch.int32).reshape(table.shape)
+            ordered = [tuple(c.reshape(-1, 16, 8, 128) for c in pair) for pair in caches]  # page j of b: its rows
+            q, new_k, new_v, full, before, cos, sin = bench_decode.step_inputs(torch, batch, length, 8, 128)
+            call = cuflash.torch.attention_with_kvcache
+            def touched(k, v):  # one element of every 2 MB of the caches read first: their address
+                for x in (k, v):   # translations warm, nearly none of their bytes in L2
+                    x.view(-1)[::(2 << 20) // x.element_size()].sum()
+                return call(q, k, v, cache_seqlens=full)
 
-        variants = {
-            "read only": (caches, lambda k, v: call(q, k, v, cache_seqlens=full)),
-            "read only, 2 MB strides touched first": (caches, touched),
-            "read only, one cache every call": ([caches[0]] * len(caches), lambda k, v: call(q, k, v,
-                                                                                              cache_seqlens=full)),
-            "append": (caches, lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before)),
-            "append, causal": (caches, lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before, causal=True)),
-            "append + rotary, causal": (caches, lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before,
-                                                                  rotary_cos=cos, rotary_sin=sin, causal=True)),
-            "pages of 16, shuffled": (paged, lambda k, v: call(q, k, v, cache_seqlens=full, block_table=table)),
-            "pages of 16, in order": (ordered, lambda k, v: call(q, k, v, cache_seqlens=full, block_table=in_order)),
-        }
-        for label, (pairs, run) in variants.items():
-            runs = []
-            for _ in range(3):
-                for k, v in pairs:
-                    trace.zero_()
-                    run(k, v)
-                    torch.cuda.synchronize()
-                    ctas = int((trace.view(-1, SLOTS)[:, 0] != 0).sum())
-                    runs.append(timeline(trace, ctas, rate))
-            summary(f"batch {batch} L {length} {label} ({len(runs[0])} CTAs)", runs[2:])
-        caches.clear()
-        paged.clear()
-        torch.cuda.empty_cache()
+            variants = {
+                "read only": (caches, lambda k, v: call(q, k, v, cache_seqlens=full)),
+                "read only, 2 MB strides touched first": (caches, touched),
+                "read only, one cache every call": ([caches[0]] * len(caches),
+                                                    lambda k, v: call(q, k, v, cache_seqlens=full)),
+                "append": (caches, lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before)),
+                "append, causal": (caches, lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before,
+                                                             causal=True)),
+                "append + rotary, causal": (caches, lambda k, v: call(q, k, v, new_k, new_v, cache_seqlens=before,
+                                                                      rotary_cos=cos, rotary_sin=sin, causal=True)),
+                "pages of 16, shuffled": (paged, lambda k, v: call(q, k, v, cache_seqlens=full, block_table=table)),
+                "pages of 16, in order": (ordered, lambda k, v: call(q, k, v, cache_seqlens=full,
+                                                                     block_table=in_order)),
+            }
+            for label, (pairs, run) in variants.items():
+                runs = []
+                for _ in range(3):
+                    for k, v in pairs:
+                        trace.zero_()
+                        run(k, v)
+                        torch.cuda.synchronize()
+                        ctas = int((trace.view(-1, SLOTS)[:, 0] != 0).sum())
+                        runs.append(timeline(trace, ctas, rate))
+                summary(f"batch {batch} L {length} {label} ({len(runs[0])} CTAs)", runs[2:])
+            caches.clear()
+            paged.clear()
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # decode and merge kernels under compute-sanitizer (memcheck, racecheck, synccheck), then the decode
 # bench. Full logs go to $OUT; a short summary is printed last. A GPU that CuPy cannot reach
 # fails the tests (CUFLASH_REQUIRE_GPU=1) rather than skipping them.
-#   usage: bash scripts/h200_decode.sh [tests|sanitize|bench|all ...] (default: all)
+#   usage: bash scripts/decode/h200_decode.sh [tests|sanitize|bench|all ...] (default: all)
 set -uo pipefail
 steps=${*:-all}
 OUT=${OUT:-/tmp/cuflash-out}; mkdir -p "$OUT"
@@ -22,7 +22,7 @@ if want tests; then
 fi
 if want sanitize; then
   for tool in memcheck racecheck synccheck; do
-    compute-sanitizer --tool $tool python3 scripts/sanitize_decode.py > "$OUT/$tool.txt" 2>&1
+    compute-sanitizer --tool $tool python3 scripts/decode/sanitize_decode.py > "$OUT/$tool.txt" 2>&1
     summary+=("$tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.txt" | tail -1)")
   done
 fi

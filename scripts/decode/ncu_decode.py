@@ -1,7 +1,7 @@
 """One KV-cache call (GQA 32/8, d 128, bf16; batch, L and a page size from the command
 line, default 1, 4096 and contiguous) for a profiler to look at:
 
-    ncu --clock-control none -k regex:"attention_decode|merge_states" python scripts/ncu_decode.py [batch] [L] [page]
+    ncu --clock-control none -k regex:"attention_decode|merge_states" python scripts/decode/ncu_decode.py [batch] [L] [page]
 
 With a page size the cache is a pool of pages in shuffled order (as in ``bench --decode``).
 """

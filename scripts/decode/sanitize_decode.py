@@ -1,7 +1,7 @@
 """KV-cache calls on every decode kernel and merge step, small enough for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_decode.py
-    compute-sanitizer --tool racecheck python scripts/sanitize_decode.py
+    compute-sanitizer --tool memcheck python scripts/decode/sanitize_decode.py
+    compute-sanitizer --tool racecheck python scripts/decode/sanitize_decode.py
 
 The wide tile (grids that are not split: batch 16, GQA 4/2), the split kernel with the merge
 kernel (deterministic) and with its cluster merge (batch 1), each with an append, rotary,

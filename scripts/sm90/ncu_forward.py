@@ -3,7 +3,7 @@ profiler to look at; head dim (default 128), "causal" and the sequence length (d
 8192) from argv:
 
     ncu --clock-control none -k regex:attention_forward --section SpeedOfLight \
-        --section WarpStateStats --section ComputeWorkloadAnalysis python scripts/ncu_forward.py 128 [causal] [8192]
+        --section WarpStateStats --section ComputeWorkloadAnalysis python scripts/sm90/ncu_forward.py 128 [causal] [8192]
 """
 import sys
 

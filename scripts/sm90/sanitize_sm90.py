@@ -1,9 +1,9 @@
 """Forward calls on the sm_90a kernel small enough for compute-sanitizer, on a compute
 capability 9.0 GPU:
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_sm90.py
-    compute-sanitizer --tool racecheck python scripts/sanitize_sm90.py
-    compute-sanitizer --tool synccheck python scripts/sanitize_sm90.py
+    compute-sanitizer --tool memcheck python scripts/sm90/sanitize_sm90.py
+    compute-sanitizer --tool racecheck python scripts/sm90/sanitize_sm90.py
+    compute-sanitizer --tool synccheck python scripts/sm90/sanitize_sm90.py
 
 Every head dim's tile (d 64: three consumers; 128, 256: two), not causal on the persistent
 grid with more tiles than multiprocessors (so CTAs take several tiles and the producer loads
@@ -13,13 +13,11 @@ variant), unmasked calls whose last wave is cut along the keys (pieces merged by
 to finish), GQA, ragged lengths (sq != sk, tails of a tile). Each call's output and LSE are
 checked against the float64 reference.
 """
-import contextlib
-
 import cupy
 import numpy as np
 
 import cuflash
-from cuflash import _plan
+from cuflash import experiment
 from cuflash.reference import attention_reference
 
 
@@ -35,16 +33,10 @@ def call(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_k: int, d
     print(f"d {d:3} {batch}x{seqlen_q}x{seqlen_k} heads {nheads}/{nheads_k} {kw}: max error {err:.1e}, lse {lse_err:.1e}")
 
 
-@contextlib.contextmanager
 def sections(seqlen_k: int, d: int, kv_heads: int):
     """Calls planned inside take the causal scheduler's sections whatever their length, of
     ``kv_heads`` kv heads' groups."""
-    saved = _plan.SM90_SECTION_ROWS, _plan.SM90_SECTION_BYTES
-    _plan.SM90_SECTION_ROWS, _plan.SM90_SECTION_BYTES = 1, kv_heads * 4 * seqlen_k * d
-    try:
-        yield
-    finally:
-        _plan.SM90_SECTION_ROWS, _plan.SM90_SECTION_BYTES = saved
+    return experiment.override(sm90_section_rows=1, sm90_section_bytes=kv_heads * 4 * seqlen_k * d)
 
 
 def main() -> None:

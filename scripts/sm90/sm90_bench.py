@@ -3,9 +3,9 @@
 tensors: TFLOP/s, CUDA events, median of rounds taken in turns after a warm-up
 (bench's timing rules).
 
-    PYTHONPATH=. python scripts/sm90_bench.py [--dtype float16] [--batch-tokens 16384] [--head-dim 128]
-                                              [--tile 80,2[,2]] [--blocks] [--sections 0,8,32]
-                                              [--causal-only] [--whole] [--shapes 512x16384,...]
+    PYTHONPATH=. python scripts/sm90/sm90_bench.py [--dtype float16] [--batch-tokens 16384] [--head-dim 128]
+                                                   [--tile 80,2[,2]] [--blocks] [--sections 0,8,32]
+                                                   [--causal-only] [--whole] [--shapes 512x16384,...]
 """
 import argparse
 
@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from cuflash import _arrays, _kernels, _options, _plan, bench
+from cuflash import _arrays, _kernels, _options, _plan, bench, experiment
 
 
 def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=True, section_bytes=None,
@@ -27,24 +27,18 @@ def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=
     options = _options.make_options(infos[0], infos[1], causal, None, (-1, -1), 0.0, None, 0.0, None, 0,
                                     backward=False)
     entry = next(d for d in _plan.SM90_HEAD_DIMS if d >= q.shape[-1])
-    tables = (_plan.SM90_TILES, _plan.SM90_BANDED_TILES, _plan.SM90_BANDED_EXTRAS_TILES)
-    saved = [dict(table) for table in tables]
-    saved_section, saved_tail = _plan.SM90_SECTION_BYTES, _plan.sm90_tail
-    if not cut:
-        _plan.sm90_tail = lambda tiles, key_tiles, multiprocessors: (tiles, 0)
-    if section_bytes is not None:
-        _plan.SM90_SECTION_BYTES = section_bytes
-    if tile:  # (every table: with or without a mask)
-        for table in tables:
-            planned = table.get(entry, _plan.SM90_TILES[entry])
-            table[entry] = (*tile, *planned[len(tile):])
-    try:
+
+    def tiled(table):  # (every table, with or without a mask: the tile given, the rest the planner's)
+        planned = table.get(entry, _plan.SM90_TILES[entry])
+        return {entry: (*tile, *planned[len(tile):])} if tile else None
+
+    with experiment.override(sm90_tiles=tiled(_plan.SM90_TILES), sm90_banded_tiles=tiled(_plan.SM90_BANDED_TILES),
+                             sm90_banded_extras_tiles=tiled(_plan.SM90_BANDED_EXTRAS_TILES),
+                             sm90_short_causal_tiles=tiled(_plan.SM90_SHORT_CAUSAL_TILES),
+                             sm90_section_bytes=section_bytes,
+                             sm90_tail=None if cut else lambda tiles, key_tiles, multiprocessors: (tiles, 0)):
         plan = _plan.forward(*infos, options, None, _kernels.shared_limit(q.device.index), sm90a,
                              _kernels.multiprocessors(q.device.index) if persistent else 0)
-    finally:
-        for table, old in zip(tables, saved):
-            table.clear(), table.update(old)
-        _plan.SM90_SECTION_BYTES, _plan.sm90_tail = saved_section, saved_tail
     assert (plan.struct.__name__ == "Sm90Params") == sm90a, "the sm_90a forward does not take this call"
     launcher = _kernels.Launcher(plan, q.device.index)
     work = [torch.empty(shape, dtype=getattr(torch, dtype), device=q.device) for _, shape, dtype in plan.workspace]

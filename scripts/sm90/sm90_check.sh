@@ -11,7 +11,7 @@
 # SKIP lists steps to leave out (names or shell patterns: SKIP="ncu_* timeline grid_float16"),
 # to keep a call within the device's ten minutes. Its tests fail, not skip, where CuPy reaches
 # no GPU or one that is not compute capability 9.0 (CUFLASH_REQUIRE_GPU=hopper).
-#   usage: [BASELINE=build/ab/cuflash_prev] [SUITES=1] [TAIL=1] [SKIP="..."] bash scripts/sm90_check.sh
+#   usage: [BASELINE=build/ab/cuflash_prev] [SUITES=1] [TAIL=1] [SKIP="..."] bash scripts/sm90/sm90_check.sh
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache} CUFLASH_REQUIRE_GPU=hopper
 OUT=${OUT:-/tmp/cuflash-out}; LOG=$(mktemp -d); mkdir -p "$OUT"
@@ -32,7 +32,7 @@ if [[ -n ${BASELINE:-} ]]; then  # the other build's kernels compiled before the
 fi
 step test_sm90 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sm90.py
 for tool in memcheck racecheck synccheck; do
-  step "sanitize_$tool" 300 compute-sanitizer --tool "$tool" python3 scripts/sanitize_sm90.py
+  step "sanitize_$tool" 300 compute-sanitizer --tool "$tool" python3 scripts/sm90/sanitize_sm90.py
 done
 for dtype in bfloat16 float16; do
   step "grid_$dtype" 300 python3 -m cuflash bench --compare --mode fwd --dtype "$dtype" ${baseline[@]+"${baseline[@]}"} \
@@ -46,12 +46,12 @@ metrics+=",regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 for call in "128" "128 causal" "128 causal 2048" "64 causal 2048"; do
   step "ncu_${call// /_}" 300 ncu --clock-control none -k regex:attention_forward --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section Occupancy \
-    --metrics "$metrics" python3 scripts/ncu_forward.py $call
+    --metrics "$metrics" python3 scripts/sm90/ncu_forward.py $call
 done
-step timeline 300 python3 scripts/sm90_timeline.py
+step timeline 300 python3 scripts/sm90/sm90_timeline.py
 if [[ -n ${TAIL:-} ]]; then  # the cut tail against the whole one (causal rows: not cut, the same kernel twice)
-  for d in 64 128 256; do step "tail_$d" 300 python3 scripts/sm90_bench.py --whole --head-dim "$d"; done
-  step tail_shapes 300 python3 scripts/sm90_bench.py --whole --head-dim 128 \
+  for d in 64 128 256; do step "tail_$d" 300 python3 scripts/sm90/sm90_bench.py --whole --head-dim "$d"; done
+  step tail_shapes 300 python3 scripts/sm90/sm90_bench.py --whole --head-dim 128 \
     --shapes 128x8192,128x32768,512x16384,1024x65536,2048x8192
 fi
 if [[ -n ${SUITES:-} ]]; then  # the forward's GPU suites and the front ends' (6-7 minutes on an H200)

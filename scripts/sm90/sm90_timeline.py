@@ -1,9 +1,9 @@
 """Where the sm_90a forward's time goes, tile by tile, on a Hopper GPU:
 
-    PYTHONPATH=. python scripts/sm90_timeline.py [--calls 128c2048,128n8192,64c2048]
+    PYTHONPATH=. python scripts/sm90/sm90_timeline.py [--calls 128c2048,128n8192,64c2048]
 
 A call is HEAD_DIM, c (causal) or n (no mask), SEQLEN; 16k tokens, 2048 / d heads, bf16
-(`ncu_forward.py`'s shapes). The kernel's source is patched in memory (its cubins are cached
+(`ncu_forward.py`'s shapes). The kernel's source is patched in a copy (its cubins are cached
 under their own key, the key being the source) so that one thread stamps clock64() at fixed
 points of each tile: the producer when it has asked for the tile's Q, consumer 0 when Q has
 landed, when its first S, second turn and last turn are issued, when its last P V has landed
@@ -24,8 +24,8 @@ import statistics
 import torch
 
 import cuflash
-from cuflash import _kernels
-from decode_timeline import cycles_per_ns, use_patched  # (scripts/)
+from cuflash import experiment
+from scripts.common.gpu_clock import cycles_per_ns
 
 SLOTS = 16
 # The record of tile t: SLOTS 64-bit words.
@@ -146,20 +146,20 @@ def main() -> None:
     parser.add_argument("--calls", default="128c2048,128n8192,128c8192,64c2048")
     args = parser.parse_args()
     trace = torch.zeros(SLOTS * (1 << 18), dtype=torch.int64, device="cuda")
-    use_patched("sm90/fwd.cu", patched, trace.data_ptr())
-    _kernels._launchers.clear()
     rate = cycles_per_ns()
     print(f"SM clock at rest {rate:.3f} GHz (clock64 per globaltimer ns; each CTA's stamps go at its own rate)")
-    for call in args.calls.split(","):
-        d, causal, seqlen = int(call.split("c")[0].split("n")[0]), "c" in call, int(call.replace("c", "n").split("n")[1])
-        q, k, v = (torch.randn(max(1, 16384 // seqlen), seqlen, 2048 // d, d, device="cuda", dtype=torch.bfloat16)
-                   for _ in "qkv")
-        for i in range(4):  # the last of four calls
-            trace.zero_()
-            cuflash.attention(q, k, v, causal=causal)
-            torch.cuda.synchronize()
-        count = int(trace.view(-1, SLOTS)[:, CTA_TIME].nonzero().max()) + 1
-        summary(f"d {d} {'causal' if causal else 'no mask'} {seqlen}", tiles_of(trace, count, rate))
+    with experiment.override(patches={"sm90/fwd.cu": lambda text: patched(text, trace.data_ptr())}):
+        for call in args.calls.split(","):
+            d, causal = int(call.split("c")[0].split("n")[0]), "c" in call
+            seqlen = int(call.replace("c", "n").split("n")[1])
+            q, k, v = (torch.randn(max(1, 16384 // seqlen), seqlen, 2048 // d, d, device="cuda",
+                                   dtype=torch.bfloat16) for _ in "qkv")
+            for i in range(4):  # the last of four calls
+                trace.zero_()
+                cuflash.attention(q, k, v, causal=causal)
+                torch.cuda.synchronize()
+            count = int(trace.view(-1, SLOTS)[:, CTA_TIME].nonzero().max()) + 1
+            summary(f"d {d} {'causal' if causal else 'no mask'} {seqlen}", tiles_of(trace, count, rate))
 
 
 if __name__ == "__main__":

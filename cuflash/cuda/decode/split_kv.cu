@@ -43,7 +43,7 @@ namespace cuflash {
 constexpr int kMaxClusterSplits = 16;
 // What a part's new-key tile costs its CTA beyond a cached tile, in tiles (H200, batch 1,
 // GQA 32/8, d 128, 4k keys, 16 parts of 4 tiles: that CTA ended its part 3.3 us after
-// the others, against 0.9 us a tile; scripts/decode_timeline.py).
+// the others, against 0.9 us a tile; scripts/decode/decode_timeline.py).
 constexpr int kAppendTiles = 3;
 
 // Shared memory: the forward's (the Q tile, then kStages K tiles, then kStages V tiles).
