@@ -147,6 +147,31 @@ def is_contiguous(a: ArrayInfo) -> bool:
     return all(n == 1 or s == c for n, s, c in zip(a.shape, a.strides, _arrays.contiguous_strides(a.shape)))
 
 
+def has_mods(score_mod, mask_mod, mod_tensors) -> bool:
+    """Whether a call asks for programmable attention (cuflash.mod)."""
+    return score_mod is not None or mask_mod is not None or not (isinstance(mod_tensors, (tuple, list))
+                                                                  and not mod_tensors)
+
+
+def check_mods(q: ArrayInfo, score_mod, mask_mod, mod_tensors) -> None:
+    """score_mod and mask_mod functions (or None) with a tuple of mod tensors, on the NumPy
+    path. Their tracing (cuflash.mod.trace, on that path) checks the functions themselves and
+    each tensor, naming the function."""
+    for name, fn, signature in (("score_mod", score_mod, "(score, b, h, q_idx, kv_idx, *mod_tensors) -> score"),
+                                ("mask_mod", mask_mod, "(b, h, q_idx, kv_idx, *mod_tensors) -> bool")):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function {signature}, or None, got {fn!r}")
+    if not isinstance(mod_tensors, (tuple, list)):
+        raise TypeError(f"mod_tensors must be a tuple of arrays (the extra arguments of score_mod and mask_mod), "
+                        f"got {type(mod_tensors).__name__}")
+    if score_mod is None and mask_mod is None:
+        raise ValueError("mod_tensors are the extra arguments of score_mod and mask_mod: pass one of them too")
+    if q.device is not None:
+        raise NotImplementedError(f"score_mod and mask_mod run on the NumPy path only so far: the CUDA kernels do "
+                                  f"not take them yet (q is a {q.framework} array on {q.where}); pass NumPy arrays "
+                                  f"to use them")
+
+
 def check_bool(name: str, value) -> None:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r}")

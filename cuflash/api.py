@@ -18,11 +18,17 @@ _OPTIONS_DOC = """
     ``rng_offset``, batch, head, row, col) (``cuflash._philox.keep_mask``), so a seed
     reproduces it exactly. Without a seed one is drawn per call (pass one to run the
     backward). LSE is unaffected by dropout.
+    ``score_mod(score, b, h, q_idx, kv_idx, *mod_tensors) -> score`` and
+    ``mask_mod(b, h, q_idx, kv_idx, *mod_tensors) -> bool`` (False: masked), with the
+    NumPy arrays ``mod_tensors``: programmable attention, traced by ``cuflash.mod``;
+    score_mod applies after softcap and ALiBi, mask_mod ANDs with causal and the window.
+    NumPy arrays only so far (CUDA arrays raise NotImplementedError).
 """
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, return_lse=False):
+              alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, return_lse=False, score_mod=None,
+              mask_mod=None, mod_tensors=()):
     """Exact softmax attention, softmax(scale * q k^T) v, as FlashAttention.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
@@ -35,7 +41,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     Both are differentiable: ``attention_backward`` takes the gradients of out and lse.
     """
     scalars = (causal, softmax_scale, window_size, softcap, dropout_p, seed, rng_offset, return_lse)
-    if alibi_slopes is None:
+    mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
+    if alibi_slopes is None and not mods:
         result = warm_forward(q, k, v, scalars)
         if result is not None:
             return result
@@ -43,9 +50,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     _options.check_qkv(*arrays.values(), packed=False)
     options = _options.make_options(arrays["q"], arrays["k"], causal, softmax_scale, window_size, softcap,
                                     alibi_slopes, dropout_p, seed, rng_offset, backward=False)
+    if mods:
+        _options.check_mods(arrays["q"], score_mod, mask_mod, mod_tensors)
     if arrays["q"].device is None:
         from . import cpu
-        out, lse = cpu.attention_forward(q, k, v, **_cpu_options(options, alibi_slopes))
+        out, lse = cpu.attention_forward(q, k, v, **_cpu_options(options, alibi_slopes),
+                                         **_mod_options(score_mod, mask_mod, mod_tensors))
     else:
         warm = _Warm(options)
         out, lse = _forward_gpu(*arrays.values(), options, None, return_lse, warm)
@@ -55,7 +65,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     seed=None, rng_offset=0, return_lse=False, block_table=None):
+                     seed=None, rng_offset=0, return_lse=False, block_table=None, score_mod=None, mask_mod=None,
+                     mod_tensors=()):
     """``attention`` over packed sequences of different lengths, with no padding.
 
     q: (total_q, nheads, headdim), k and v: (total_k, nheads_kv, headdim); sequence b
@@ -68,9 +79,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``block_table`` int32 (batch, max_blocks): k and v are page pools (num_pages,
     page_size, nheads_kv, headdim) instead, and sequence b's keys are the first
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (flash-attn 2.8's paged varlen
-    call; forward only, no dropout; ``cuflash.kvcache.attention_varlen_paged``).
+    call; forward only, no dropout, no score_mod or mask_mod;
+    ``cuflash.kvcache.attention_varlen_paged``). score_mod and mask_mod see b, the sequence
+    index, and positions within the sequence.
     """
+    mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
     if block_table is not None:
+        if mods:
+            raise NotImplementedError("score_mod and mask_mod do not take block_table (the paged call) yet")
         if dropout_p != 0:
             raise ValueError(f"dropout_p must be 0 with block_table (the paged call is for inference), got {dropout_p}")
         from . import kvcache
@@ -84,10 +100,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     options = _options.make_options(arrays["q"], arrays["k"], causal, softmax_scale, window_size, softcap,
                                     alibi_slopes, dropout_p, seed, rng_offset, backward=False, batch=varlen.batch,
                                     seqlen_k=varlen.max_seqlen_k)
+    if mods:
+        _options.check_mods(arrays["q"], score_mod, mask_mod, mod_tensors)
     if arrays["q"].device is None:
         from . import cpu
         out, lse = cpu.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                **_cpu_options(options, alibi_slopes))
+                                                **_cpu_options(options, alibi_slopes),
+                                                **_mod_options(score_mod, mask_mod, mod_tensors))
     else:
         out, lse = _forward_gpu(*arrays.values(), options, varlen, return_lse)
     return (out, lse) if return_lse else out
@@ -95,7 +114,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0,
-                       deterministic=False, dlse=None):
+                       deterministic=False, dlse=None, score_mod=None, mask_mod=None, mod_tensors=()):
     """Gradients (dq, dk, dv) of ``attention`` given the upstream gradient ``dout``.
 
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the
@@ -108,12 +127,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     query heads that share a KV head. dq is accumulated with fp32 atomics, so its
     last bits can differ between runs; ``deterministic=True`` computes it in a pass
     of its own instead (slower), and every gradient is bitwise reproducible. dk and
-    dv always are.
+    dv always are. score_mod, mask_mod and mod_tensors are the forward's; dS is multiplied
+    by d score_mod / d score (``cuflash.mod.derivative``).
     """
     arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
-    key = _key(tuple(a.obj for a in arrays.values()), (causal, softmax_scale, window_size, softcap, dropout_p, seed,
-                                                       rng_offset, deterministic), alibi_slopes)
+    mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
+    key = None if mods else _key(tuple(a.obj for a in arrays.values()), (causal, softmax_scale, window_size, softcap,
+                                                                         dropout_p, seed, rng_offset, deterministic),
+                                 alibi_slopes)
     warm = _lookup(key)
     cold = warm is None
     if cold:
@@ -123,11 +145,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         options = _options.make_options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes,
                                         dropout_p, seed, rng_offset, backward=True)
         _options.check_bool("deterministic", deterministic)
+        if mods:
+            _options.check_mods(qi, score_mod, mask_mod, mod_tensors)
         warm = _Warm(options)
     if qi.device is None:
         from . import cpu
-        return cpu.attention_backward(dout, q, k, v, out, lse, dlse=dlse,
-                                      **_cpu_options(warm.options, alibi_slopes))
+        return cpu.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **_cpu_options(warm.options, alibi_slopes),
+                                      **_mod_options(score_mod, mask_mod, mod_tensors))
     grads = _backward_gpu(arrays, warm.options, None, deterministic, warm)
     if cold:
         _remember(key, warm, qi)
@@ -137,7 +161,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, deterministic=False,
-                              dlse=None):
+                              dlse=None, score_mod=None, mask_mod=None, mod_tensors=()):
     """Gradients (dq, dk, dv) of ``attention_varlen``; see ``attention_backward``
     (``dlse`` is laid out like lse, (nheads, total_q))."""
     arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
@@ -149,10 +173,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     options = _options.make_options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                                     seed, rng_offset, backward=True, batch=varlen.batch, seqlen_k=varlen.max_seqlen_k)
     _options.check_bool("deterministic", deterministic)
+    if _options.has_mods(score_mod, mask_mod, mod_tensors):
+        _options.check_mods(qi, score_mod, mask_mod, mod_tensors)
     if qi.device is None:
         from . import cpu
         return cpu.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                             max_seqlen_k, dlse=dlse, **_cpu_options(options, alibi_slopes))
+                                             max_seqlen_k, dlse=dlse, **_cpu_options(options, alibi_slopes),
+                                             **_mod_options(score_mod, mask_mod, mod_tensors))
     return _backward_gpu(arrays, options, varlen, deterministic)
 
 
@@ -225,6 +252,13 @@ def _cpu_options(options: Options, alibi_slopes) -> dict:
     return dict(causal=options.causal, softmax_scale=options.scale, window_size=options.window,
                 softcap=options.softcap, alibi_slopes=alibi_slopes, dropout_p=options.dropout_p,
                 seed=options.seed, rng_offset=options.rng_offset)
+
+
+def _mod_options(score_mod, mask_mod, mod_tensors) -> dict:
+    """The NumPy path's programmable-attention arguments, where a call has them."""
+    if not _options.has_mods(score_mod, mask_mod, mod_tensors):
+        return {}
+    return dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=tuple(mod_tensors))
 
 
 # -- warm calls (_warm) ----------------------------------------------------------------------

@@ -16,10 +16,14 @@ Every block operation is vectorised over batch and heads; query heads are viewed
 
 The variants, per tile, in this order (query i, key j, diag = seqlen_k - seqlen_q):
 S = scale * Q Kᵀ; softcap: S = softcap * tanh(S / softcap); ALiBi: S -= slope * |i + diag - j|;
-mask (the sliding window [i + diag - left, i + diag + right], causal being right = 0); online
-softmax. Dropout multiplies the tile of P by keep / (1 - p) before P V only (l and the LSE see
-the undropped P); the keep bits come from cuflash._philox, tile by tile, keyed by (seed,
-rng_offset, batch, head, row, col). Tiles wholly outside the window are never computed.
+score_mod: S = score_mod(S, b, h, i, j, *mod_tensors); mask (the sliding window
+[i + diag - left, i + diag + right], causal being right = 0, and mask_mod(b, h, i, j,
+*mod_tensors)); online softmax. score_mod and mask_mod are traced once a call
+(``cuflash.mod``) and evaluated on each tile's scores; the backward multiplies dS by
+d score_mod / d S, their traced derivative. Dropout multiplies the tile of P by
+keep / (1 - p) before P V only (l and the LSE see the undropped P); the keep bits come from
+cuflash._philox, tile by tile, keyed by (seed, rng_offset, batch, head, row, col). Tiles
+wholly outside the window are never computed (a mask_mod skips none).
 
 The KV-cache call (``attention_with_kvcache``) appends to the caches in place, then runs
 this forward over each sequence's keys.
@@ -27,7 +31,7 @@ this forward over each sequence's keys.
 
 import numpy as np
 
-from . import _options, _philox
+from . import _options, _philox, mod
 
 __all__ = [
     "attention_forward",
@@ -42,12 +46,14 @@ class _Variant:
     """One (fixed-length or single varlen) problem's options, and the tile operations that
     depend on them: which tiles to visit, scores, mask, dropout.
 
-    `batch_index` holds the global batch index of each batch element here (the ALiBi row and
-    the dropout counter's batch); alibi is (len(batch_index), nheads) or None.
+    `batch_index` holds the global batch index of each batch element here (the ALiBi row, the
+    dropout counter's batch and the b of score_mod and mask_mod); alibi is
+    (len(batch_index), nheads) or None; mods the call's cuflash.mod.NumpyModifiers or None.
     """
 
     def __init__(self, seqlen_q, seqlen_k, nheads, nheads_kv, acc_dtype, *, causal, scale,
-                 window_size, softcap, alibi, dropout_p, seed, rng_offset, batch_index, window_limit=None):
+                 window_size, softcap, alibi, dropout_p, seed, rng_offset, batch_index, window_limit=None,
+                 mods=None):
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.nheads, self.nheads_kv = nheads, nheads_kv
         self.acc_dtype = acc_dtype
@@ -67,6 +73,11 @@ class _Variant:
             self.alibi = alibi.astype(acc_dtype).reshape(-1, nheads_kv, group, 1, 1)
         self.dropout_p = float(dropout_p)
         self.seed, self.rng_offset, self.batch_index = seed, rng_offset, batch_index
+        self.mods = mods
+        if mods is not None:  # the (b, h) index arrays of a tile, laid out like its scores
+            group = nheads // nheads_kv
+            self.mod_batch = np.asarray(batch_index, dtype=np.int64).reshape(-1, 1, 1, 1, 1)
+            self.mod_heads = np.arange(nheads).reshape(1, nheads_kv, group, 1, 1)
 
     def key_range(self, q_start, q_end):
         """[first, stop) of the keys any of the rows q_start .. q_end - 1 may see."""
@@ -86,19 +97,32 @@ class _Variant:
             stop = min(stop, k_end - 1 - self.diagonal + self.left + 1)
         return first, stop
 
-    def scores(self, q_block, k_block, q_start, q_end, k_start, k_end):
-        """The masked tile S (-inf where invisible) and, under softcap, tanh(S_pre / softcap)
-        (for the backward's chain factor; None otherwise)."""
+    def scores(self, q_block, k_block, q_start, q_end, k_start, k_end, gradient=False):
+        """The masked tile S (-inf where invisible) and, with ``gradient``, the chain factor
+        d S / d (scale q.k) of softcap and score_mod for the backward (None where there is
+        none; 0 where S is masked)."""
         s = (q_block @ k_block.swapaxes(-1, -2)) * self.scale
-        tanh = None
+        chain = None
         if self.softcap > 0:
             tanh = np.tanh(s / self.acc_dtype(self.softcap))
             s = self.acc_dtype(self.softcap) * tanh
+            if gradient:  # d(softcap * tanh(x / softcap)) / dx
+                chain = 1 - tanh * tanh
         rows = cols = None
         if self.alibi is not None:
             rows, cols = np.arange(q_start, q_end)[:, None], np.arange(k_start, k_end)[None, :]
             distance = np.abs(rows + self.diagonal - cols).astype(self.acc_dtype)
             s = s - self.alibi * distance
+        mask = None
+        if self.mods is not None:
+            if rows is None:
+                rows, cols = np.arange(q_start, q_end)[:, None], np.arange(k_start, k_end)[None, :]
+            where = (self.mod_batch, self.mod_heads, rows, cols)
+            mod_gradient = self.mods.gradient(s, *where) if gradient else None
+            if mod_gradient is not None:
+                chain = mod_gradient if chain is None else chain * mod_gradient
+            s = self.mods.score(s, *where)
+            mask = self.mods.mask(*where, self.acc_dtype)
         # Only tiles crossing a window edge pay for the mask. It comes after scaling so that
         # a scale of 0 never meets -inf.
         clips_left = self.left >= 0 and k_start < q_end - 1 + self.diagonal - self.left
@@ -113,7 +137,13 @@ class _Variant:
             if clips_right:
                 visible &= offset <= self.right
             s = np.where(visible, s, -np.inf)
-        return s, tanh
+        if mask is not None:
+            s = np.where(mask, s, -np.inf)
+        if chain is not None and self.mods is not None:
+            # A masked score has P = 0; its derivative there may be NaN (sqrt of a negative), and
+            # 0 * NaN must not reach dS.
+            chain = np.where(s == -np.inf, 0, chain)
+        return s, chain
 
     def dropout(self, q_start, q_end, k_start, k_end):
         """keep / (1 - p) for the tile, grouped (batch, nheads_kv, group, rows, cols), or None
@@ -146,7 +176,8 @@ def _alibi_rows(alibi_slopes, batch_index, nheads):
 
 def attention_forward(
     q, k, v, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128,
+    dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128, score_mod=None, mask_mod=None,
+    mod_tensors=(),
 ):
     """Exact attention of validated NumPy arrays: returns (out, lse).
 
@@ -158,16 +189,17 @@ def attention_forward(
     window_size (left, right), softcap, alibi_slopes (float32 (nheads,) or (batch, nheads))
     and dropout_p are flash-attn's (see the module docstring); dropout draws its keep mask
     from Philox keyed by `seed` (a 64-bit unsigned int, required when dropout_p > 0) and
-    `rng_offset`.
+    `rng_offset`. score_mod and mask_mod (with the NumPy arrays mod_tensors) are
+    cuflash.mod's, applied after ALiBi (see the module docstring).
     """
     variant = _dense_variant(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                             rng_offset=rng_offset)
+                             rng_offset=rng_offset, mods=mod.prepare(score_mod, mask_mod, mod_tensors))
     return _forward(q, k, v, variant, block_q, block_k)
 
 
 def _dense_variant(q, k, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
-                   rng_offset):
+                   rng_offset, mods):
     """The options of a dense (batch, seqlen, nheads, d) call, checked, as one _Variant."""
     _check_options(dropout_p, seed)
     batch, seqlen_q, nheads, _ = q.shape
@@ -177,7 +209,7 @@ def _dense_variant(q, k, *, causal, softmax_scale, window_size, softcap, alibi_s
         seqlen_q, seqlen_k, nheads, nheads_kv, _acc_dtype(q), causal=causal,
         scale=_scale(softmax_scale, q), window_size=window_size, softcap=softcap,
         alibi=_alibi_rows(alibi_slopes, batch_index, nheads), dropout_p=dropout_p, seed=seed,
-        rng_offset=rng_offset, batch_index=batch_index,
+        rng_offset=rng_offset, batch_index=batch_index, mods=mods,
     )
 
 
@@ -251,7 +283,7 @@ def _forward(q, k, v, variant, block_q, block_k):
 def attention_backward(
     dout, q, k, v, out, lse, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128,
-    dlse=None,
+    dlse=None, score_mod=None, mask_mod=None, mod_tensors=(),
 ):
     """Gradients of attention_forward's out and lse for validated NumPy arrays: returns
     (dq, dk, dv).
@@ -268,7 +300,8 @@ def attention_backward(
     """
     variant = _dense_variant(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                             rng_offset=rng_offset)
+                             rng_offset=rng_offset,
+                             mods=mod.prepare(score_mod, mask_mod, mod_tensors, backward=True))
     return _backward(dout, q, k, v, out, lse, dlse, variant, block_q, block_k)
 
 
@@ -316,12 +349,12 @@ def _backward(dout, q, k, v, out, lse, dlse, variant, block_q, block_k):
 
         # for each query block Q_i:
         #   P = exp(scores(Q_i, K_j) - LSE_i);  dV_j += (P ∘ Z)ᵀ dO_i;  dP = (dO_i V_jᵀ) ∘ Z
-        #   dS = P ∘ (dP - D_i) [∘ (1 - tanh²), softcap];  dK_j += scale * dSᵀ Q_i;
+        #   dS = P ∘ (dP - D_i) [∘ (1 - tanh²), softcap] [∘ d score_mod / dS];  dK_j += scale * dSᵀ Q_i;
         #   dQ_i += scale * dS K_j
         for q_start in range(first_row // block_q * block_q, row_stop, block_q):
             q_end = min(q_start + block_q, seqlen_q)
             q_block, dout_block = q[..., q_start:q_end, :], dout[..., q_start:q_end, :]
-            s, tanh = variant.scores(q_block, k_block, q_start, q_end, k_start, k_end)
+            s, chain = variant.scores(q_block, k_block, q_start, q_end, k_start, k_end, gradient=True)
             # P = 0 wherever S = -inf (masked) or LSE = +inf (a row that sees no key):
             # -inf - finite and finite - +inf both give exp(-inf) = 0, and S = -inf never
             # meets LSE = -inf, which a row with any visible key cannot have.
@@ -334,8 +367,8 @@ def _backward(dout, q, k, v, out, lse, dlse, variant, block_q, block_k):
                 dv_block += ((p * keep).swapaxes(-1, -2) @ dout_block).sum(axis=2)
                 dp = dp * keep
             ds = p * (dp - delta[..., q_start:q_end, None])
-            if tanh is not None:  # d(softcap * tanh(x / softcap)) / dx
-                ds = ds * (1 - tanh * tanh)
+            if chain is not None:
+                ds = ds * chain
             dk_block += scale * (ds.swapaxes(-1, -2) @ q_block).sum(axis=2)
             dq[..., q_start:q_end, :] += scale * (ds @ k_block)
 
@@ -359,20 +392,20 @@ def _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
 
 
 def _varlen_variant(q, k, b, rows_q, rows_k, *, causal, softmax_scale, window_size, softcap,
-                    alibi_slopes, dropout_p, seed, rng_offset):
+                    alibi_slopes, dropout_p, seed, rng_offset, mods):
     nheads, nheads_kv = q.shape[1], k.shape[1]
     return _Variant(
         rows_q.stop - rows_q.start, rows_k.stop - rows_k.start, nheads, nheads_kv,
         _acc_dtype(q), causal=causal, scale=_scale(softmax_scale, q), window_size=window_size,
         softcap=softcap, alibi=_alibi_rows(alibi_slopes, [b], nheads), dropout_p=dropout_p,
-        seed=seed, rng_offset=rng_offset, batch_index=np.array([b]),
+        seed=seed, rng_offset=rng_offset, batch_index=np.array([b]), mods=mods,
     )
 
 
 def attention_varlen_forward(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
     softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-    seed=None, rng_offset=0, block_q=128, block_k=128,
+    seed=None, rng_offset=0, block_q=128, block_k=128, score_mod=None, mask_mod=None, mod_tensors=(),
 ):
     """attention_forward of a packed variable-length batch: returns (out, lse).
 
@@ -380,13 +413,14 @@ def attention_varlen_forward(
     int32 (batch + 1,) cumulative offsets (zero-length sequences allowed), no sequence longer
     than max_seqlen_q / max_seqlen_k. Each sequence b is attention_forward of its own rows
     with its own seqlen_q and seqlen_k (causal/window diagonal, window normalisation), ALiBi
-    row b of (batch, nheads) slopes and batch index b in the dropout counter (rows and
-    columns counted within the sequence). out like q; lse float32 (nheads, total_q).
+    row b of (batch, nheads) slopes and batch index b in the dropout counter and in
+    score_mod / mask_mod (rows and columns counted within the sequence). out like q; lse
+    float32 (nheads, total_q).
     """
     _check_options(dropout_p, seed)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                   rng_offset=rng_offset)
+                   rng_offset=rng_offset, mods=mod.prepare(score_mod, mask_mod, mod_tensors))
     out = np.zeros(q.shape[:2] + v.shape[-1:], dtype=q.dtype)
     lse = np.full((q.shape[1], q.shape[0]), np.inf, dtype=np.float32)
     sequences = _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -402,6 +436,7 @@ def attention_varlen_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
     causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
     dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128, dlse=None,
+    score_mod=None, mask_mod=None, mod_tensors=(),
 ):
     """attention_backward of a packed variable-length batch: returns (dq, dk, dv) shaped and
     typed like q, k, v. out and lse ((nheads, total_q) float32) are
@@ -409,7 +444,7 @@ def attention_varlen_backward(
     _check_options(dropout_p, seed)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                   rng_offset=rng_offset)
+                   rng_offset=rng_offset, mods=mod.prepare(score_mod, mask_mod, mod_tensors, backward=True))
     dq, dk, dv = (np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
     sequences = _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     for b, rows_q, rows_k in sequences:

@@ -22,11 +22,19 @@ The variants (flash-attn's), for query i and key j of a sequence, diag = seqlen_
 
 The dropout keep mask is an argument here (`dropout_keep`, bool (batch, nheads, seqlen_q,
 seqlen_k), True = kept): tests take it from cuflash._philox, the generator the kernels use.
+
+Programmable attention (NumPy arrays only): ``score_mod(s, b, h, i, j, *mod_tensors)``
+rewrites s after ALiBi, and ``mask_mod(b, h, i, j, *mod_tensors)`` hides the keys where it is
+False, with the window (cuflash.mod traces both and evaluates them on the whole score matrix;
+b is the sequence index of a packed batch). The backward multiplies dS by the traced
+derivative d score_mod / d s.
 """
 
 import math
 
 import numpy
+
+from . import mod
 
 __all__ = [
     "attention_reference",
@@ -85,13 +93,23 @@ class _Variant:
 
     alibi: (batch, nheads) slopes or None; keep: the dropout multiplier keep / (1 - p) as
     (batch, nheads, seqlen_q, seqlen_k) floats, or None without dropout; distance: the ALiBi
-    distance |i + diag - j| as (seqlen_q, seqlen_k).
+    distance |i + diag - j| as (seqlen_q, seqlen_k); mods: cuflash.mod.NumpyModifiers or
+    None, whose b is batch_index[batch element] (default: the batch element itself).
     """
 
     def __init__(self, xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                 dropout_p, dropout_keep, dtype, window_limit=None):
+                 dropout_p, dropout_keep, dtype, window_limit=None, mods=None, batch_index=None):
         batch, seqlen_q, nheads, d = q.shape
         seqlen_k = k.shape[1]
+        self.mods = mods
+        if mods is not None:
+            if xp is not numpy:
+                raise TypeError("score_mod and mask_mod take NumPy arrays in the reference")
+            self.batch_index = numpy.arange(batch) if batch_index is None else numpy.asarray(batch_index)
+            nheads_kv = k.shape[2]
+            # (b, h, i, j) laid out like a batch element's grouped scores (nheads_kv, group, sq, sk)
+            self.mod_heads = numpy.arange(nheads).reshape(nheads_kv, nheads // nheads_kv, 1, 1)
+            self.mod_rows, self.mod_cols = numpy.arange(seqlen_q)[:, None], numpy.arange(seqlen_k)[None, :]
         self.scale = dtype(_default_scale(softmax_scale, d))
         self.visible = _visible(xp, seqlen_q, seqlen_k, causal, window_size, window_limit)
         self.softcap = float(softcap)
@@ -131,6 +149,32 @@ class _Variant:
         `rounded`, if given, rounds the result of every stage (the low-precision yardstick).
         """
         xp = _array_module(q_b)
+        s, tanh = self._biased(q_b, k_b, b, rounded)
+        visible = self.visible
+        if self.mods is not None:
+            where = self._mod_indices(b)
+            s = self.mods.score(s, *where)
+            mask = self.mods.mask(*where, s.dtype.type)
+            if mask is not None:
+                visible = visible & mask
+        # Mask last: a scale of 0 must not turn -inf into NaN.
+        return xp.where(visible, s, -xp.inf), tanh
+
+    def score_mod_gradient(self, q_b, k_b, b):
+        """d score_mod / d s of batch element b at its scores before score_mod, grouped like
+        the scores; None without a score_mod."""
+        if self.mods is None:
+            return None
+        s, _ = self._biased(q_b, k_b, b)
+        return self.mods.gradient(s, *self._mod_indices(b))
+
+    def _mod_indices(self, b):
+        return self.batch_index[b], self.mod_heads, self.mod_rows, self.mod_cols
+
+    def _biased(self, q_b, k_b, b, rounded=None):
+        """The scores of batch element b before score_mod and the mask: scaled, soft-capped,
+        ALiBi-biased; and tanh(s_pre / softcap) (else None)."""
+        xp = _array_module(q_b)
         r = rounded or (lambda x: x)
         nheads_kv = k_b.shape[1]
         s = r(xp.matmul(_grouped(q_b, nheads_kv), k_b.transpose(1, 2, 0)[:, None]) * self.scale)
@@ -141,8 +185,7 @@ class _Variant:
         if self.alibi is not None:
             slopes = self.alibi[b].reshape(nheads_kv, -1)[..., None, None]
             s = r(s - slopes * self.distance)
-        # Mask last: a scale of 0 must not turn -inf into NaN.
-        return xp.where(self.visible, s, -xp.inf), tanh
+        return s, tanh
 
     def dropout(self, b, nheads_kv):
         """keep / (1 - p) of batch element b, grouped like the scores, or None."""
@@ -185,16 +228,19 @@ def _softmax(s):
     return p / l_safe, xp.where(empty, xp.inf, m + xp.log(l_safe))
 
 
-def _lse_gradient(dlse, b, nheads_kv, variant):
+def _lse_gradient(dlse, b, nheads_kv, variant, row_lse=None):
     """dlse of batch element b, grouped like the scores' rows (nheads_kv, group, seqlen_q, 1),
     or 0 without one. Rows that see no key take 0: their P is 0 and lse +inf, and a NaN
-    gradient there (a loss over +inf) must not turn 0 * NaN into NaN."""
+    gradient there (a loss over +inf) must not turn 0 * NaN into NaN. ``row_lse`` (grouped
+    like the result) tells those rows where the visible keys depend on more than the window
+    (mask_mod, or a score_mod giving -inf)."""
     if dlse is None:
         return 0.0
     xp = _array_module(dlse)
     nheads, seqlen_q = dlse.shape[1:]
     grouped = dlse[b].reshape(nheads_kv, nheads // nheads_kv, seqlen_q, 1)
-    return xp.where(variant.visible.any(axis=-1)[:, None], grouped, 0.0)
+    sees = variant.visible.any(axis=-1)[:, None] if row_lse is None else row_lse != xp.inf
+    return xp.where(sees, grouped, 0.0)
 
 
 def _sum_over_group(x_g):
@@ -205,7 +251,8 @@ def _sum_over_group(x_g):
 
 def attention_reference(
     q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, dropout_p=0.0, dropout_keep=None, window_limit=None,
+    alibi_slopes=None, dropout_p=0.0, dropout_keep=None, window_limit=None, score_mod=None,
+    mask_mod=None, mod_tensors=(),
 ):
     """Exact attention in float64: returns (out, lse).
 
@@ -215,14 +262,26 @@ def attention_reference(
     is not suppressed: it reaches every output that reads it. The options are the module's
     (see its docstring); dropout_p > 0 needs `dropout_keep`. ``window_limit``: the key count a
     window side is compared with, a side >= it being unbounded (default seqlen_k; the KV-cache
-    call compares with the cache's length).
+    call compares with the cache's length). ``score_mod``, ``mask_mod`` and ``mod_tensors``
+    (NumPy arrays): programmable attention (see the module docstring).
     """
+    return _attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                dropout_keep=dropout_keep, window_limit=window_limit,
+                                mods=mod.prepare(score_mod, mask_mod, mod_tensors))
+
+
+def _attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, dropout_p=0.0, dropout_keep=None, window_limit=None, mods=None,
+                         batch_index=None):
+    """attention_reference with its modifiers traced (``mods``) and the b they see for each
+    batch element (``batch_index``; a packed batch's sequence index)."""
     xp = _array_module(q)
     q, k, v = (x.astype(xp.float64) for x in (q, k, v))
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     variant = _Variant(xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                       dropout_p, dropout_keep, xp.float64, window_limit)
+                       dropout_p, dropout_keep, xp.float64, window_limit, mods, batch_index)
 
     out = xp.zeros((batch, seqlen_q, nheads, v.shape[-1]), dtype=xp.float64)
     lse = xp.full((batch, nheads, seqlen_q), xp.inf, dtype=xp.float64)
@@ -240,7 +299,8 @@ def attention_reference(
 
 def attention_reference_backward(
     dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, dropout_p=0.0, dropout_keep=None, out=None, dlse=None,
+    alibi_slopes=None, dropout_p=0.0, dropout_keep=None, out=None, dlse=None, score_mod=None,
+    mask_mod=None, mod_tensors=(),
 ):
     """Exact gradients of attention_reference's out (and lse) in float64: returns (dq, dk, dv).
 
@@ -260,14 +320,27 @@ def attention_reference_backward(
     `out`, if given, replaces O in D = rowsum(dO ∘ O): FlashAttention takes D from the out it
     stored in low precision, and passing that out gives the exact gradients of that
     computation, so a test can tell the effect of D's rounding from a kernel's own error.
+
+    With ``score_mod``, dS is also multiplied by d score_mod / d s at the scores before it
+    (cuflash.mod.derivative; 0 where the score is masked); ``mask_mod`` masks as the window does.
     """
+    return _attention_reference_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                         dropout_p=dropout_p, dropout_keep=dropout_keep, out=out, dlse=dlse,
+                                         mods=mod.prepare(score_mod, mask_mod, mod_tensors, backward=True))
+
+
+def _attention_reference_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None, out=None,
+                                  dlse=None, mods=None, batch_index=None):
+    """attention_reference_backward with traced modifiers; see _attention_reference."""
     xp = _array_module(q)
     dout, q, k, v = (x.astype(xp.float64) for x in (dout, q, k, v))
     out = None if out is None else out.astype(xp.float64)
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     variant = _Variant(xp, q, k, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                       dropout_p, dropout_keep, xp.float64)
+                       dropout_p, dropout_keep, xp.float64, None, mods, batch_index)
     scale = variant.scale
 
     dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
@@ -276,7 +349,7 @@ def attention_reference_backward(
 
     for b in range(batch):  # one batch element at a time bounds the (h, sq, sk) matrices
         s, tanh = variant.scores(q[b], k[b], b)
-        p, _ = _softmax(s)
+        p, row_lse = _softmax(s)
         keep = variant.dropout(b, nheads_kv)
         p_dropped = p if keep is None else p * keep
         q_g, do_g = _grouped(q[b], nheads_kv), _grouped(dout[b], nheads_kv)
@@ -288,9 +361,12 @@ def attention_reference_backward(
             dp = dp * keep
         o_g = xp.matmul(p_dropped, v_g) if out is None else _grouped(out[b], nheads_kv)
         delta = (do_g * o_g).sum(axis=-1, keepdims=True)
-        ds = p * (dp - delta) + p * _lse_gradient(dlse, b, nheads_kv, variant)
+        ds = p * (dp - delta) + p * _lse_gradient(dlse, b, nheads_kv, variant, None if mods is None else row_lse)
         if tanh is not None:
             ds = ds * (1 - tanh * tanh)
+        mod_gradient = variant.score_mod_gradient(q[b], k[b], b)
+        if mod_gradient is not None:  # (0 where masked: P = 0 there, and the derivative may be NaN)
+            ds = ds * xp.where(s == -xp.inf, 0.0, mod_gradient)
         dq[b] = _ungrouped(scale * xp.matmul(ds, k_g))
         dk[b] = _sum_over_group(scale * xp.matmul(ds.swapaxes(-1, -2), q_g))
     return dq, dk, dv
@@ -325,7 +401,8 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
 
 
 def attention_reference_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None, **options
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None, score_mod=None,
+    mask_mod=None, mod_tensors=(), **options
 ):
     """attention_reference of a packed variable-length batch: returns (out, lse).
 
@@ -333,37 +410,43 @@ def attention_reference_varlen(
     (batch + 1,) cumulative offsets (zero-length sequences allowed). Every option applies per
     sequence with that sequence's own seqlen_q and seqlen_k (the causal/window diagonal, the
     window normalisation); ALiBi slopes of shape (batch, nheads) give sequence b the row b;
-    `dropout_keep` is a list of per-sequence keep masks (1, nheads, seqlen_q_b, seqlen_k_b).
+    `dropout_keep` is a list of per-sequence keep masks (1, nheads, seqlen_q_b, seqlen_k_b);
+    score_mod and mask_mod see b, the sequence index, and positions within the sequence.
     out: float64 (total_q, nheads, d); lse: float64 (nheads, total_q).
     """
     xp = _array_module(q)
     out = xp.zeros(q.shape[:2] + v.shape[-1:], dtype=xp.float64)
     lse = xp.full(q.shape[1::-1], xp.inf, dtype=xp.float64)
-    for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
+    mods = mod.prepare(score_mod, mask_mod, mod_tensors)
+    for b, (rows_q, rows_k, own) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep)):
         args = (q[None, rows_q], k[None, rows_k], v[None, rows_k])
-        o, l = attention_reference(*args, **own, **options)
+        o, l = _attention_reference(*args, **own, **options, mods=mods, batch_index=[b])
         out[rows_q], lse[:, rows_q] = o[0], l[0]
     return out, lse
 
 
 def attention_reference_varlen_backward(
     dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_keep=None,
-    out=None, dlse=None, **options
+    out=None, dlse=None, score_mod=None, mask_mod=None, mod_tensors=(), **options
 ):
     """attention_reference_backward of a packed variable-length batch (laid out as
     attention_reference_varlen, dlse (nheads, total_q)): returns float64 (dq, dk, dv)
     shaped like q, k, v."""
-    return _varlen_backward(attention_reference_backward, "float64", dout, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                            alibi_slopes, dropout_keep, dlse, out=out, **options)
+    mods = mod.prepare(score_mod, mask_mod, mod_tensors, backward=True)
+    return _varlen_backward(_attention_reference_backward, "float64", dout, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                            alibi_slopes, dropout_keep, dlse, out=out, mods=mods, **options)
 
 
 def _varlen_backward(backward, dtype, dout, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep, dlse,
-                     *, out=None, **options):
+                     *, out=None, mods=None, **options):
     """``backward`` (a dense backward of this module) sequence by sequence: (dq, dk, dv)
-    of ``dtype``, shaped like q, k, v."""
+    of ``dtype``, shaped like q, k, v. ``mods``, where given, go to ``backward`` with the
+    sequence's index."""
     xp = _array_module(q)
     dq, dk, dv = (xp.zeros(x.shape, dtype=dtype) for x in (q, k, v))
-    for rows_q, rows_k, own in _sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep):
+    for b, (rows_q, rows_k, own) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_keep)):
+        if mods is not None:
+            own.update(mods=mods, batch_index=[b])
         if out is not None:
             own["out"] = out[None, rows_q]
         if dlse is not None:
