@@ -39,9 +39,7 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     their cluster. With ``dependent_launch`` (sm_90) the merge kernel is launched as a
     programmatic dependent of the split kernel: it starts as the splits finish their keys
     and reads nothing before the split kernel has ended. (The split kernel launched so
-    after the kernel before it gained nothing: H200, GQA 32/8 d 128 batch 1, 1,520 against
-    1,549 GB/s at 4k keys, 2,590 against 2,706 at 16k, where the next call's clusters
-    started beside the last one's merge; docs/tuning.md.) The launch is given
+    after the kernel before it gained nothing: docs/tuning.md, "KV-cache decode".) The launch is given
     DECODE_POINTERS: the merge's parts and lses are the workspace, its out and out_lse the
     call's. With ``varlen``, the varlen call over a paged cache: q and out packed
     (total_q, nheads, d), sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b]
@@ -93,19 +91,16 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
         return Plan(bytes(p), DECODE_POINTERS, (), DecodeParams)
     # An unsplit grid takes the wide tile, except in a deterministic call (one kernel
     # whatever the grid: its bits may not depend on the batch) and over pages copied row
-    # by row (MHA, d 128, pages of 16 rows before they were copied in runs, batch 64 and
-    # 4k keys read 2,824 GB/s with it, 3,730 without).
+    # by row (slower with it; tuning.md, "KV-cache decode").
     if parts == 1 and not cache.deterministic and has_tile("decode_wide", head_dim, extras, shared_limit):
         wide = kernel("decode_wide", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
         if not row_by_row(wide):
             chosen = wide
     grid = (splits * row_blocks, nheads_k, batch)
-    # Clusters where the grid is one wave of a CTA a multiprocessor (H200, GQA 32/8 d 128,
-    # graph replay: batch 1 and 4k keys, 16 splits, 1,374 GB/s against 1,071 with the merge
-    # kernel; 16k 2,470 against 2,181). With two CTAs a multiprocessor they ran 0.78-0.87x
-    # (batch 4 at 16k keys, MHA at 4k): a cluster's CTAs wait for its slowest at the
-    # merge, holding their multiprocessors. A deterministic call merges in the merge
-    # kernel's order whatever its splits.
+    # Clusters only where the grid is one wave of a CTA a multiprocessor: with two a
+    # multiprocessor a cluster's CTAs wait for its slowest at the merge, holding their
+    # multiprocessors (tuning.md, "KV-cache decode"). A deterministic call merges in the
+    # merge kernel's order whatever its splits.
     ctas = splits * row_blocks * nheads_k * batch
     if clusters and not cache.deterministic and 1 < splits <= MAX_CLUSTER_SPLITS and ctas <= multiprocessors:
         clustered = kernel("decode_cluster", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
@@ -140,12 +135,7 @@ def decode_splits(ctas: int, tiles: int, multiprocessors: int, small_pages: bool
     one that fills two CTAs a multiprocessor;
     else two CTAs a multiprocessor where that leaves a split SPLIT_TILES_TWO_PER_SM tiles,
     or one, each MIN_SPLIT_TILES tiles or more; then as few splits as take the same tiles
-    each (no split left empty). Measured on the H200 (GQA 32/8 and MHA, d 128, graph
-    replay, GB/s by splits; docs/tuning.md): batch 1 GQA, 16 splits (1 CTA a
-    multiprocessor) beat 8, 24 and 32 at 4k and 16k keys, tie 24-32 at 64k; batch 1 MHA and
-    batch 4 GQA, 8 splits (2 a multiprocessor) beat 5, 12 and 16; batch 16 GQA, one split
-    beat two by 6% at 4k keys and tied at 16k, but with pages of 16 rows two beat one by
-    1.5-1.7x."""
+    each (no split left empty); the measurements: docs/tuning.md, "KV-cache decode"."""
     if ctas == 0 or 2 * ctas >= multiprocessors * (4 if small_pages else 1):
         return 1
     splits = 2 * multiprocessors // ctas

@@ -79,57 +79,28 @@ class Sm90Forward(NamedTuple):
 
 
 # The sm_90a forward runs on a persistent grid (a CTA a multiprocessor): the producer loads
-# the next tile's Q and keys while the consumers finish a tile and store it (H200, d 128
-# bf16, 16k tokens, no mask: 1.00-1.05x a CTA per tile, most at 1k). Where every tile sees
-# the same keys the CTAs take tiles in turn; under a causal mask or a window, whose tiles
-# differ in length, each takes the next in order as it gets free, from a counter (in static
-# shares the longest tiles first ran 0.91-0.99x a CTA per tile at 4k-16k).
+# the next tile's Q and keys while the consumers finish a tile. Tiles alike go in turn; under a
+# causal mask or a window, whose tiles differ in length, each CTA takes the next from a counter
+# as it gets free (static shares came out uneven); tuning.md, "The Hopper forward".
 
-# Under a causal mask the scheduler takes the longest tiles first across a section of
-# (head, sequence) pairs (sm90_section, fwd.cu's Sm90Tiles) rather than pair after pair,
-# from SM90_SECTION_ROWS query rows, its section's K and V in SM90_SECTION_BYTES of L2.
-# Sections against pair after pair (H100, bf16, causal, 16k tokens, `scripts/sm90_bench.py
-# --sections`), at 2k / 4k / 8k / 16k: 16 MiB d 64 1.02 / 1.03 / 1.03 / 1.03x, d 128 1.03 /
-# 1.03 / 1.03 / 1.00x, d 256 1.05 / 1.08 / 1.08 / 1.00x; 8 MiB d 256 1.03 / 1.02 / 1.00 /
-# 1.00x; 32 MiB (FlashAttention-3's figure) d 128 0.99 / 1.03 / 1.04 / 1.00x. At 512 and 1k
-# sections lost up to 9% (d 256 at 512 with 32 MiB; d 128 with 16 MiB 0.95x and 0.96x) and
-# gained at most 2%. (Measured on a grid of a CTA a tile, which the hardware hands out in order.)
+# Under a causal mask, from SM90_SECTION_ROWS query rows, the scheduler takes the longest tiles
+# first across a section of (head, sequence) pairs whose K and V fit SM90_SECTION_BYTES of L2
+# (sm90_section, fwd.cu's Sm90Tiles): 16 MiB was best or within 1% from 2k rows, and below 2k
+# sections gained nothing (tuning.md, "The Hopper forward").
 SM90_SECTION_BYTES = 16 << 20
 SM90_SECTION_ROWS = 2048
-# Head dim -> (keys a tile, K/V stages, consumer warpgroups). At d 128 FlashAttention-3's
-# tile of 176 keys (m64n176 products: S, P and O in a consumer's 240 registers) in two
-# stages, 209 KiB of shared memory with Q. A consumer holds a tile's V until its next
-# turn; with two stages the copy engine keeps up only because each stage's K and V are
-# released apart (Sm90Shared::kApart): before that split, two stages of 128 keys ran 502
-# against 651 TFLOP/s for three at 16k, and 176 keys 0.81-0.87x the three-stage ring. With
-# it, 176 keys ran 0.97-1.04x the 128-key, three-stage tile without a mask, 1.02-1.04x
-# from 8k (H100, bf16 and fp16, 16k tokens, `bench --baseline`; 1.00-1.04x from 1k in
-# `scripts/sm90_bench.py`): fewer turns, barriers and softmax passes a key. At d 256
-# FlashAttention-3's tile of 80 keys keeps S, P and O in a consumer's 240 registers, and
-# two stages fit beside Q (225 KiB): 1.03-1.08x the 64-key tile at 1k-16k, causal or not
-# (bf16, same run). The causal or windowed variant with softcap, ALiBi or dropout spills 4
-# bytes with 80 keys and keeps 64 (SM90_BANDED_EXTRAS_TILES). At d 64 a consumer's S, P
-# and O fit in 160 registers, so three consumers share the multiprocessor:
-# FlashAttention-3's d64 tile of 192 query rows. Each K/V tile loaded serves half as many
-# rows again, and two consumers' products can run through the third's softmax; with three
-# stages of 128 keys it takes 121 KiB of shared memory (H200, 16k tokens, bf16, two ->
-# three consumers: not causal 1.12-1.28x at 2k-16k, 434 -> 557 TFLOP/s at 16k; causal
-# 1.06-1.16x, but 0.93x at 1k, where 192-row tiles leave fewer of them to share the
-# multiprocessors; fp16 alike). (At d 128 a consumer's S, P and O spill out of 160
-# registers.)
+# Head dim -> (keys a tile, K/V stages, consumer warpgroups), after FlashAttention-3: S, P and O
+# fit a consumer's 240 registers, or at d 64 its 160 with a third consumer serving each K/V tile
+# (d 128 spills there). Two stages keep up at d 128 and 256 only because each stage's K and V
+# are released apart (Sm90Shared::kApart); tuning.md, "The Hopper forward".
 SM90_TILES = {64: (128, 3, 3), 128: (176, 2, 2), 256: (80, 2, 2)}
 # Under a causal mask or a window d 128 keeps 128 keys in three stages (FlashAttention-3's
-# causal tile too): a 128-row block's diagonal tile hides more of 176 keys, and short calls
-# have few key tiles a row. 176 keys against it, bf16 / fp16 (H100, bench --baseline, one
-# run): causal 512 0.91 / 0.93x, 1k 0.95x, 2k 0.98x, 4k 0.99x, 8k 1.01 / 1.02x, 16k 1.01 /
-# 1.02x; identical kernels timed the same way read 0.95-1.03x each other.
+# causal tile): a diagonal tile masks more of 176 keys, and short calls have few key tiles a row.
 SM90_BANDED_TILES = {128: (128, 3, 2)}
+# With softcap, ALiBi or dropout too, d 256 keeps 64 keys: 80 spill 4 bytes.
 SM90_BANDED_EXTRAS_TILES = {256: (64, 2, 2)}
-# A causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows at d 64 keeps two consumers
-# (128-row tiles): three consumers' 192-row tiles are fewer, and longer, to share out among
-# the multiprocessors (H200, bf16, 16k tokens, `scripts/sm90_bench.py --head-dim 64 --tile
-# 128,3,2`, three consumers against two: 1k 0.93x, 2k 1.06x, 4k-16k 1.08-1.16x; on the H100
-# with the later scheduler 0.93x, 1.06x and 1.09-1.18x).
+# A causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows at d 64 keeps two consumers:
+# three consumers' 192-row tiles are too few, and too long, to share out (tuning.md, "The Hopper forward").
 SM90_SHORT_CAUSAL_TILES = {64: (128, 3, 2)}
 SM90_SHORT_CAUSAL_ROWS = 2048
 SM90_HEAD_DIMS = tuple(SM90_TILES)
@@ -230,19 +201,11 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
     return Plan(bytes(params), pointers, steps, Sm90Params, workspace, tuple(maps), counters)
 
 
-# Without a mask (every tile as long) the tiles that do not fill the last wave are cut along
-# their keys among more CTAs (fwd.cu's tile scheduler, sm90/tile_scheduler.cuh), each piece's
-# result merged by the last to finish. Each tile of the tail goes to the same number of
-# CTAs, so that every share is a piece of one tile and the pieces of a head's tiles cover
-# the same keys at the same time: shared out evenly over all CTAs (Stream-K's way), the
-# shares start at different keys in each tile, the tiles of a head no longer read their K
-# and V together from L2, and a batch of one with 1k query rows over 64k keys ran 0.57x
-# uncut (H100). A share takes SM90_TAIL_MIN_TURNS key tiles at least, a tile goes to
-# SM90_TAIL_MAX_PIECES pieces at most (the merging warp reads them all), and the cut is
-# made where a share and SM90_TAIL_PIECE_TURNS (a piece's own costs: its Q, the ring
-# filling, its result stored and merged; fitted to the H100's: d 64 with 16 key tiles a
-# tile in 3 pieces 0.99-1.00x, with 32 1.01-1.02x, d 64 1k in 2 pieces of 4 0.96-0.99x)
-# are fewer turns than a tile.
+# Without a mask the tiles short of a full last wave are cut along their keys (sm90/tile_scheduler.cuh),
+# each into as many pieces, so that a head's pieces read the same K and V from L2 together; the last
+# to finish merges them. A share takes SM90_TAIL_MIN_TURNS key tiles at least, a tile SM90_TAIL_MAX_PIECES
+# pieces at most (one warp merges them), and a cut needs a share plus SM90_TAIL_PIECE_TURNS (a piece's
+# own costs, fitted on the H100) to be fewer turns than a tile; tuning.md, "The Hopper forward".
 SM90_TAIL_MIN_TURNS = 4
 SM90_TAIL_MAX_PIECES = 16
 SM90_TAIL_PIECE_TURNS = 6

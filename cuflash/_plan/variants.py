@@ -72,12 +72,9 @@ class Kind(NamedTuple):
 
 
 _T = Tile
-# The KV-cache call (decode/split_kv.cu): 16 packed query rows + stages x (K tile + V
-# tile); the warps split each key tile, 16 keys each. Two stages of about 32 KB: three
-# CTAs share a multiprocessor (at d 128), so that their warps hide each other's
-# latencies while about 100 KB of loads are in flight. (One CTA of four warps with four
-# stages kept 96 KB in flight but issued one instruction at a time: 1.3 TB/s at batch
-# 64; with the strided copies, at batch 1 and 64k keys, 2.1 TB/s against 3.3.)
+# The KV-cache call (decode/split_kv.cu): 16 packed query rows + stages x (K tile + V tile);
+# the warps split each key tile, 16 keys each. Two stages of about 32 KB let three CTAs share
+# a multiprocessor (d 128) and hide each other's latencies (tuning.md, "KV-cache decode").
 DECODE_TILES = {
     **{d: (_T(16, 128, 4, 2),) for d in (32, 64)},
     **{d: (_T(16, 64, 4, 2),) for d in (96, 128)},
@@ -85,17 +82,10 @@ DECODE_TILES = {
 }
 
 
-# Grids that are not split (batch x KV heads fill the GPU) take eight warps over 128-key
-# tiles: one CTA a multiprocessor (135 KB at d 128), two warps a scheduler, where four warps
-# of a CTA each left one warp a scheduler to issue a tile's chain of dependent
-# instructions alone (ncu, batch 16, 4k keys, 128 CTAs: 6% of warp slots active, the warps
-# stalled most on fixed-latency dependencies). H200, GQA 32/8, bf16, graph replay, GB/s,
-# 64-key four-warp tile -> this one (cuDNN, same run): d 128 batch 16 4k 3,722 -> 3,879
-# (4,015), 16k 4,165 -> 4,370 (4,395), batch 64 4k 3,876 -> 4,194, 16k 3,997 -> 4,479
-# (4,415); MHA batch 16 4k 3,778 -> 4,283 (4,338); d 64 (against its 128-key four-warp
-# tile) batch 64 4k 3,885 -> 4,118, batch 16 4k 3,509 -> 3,482. Split grids keep
-# DECODE_TILES: with 128-key tiles a split holds half the tiles, and batch 1 read 0.76-0.96x;
-# so do pages shorter than 128 rows (decode).
+# Grids that are not split take eight warps over 128-key tiles: two warps a scheduler hide a
+# tile's chain of dependent instructions, where one issued it alone. Split grids keep
+# DECODE_TILES (a split would hold half the tiles), as do pages shorter than 128 rows (decode);
+# tuning.md, "KV-cache decode".
 DECODE_WIDE_TILES = {d: (_T(16, 128, 8, 2),) for d in (64, 128)}
 
 
@@ -118,30 +108,19 @@ def _decode_cluster_shared(t: Tile, d: int) -> int:
 KINDS = {
     # Q tile + stages x (K tile + V tile)
     "forward": Kind("fwd.cu", "attention_forward", {
-        # 32 query rows per warp up to d 128 (each K/V fragment read from shared
-        # memory feeds two m16 tiles). Above, the O accumulator only fits 16 rows: 4
-        # warps with one K and one V buffer (fwd.cu) take half the shared memory of
-        # two stages, so two CTAs share an SM and hide each other's barriers and loads
-        # (FlashAttention-2's H100 choice; 1.04-1.10x the 128 x 64 x 8-warp, 2-stage
-        # tile at d 256 in a tile sweep, docs/tuning.md "Forward tiles").
-        # At d 96, 64-key tiles: +5-8% over the same tiles taken 32 keys at a time (which
-        # were themselves +6-8% over 128 x 32 tiles, not causal) in A/B rounds; with
-        # softcap, ALiBi or dropout their S, softmax and P V go 32 keys at a time (fwd.cu,
-        # kSubN; a 64-key S spilled). At d 128 a 64-key S spills; 32-key steps of 128 x 64
-        # gain 3-5% causal on the swizzled tiles but spill 8 bytes in the causal variant
-        # on sm_90, and without the spill (fewer k16 steps overlapped) lose 1.6-4.5%.
+        # 32 query rows a warp up to d 128: each K/V fragment read feeds two m16 tiles. 32-key
+        # tiles at d 128 (a 64-key S spills); d 96's 64-key tiles go 32 keys a step with softcap,
+        # ALiBi or dropout (fwd.cu, kSubN). Above d 128 O fits 16 rows a warp, and one K and one V
+        # buffer let two CTAs share an SM (FlashAttention-2's); tuning.md, "Forward tiles per head dim".
         32: (_T(128, 64, 4, 2),), 64: (_T(128, 64, 4, 2),), 96: (_T(128, 64, 4, 2),), 128: (_T(128, 32, 4, 2),),
         **{d: (_T(64, 64, 4, 1), _T(64, 32, 4, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (t.block_m + 2 * t.stages * t.block_n) * _row_bytes(d), "block_m", False, "ForwardShared"),
     # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
     # + P and dS tiles. Warps own 32 rows of each product (bwd_one_pass.cu) and multiples of 8
     # columns of dK, dV and dQ (24 at d 96, 40 at d 160: an odd n8 tile, mma.cuh).
-    # Softcap, ALiBi and dropout take the two-kernel path up to d 128: their per-element
-    # arithmetic spills these tiles, and the tiles that fit them (64 x 128 at d 64,
-    # 128 x 64 at d 128) ran no faster than the two kernels without extras (tile sweep,
-    # docs/tuning.md "Backward structure").
-    # Three Q/dO buffers (loads two steps ahead) at d 64 where shared memory allows: +1-2%
-    # over two in two A/B rounds (up to +6% at 1k); at d 128 they lost 0.5-3%.
+    # Softcap, ALiBi and dropout take the two-kernel path up to d 128: they spill these tiles,
+    # and the tiles that fit them ran no faster. Three Q/dO buffers at d 64 where shared memory
+    # allows: they gained there and lost at d 128 (tuning.md, "Backward structure").
     "backward": Kind("bwd_one_pass.cu", "attention_backward", {
         32: (_T(128, 128, 8, 2), _T(128, 128, 8, 1)),
         # (128 x 128 with one Q/dO buffer, for sm_80's shared memory, spills under CUDA 12.9.)
@@ -178,9 +157,8 @@ KINDS = {
     "decode_wide": Kind("decode/split_kv.cu", "attention_decode", DECODE_WIDE_TILES, _decode_shared, "block_m",
                         False, "DecodeShared", suffix=("false",)),
     # The same with the splits of a row block in one thread block cluster, merging their
-    # results in shared memory (sm_90): no merge kernel, no workspace.
-    # (More stages ran slower at batch 1, GQA d 128: three (100 KB) 0.92-0.94x two, four
-    # (135 KB) 0.59-0.64x, when a cluster of 16 CTAs needs 16 multiprocessors of one GPC.)
+    # results in shared memory (sm_90): no merge kernel, no workspace. Two stages: larger CTAs
+    # leave a 16-CTA cluster waiting for room in one GPC (tuning.md, "KV-cache decode").
     "decode_cluster": Kind("decode/split_kv.cu", "attention_decode", DECODE_TILES, _decode_cluster_shared, "block_m",
                            False, "ClusterDecodeShared", suffix=("true",), clustered=True),
 }
