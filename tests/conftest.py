@@ -70,3 +70,17 @@ def pytest_runtest_setup(item):
     if required:
         require = os.environ["CUFLASH_REQUIRE_GPU"]
         pytest.fail(f"CUFLASH_REQUIRE_GPU={require} and this test cannot run: {why}", pytrace=False)
+
+
+@pytest.fixture(params=["as planned", "portable"])
+def forward_family(request, monkeypatch):
+    """The test once as the planner has it (on a Hopper GPU the sm_90a forward from head
+    dim 64) and once with CUFLASH_PORTABLE=1 (the mma.sync kernels other GPUs run); the
+    second skipped where it would repeat the first. Plans are forgotten on both sides."""
+    from cuflash import _device, experiment
+    if request.param == "portable":
+        if _device.portable() or _device.facts(0).capability != (9, 0):
+            pytest.skip("the mma.sync kernels are this run's only forward: 'as planned' ran them")
+        monkeypatch.setenv("CUFLASH_PORTABLE", "1")
+    with experiment.override():
+        yield request.param
