@@ -95,9 +95,11 @@ _CACHE_FILE = re.compile(r"[0-9a-f]{64}\.(cubin|json|lock)(\.[0-9a-f]{16}\.tmp)?
 _lock = threading.Lock()
 
 
-def compile_kernel(source: str, instance: str, arch: str, *, refresh: bool = False) -> Compiled:
+def compile_kernel(source: str, instance: str, arch: str, *, refresh: bool = False, prelude: str = "") -> Compiled:
     """Compile one template ``instance`` of the kernels in ``cuda/<source>`` for
-    ``arch`` (e.g. "sm_90"), or take it from the disk cache.
+    ``arch`` (e.g. "sm_90"), or take it from the disk cache. ``prelude``: CUDA text
+    compiled in front of the source (a call's score_mod and mask_mod,
+    ``cuflash.mod.kernel_source``), part of the key.
 
     The key covers every source byte, the instance, the arch and NVRTC's options, not
     NVRTC's version: a cache hit would have to load NVRTC to learn it, a library whose
@@ -109,6 +111,8 @@ def compile_kernel(source: str, instance: str, arch: str, *, refresh: bool = Fal
     for name, text in _sources().items():
         key.update(name.encode() + b"\0" + text + b"\0")
     key.update(repr((CACHE_FORMAT, source, instance, options)).encode())
+    if prelude:  # (only then: the keys of the kernels without one stay as they were)
+        key.update(b"prelude\0" + prelude.encode())
     path = cache_dir() / key.hexdigest()
     # A process that needs the entry while another compiles it waits here, then loads it.
     with _entry_lock(path):
@@ -122,7 +126,7 @@ def compile_kernel(source: str, instance: str, arch: str, *, refresh: bool = Fal
             compiled = None
         if compiled is None:
             start = time.perf_counter()
-            compiled = _run_nvrtc(source, instance, options)
+            compiled = _run_nvrtc(source, instance, options, prelude)
             log.info("cuflash: compiled %s for %s in %.1f s (%d registers, %d bytes spilled)", instance, arch,
                      time.perf_counter() - start, compiled.resources.registers, compiled.resources.spill_stores)
             _write_entry(path, compiled, arch, instance)
@@ -222,10 +226,10 @@ def _entry_lock(path: Path):
         yield
 
 
-def _run_nvrtc(source: str, instance: str, options: tuple[str, ...]) -> Compiled:
+def _run_nvrtc(source: str, instance: str, options: tuple[str, ...], prelude: str = "") -> Compiled:
     nvrtc = _nvrtc()
     headers = {n: t for n, t in _sources().items() if n.endswith(".cuh")}
-    prog = nvrtc.createProgram(_sources()[source].decode(), source, list(headers.values()),
+    prog = nvrtc.createProgram(prelude + _sources()[source].decode(), source, list(headers.values()),
                                [n.encode() for n in headers])
     try:
         nvrtc.addNameExpression(prog, instance)
@@ -300,11 +304,12 @@ def device_arch(device_id: int) -> str:
 
 @functools.cache
 def load_kernel(source: str, instance: str, device_id: int, shared_bytes: int, arch: str = "",
-                clustered: bool = False) -> int:
+                clustered: bool = False, prelude: str = "") -> int:
     """The CUfunction handle of ``instance`` on ``device_id``, compiled on first
-    use (for ``arch``, or the device's own) and allowed ``shared_bytes`` of dynamic
-    shared memory (and, ``clustered``, clusters of up to 16 CTAs)."""
+    use (for ``arch``, or the device's own, with ``prelude`` in front of the source) and
+    allowed ``shared_bytes`` of dynamic shared memory (and, ``clustered``, clusters of up
+    to 16 CTAs)."""
     from . import _driver
     with _lock:
-        compiled = compile_kernel(source, instance, arch or device_arch(device_id))
+        compiled = compile_kernel(source, instance, arch or device_arch(device_id), prelude=prelude)
         return _driver.load_function(compiled.cubin, compiled.lowered_name, device_id, shared_bytes, clustered)

@@ -170,7 +170,7 @@ _launchers: dict = {}
 
 def _cacheable(options: Options, varlen: Varlen | None) -> bool:
     """Is a plan for these options the same for every call of one signature?"""
-    return varlen is None and options.alibi is None and options.dropout_p == 0
+    return varlen is None and options.alibi is None and options.dropout_p == 0 and options.mods is None
 
 
 def _plan_key(arrays, options: Options, varlen: Varlen | None):
@@ -298,4 +298,4 @@ def _resident_ctas(kernel: _plan.Kernel, device: int) -> int:
 def _function(kernel, device: int) -> int:
     clustered = isinstance(kernel, _plan.Kernel) and _plan.KINDS[kernel.kind].clustered
     return _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes,
-                                kernel.arch, clustered)
+                                kernel.arch, clustered, getattr(kernel, "mods", ""))

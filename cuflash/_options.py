@@ -34,6 +34,7 @@ class Options(NamedTuple):
     dropout_p: float = 0.0
     seed: int = 0
     rng_offset: int = 0
+    mods: DeviceMods | None = None  # score_mod / mask_mod on CUDA arrays
 
     @property
     def local(self) -> bool:
@@ -41,7 +42,15 @@ class Options(NamedTuple):
 
     @property
     def extras(self) -> bool:
-        return self.softcap > 0 or self.alibi is not None or self.dropout_p > 0
+        """Softcap, ALiBi, dropout or mods: the kernels' instances with extras."""
+        return self.softcap > 0 or self.alibi is not None or self.dropout_p > 0 or self.mods is not None
+
+
+class DeviceMods(NamedTuple):
+    """score_mod and mask_mod of a call on CUDA arrays: the CUDA text the kernels compile
+    with (``cuflash.mod.kernel_source``) and the mod tensors, in order."""
+    source: str
+    tensors: tuple[ArrayInfo, ...]
 
 
 class Varlen(NamedTuple):
@@ -154,9 +163,9 @@ def has_mods(score_mod, mask_mod, mod_tensors) -> bool:
 
 
 def check_mods(q: ArrayInfo, score_mod, mask_mod, mod_tensors) -> None:
-    """score_mod and mask_mod functions (or None) with a tuple of mod tensors, on the NumPy
-    path. Their tracing (cuflash.mod.trace, on that path) checks the functions themselves and
-    each tensor, naming the function."""
+    """score_mod and mask_mod functions (or None) with a tuple of mod tensors. Their tracing
+    (cuflash.mod.trace on the NumPy path, ``device_mods`` on CUDA arrays) checks the
+    functions themselves and each tensor, naming the function."""
     for name, fn, signature in (("score_mod", score_mod, "(score, b, h, q_idx, kv_idx, *mod_tensors) -> score"),
                                 ("mask_mod", mask_mod, "(b, h, q_idx, kv_idx, *mod_tensors) -> bool")):
         if fn is not None and not callable(fn):
@@ -166,10 +175,41 @@ def check_mods(q: ArrayInfo, score_mod, mask_mod, mod_tensors) -> None:
                         f"got {type(mod_tensors).__name__}")
     if score_mod is None and mask_mod is None:
         raise ValueError("mod_tensors are the extra arguments of score_mod and mask_mod: pass one of them too")
-    if q.device is not None:
-        raise NotImplementedError(f"score_mod and mask_mod run on the NumPy path only so far: the CUDA kernels do "
-                                  f"not take them yet (q is a {q.framework} array on {q.where}); pass NumPy arrays "
-                                  f"to use them")
+
+
+def device_mods(q: ArrayInfo, score_mod, mask_mod, mod_tensors, *, batch: int, seqlen_q: int,
+                seqlen_k: int) -> DeviceMods:
+    """The mods of a call on CUDA arrays (``check_mods`` passed): each mod tensor is an
+    array of q's kind on q's device, of a dtype and rank the kernels take; the functions
+    are traced over the tensors' shapes and dtypes, and their indices checked over the
+    call's positions (``cuflash.mod.index_ranges``: the NumPy path's IndexError, up front)."""
+    from . import mod
+    from ._params import MAX_MOD_DIMS, MAX_MOD_TENSORS
+    if len(mod_tensors) > MAX_MOD_TENSORS:
+        raise ValueError(f"mod_tensors: the CUDA kernels take at most {MAX_MOD_TENSORS} mod tensors, got "
+                         f"{len(mod_tensors)}")
+    infos = []
+    for i, t in enumerate(mod_tensors):
+        name = f"mod_tensors[{i}]"
+        a = t if isinstance(t, ArrayInfo) else _arrays.inspect(t, name)
+        check_beside(name, a, q)
+        if a.dtype not in mod.TENSOR_DTYPES:
+            raise TypeError(f"{name} must have a dtype among {', '.join(mod.TENSOR_DTYPES)}, got {a.dtype}")
+        if len(a.shape) > MAX_MOD_DIMS:
+            raise ValueError(f"{name} must have at most {MAX_MOD_DIMS} dimensions on the GPU, got shape {a.shape}")
+        if not all(0 < n < 2**31 for n in a.shape):
+            raise ValueError(f"{name} must have sizes in [1, 2**31) on the GPU, got shape {a.shape}")
+        infos.append(a)
+    specs = tuple(mod.TensorSpec(i, None, a.shape, a.dtype) for i, a in enumerate(infos))
+    score = None if score_mod is None else mod.trace(score_mod, "score", specs)
+    mask = None if mask_mod is None else mod.trace(mask_mod, "mask", specs)
+    if batch and q.shape[-2] and seqlen_q and seqlen_k:
+        domain = {"b": (0, batch - 1), "h": (0, q.shape[-2] - 1), "q_idx": (0, seqlen_q - 1),
+                  "kv_idx": (0, seqlen_k - 1)}
+        for tree in (score, mask):
+            if tree is not None:
+                mod.index_ranges(tree, domain)
+    return DeviceMods(mod.kernel_source(score, mask), tuple(infos))
 
 
 def check_bool(name: str, value) -> None:

@@ -1,6 +1,6 @@
 """The kernels' one argument as ctypes structures with the same fields in the same order
 as their CUDA structs: ``Params`` (cuda/params.cuh), ``DecodeParams`` and ``MergeParams``
-(cuda/decode/decode_params.cuh), ``Sm90Params`` (cuda/sm90/fwd_params.cuh),
+(cuda/decode/decode_params.cuh), ``ModParams`` (cuda/mods.cuh), ``Sm90Params`` (cuda/sm90/fwd_params.cuh),
 ``Sm90BackwardParams`` (cuda/sm90/bwd_params.cuh). The C ABI
 lays both sides out alike (tests/test_compile.py checks every offset against NVRTC's
 own)."""
@@ -49,6 +49,20 @@ class Params(_Struct):
         ("dropout_threshold", ctypes.c_uint32), ("dropout_scale", ctypes.c_float),
         ("tile_group", ctypes.c_int),
     ]
+
+
+MAX_MOD_TENSORS, MAX_MOD_DIMS = 8, 4  # (cuda/mods.cuh: kMaxModTensors, kMaxModDims)
+
+
+class ModTensor(ctypes.Structure):
+    """``cuflash::ModTensor``: a mod tensor's data, strides (elements) and sizes."""
+    _fields_ = [("ptr", _ptr), ("stride", _i64 * MAX_MOD_DIMS), ("size", ctypes.c_int * MAX_MOD_DIMS)]
+
+
+class ModParams(Params):
+    """``cuflash::ModParams``: Params, then the mod tensors of a call with score_mod or
+    mask_mod (ctypes lays a subclass's fields after its base's, as C++ does a POD base)."""
+    _fields_ = [("tensors", ModTensor * MAX_MOD_TENSORS)]
 
 
 class TensorMap(ctypes.Structure):

@@ -20,9 +20,11 @@ _OPTIONS_DOC = """
     backward). LSE is unaffected by dropout.
     ``score_mod(score, b, h, q_idx, kv_idx, *mod_tensors) -> score`` and
     ``mask_mod(b, h, q_idx, kv_idx, *mod_tensors) -> bool`` (False: masked), with the
-    NumPy arrays ``mod_tensors``: programmable attention, traced by ``cuflash.mod``;
-    score_mod applies after softcap and ALiBi, mask_mod ANDs with causal and the window.
-    NumPy arrays only so far (CUDA arrays raise NotImplementedError).
+    arrays ``mod_tensors`` (of q's kind, on its device): programmable attention, traced by
+    ``cuflash.mod``; score_mod applies after softcap and ALiBi, mask_mod ANDs with causal
+    and the window. On CUDA arrays the traced functions are compiled into the mma.sync
+    kernels (every GPU); indices into mod tensors are checked over the call's positions
+    before any launch.
 """
 
 
@@ -51,7 +53,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     options = _options.make_options(arrays["q"], arrays["k"], causal, softmax_scale, window_size, softcap,
                                     alibi_slopes, dropout_p, seed, rng_offset, backward=False)
     if mods:
-        _options.check_mods(arrays["q"], score_mod, mask_mod, mod_tensors)
+        options = _with_mods(options, arrays["q"], score_mod, mask_mod, mod_tensors, arrays["q"].shape[0],
+                             arrays["q"].shape[1], arrays["k"].shape[1])
     if arrays["q"].device is None:
         from . import cpu
         out, lse = cpu.attention_forward(q, k, v, **_cpu_options(options, alibi_slopes),
@@ -59,7 +62,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     else:
         warm = _Warm(options)
         out, lse = _forward_gpu(*arrays.values(), options, None, return_lse, warm)
-        _remember(_key((q, k, v), scalars, alibi_slopes), warm, arrays["q"])
+        if not mods:  # (the warm key does not see the mods)
+            _remember(_key((q, k, v), scalars, alibi_slopes), warm, arrays["q"])
     return (out, lse) if return_lse else out
 
 
@@ -101,7 +105,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                     alibi_slopes, dropout_p, seed, rng_offset, backward=False, batch=varlen.batch,
                                     seqlen_k=varlen.max_seqlen_k)
     if mods:
-        _options.check_mods(arrays["q"], score_mod, mask_mod, mod_tensors)
+        options = _with_mods(options, arrays["q"], score_mod, mask_mod, mod_tensors, varlen.batch,
+                             varlen.max_seqlen_q, varlen.max_seqlen_k)
     if arrays["q"].device is None:
         from . import cpu
         out, lse = cpu.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -146,7 +151,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                                         dropout_p, seed, rng_offset, backward=True)
         _options.check_bool("deterministic", deterministic)
         if mods:
-            _options.check_mods(qi, score_mod, mask_mod, mod_tensors)
+            options = _with_mods(options, qi, score_mod, mask_mod, mod_tensors, qi.shape[0], qi.shape[1],
+                                 ki.shape[1])
         warm = _Warm(options)
     if qi.device is None:
         from . import cpu
@@ -174,7 +180,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                     seed, rng_offset, backward=True, batch=varlen.batch, seqlen_k=varlen.max_seqlen_k)
     _options.check_bool("deterministic", deterministic)
     if _options.has_mods(score_mod, mask_mod, mod_tensors):
-        _options.check_mods(qi, score_mod, mask_mod, mod_tensors)
+        options = _with_mods(options, qi, score_mod, mask_mod, mod_tensors, varlen.batch, varlen.max_seqlen_q,
+                             varlen.max_seqlen_k)
     if qi.device is None:
         from . import cpu
         return cpu.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -252,6 +259,17 @@ def _cpu_options(options: Options, alibi_slopes) -> dict:
     return dict(causal=options.causal, softmax_scale=options.scale, window_size=options.window,
                 softcap=options.softcap, alibi_slopes=alibi_slopes, dropout_p=options.dropout_p,
                 seed=options.seed, rng_offset=options.rng_offset)
+
+
+def _with_mods(options: Options, q, score_mod, mask_mod, mod_tensors, batch: int, seqlen_q: int,
+               seqlen_k: int) -> Options:
+    """The options of a call with mods: checked, and on CUDA arrays traced for the kernels
+    over the call's positions (batch elements or sequences, the longest lengths)."""
+    _options.check_mods(q, score_mod, mask_mod, mod_tensors)
+    if q.device is None:  # (the NumPy path traces them itself)
+        return options
+    return options._replace(mods=_options.device_mods(q, score_mod, mask_mod, tuple(mod_tensors), batch=batch,
+                                                      seqlen_q=seqlen_q, seqlen_k=seqlen_k))
 
 
 def _mod_options(score_mod, mask_mod, mod_tensors) -> dict:

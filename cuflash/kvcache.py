@@ -28,7 +28,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, softmax_scale=None, num_splits=0, deterministic=False,
-                           return_lse=False):
+                           return_lse=False, score_mod=None, mask_mod=None, mod_tensors=()):
     """Attention of q over each sequence's cached keys and values, after appending k and v
     (when given) to the caches in place: flash-attn 2.8's ``flash_attn_with_kvcache``.
 
@@ -55,7 +55,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     cut into parts by its own length; 0.55-1.0x the default's speed, slowest from batch 16
     on short caches, see docs/performance.md). Returns out like q, or (out, lse) with
     ``return_lse``, lse float32 (batch, nheads, seqlen_q) (+inf for a row that sees no key).
+    ``score_mod``, ``mask_mod`` and ``mod_tensors`` are refused (NotImplementedError): the
+    decode kernels do not take programmable attention.
     """
+    if _options.has_mods(score_mod, mask_mod, mod_tensors):
+        raise NotImplementedError("attention_with_kvcache does not take score_mod, mask_mod or mod_tensors: the "
+                                  "KV-cache (decode) kernels have no programmable attention; call "
+                                  "cuflash.attention over the cache's keys instead")
     return _attention_with_kvcache((q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                                     block_table, rotary_cos, rotary_sin, alibi_slopes), rotary_interleaved, causal,
                                     window_size, softcap, softmax_scale, num_splits, deterministic, return_lse)

@@ -10,7 +10,9 @@ sequence of a packed batch), ``q_idx`` and ``kv_idx`` positions inside that sequ
 immutable, hashable tree with one canonical text (``Traced.text``). The tree has three
 printers: ``to_numpy`` (a vectorised NumPy evaluator: what the NumPy path and the oracle
 run), ``to_cuda`` (a ``__device__`` function's text) and ``derivative`` (d score_mod /
-d score as another tree, for the backward).
+d score as another tree, for the backward). ``kernel_source`` is the CUDA text the mma.sync
+kernels of a call compile with; ``index_ranges`` checks a tree's indices over a call's
+positions before they run.
 
 Types: ``float`` (32-bit on the GPU), ``int`` (index arithmetic; 32-bit on the GPU, so it
 must stay within int32) and ``bool``. int mixed with float becomes float, bool mixed with
@@ -37,7 +39,7 @@ FLOAT, INT, BOOL = "float", "int", "bool"
 KINDS = ("score", "mask")
 SCORE_VARIABLES = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_VARIABLES = ("b", "h", "q_idx", "kv_idx")
-TENSOR_DTYPES = ("bool", "int32", "int64", "float32", "float64")
+TENSOR_DTYPES = ("bool", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 INT32_LIMIT = 2**31
 
 _SIGNATURES = {"score": "(score, b, h, q_idx, kv_idx, *mod_tensors) -> score",
@@ -605,8 +607,8 @@ def trace(fn, kind: str = "score", mod_tensors=()) -> Traced:
 
     kind "score": ``fn(score, b, h, q_idx, kv_idx, *mod_tensors)`` must return a float
     expression; kind "mask": ``fn(b, h, q_idx, kv_idx, *mod_tensors)`` a boolean one.
-    ``mod_tensors``: NumPy arrays (or ``TensorSpec``s) of dtype bool, int32, int64, float32
-    or float64; inside ``fn`` each is a symbolic tensor of that shape, indexed by integer
+    ``mod_tensors``: NumPy arrays (or ``TensorSpec``s) of dtype bool, int32, int64, float16,
+    bfloat16 (ml_dtypes), float32 or float64; inside ``fn`` each is a symbolic tensor of that shape, indexed by integer
     expressions. Python control flow on a symbolic value, an unsupported operation or a
     return that is not a symbolic value of the right type raises, naming ``fn``.
     """
@@ -746,7 +748,8 @@ class _NumpyEvaluator:
 # -- the CUDA printer -------------------------------------------------------------------------------
 
 _CUDA_TYPES = {FLOAT: "float", INT: "int", BOOL: "bool"}
-_CUDA_POINTERS = {"bool": "bool", "int32": "int", "int64": "long long", "float32": "float", "float64": "double"}
+_CUDA_POINTERS = {"bool": "bool", "int32": "int", "int64": "long long", "float16": "unsigned short",
+                  "bfloat16": "unsigned short", "float32": "float", "float64": "double"}
 _CUDA_FLOAT_FUNCTIONS = {"exp": "expf", "log": "logf", "tanh": "tanhf", "sqrt": "sqrtf", "abs": "fabsf"}
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -768,7 +771,10 @@ def to_cuda(tree: Traced, name: str) -> str:
     """The text of a ``__device__ __forceinline__`` CUDA function ``name`` computing ``tree``:
     ``float name(float score, int b, int h, int q_idx, int kv_idx, <tensors>)`` for a score
     tree, ``bool name(int b, int h, int q_idx, int kv_idx, <tensors>)`` for a mask tree. Each
-    mod tensor is a pointer ``t<i>`` and its element strides ``t<i>_stride<axis>`` (long long).
+    mod tensor is a pointer ``t<i>`` (float16 and bfloat16 as their 16 bits), its element
+    strides ``t<i>_stride<axis>`` (long long) and its sizes ``t<i>_size<axis>`` (int); each
+    index is clamped into [0, size) (a tile's rows and columns past the sequence's ends read
+    the edge; callers check the indices of the real positions up front: ``index_ranges``).
     Floats are float (expf, logf, tanhf, ...), integers int, booleans bool; it includes no header."""
     if not isinstance(name, str) or not _IDENTIFIER.match(name):
         raise ValueError(f"name must be a C identifier, got {name!r}")
@@ -777,6 +783,7 @@ def to_cuda(tree: Traced, name: str) -> str:
     for spec in tree.tensors:
         parameters.append(f"const {_CUDA_POINTERS[spec.dtype]}* __restrict__ t{spec.position}")
         parameters += [f"const long long t{spec.position}_stride{axis}" for axis in range(len(spec.shape))]
+        parameters += [f"const int t{spec.position}_size{axis}" for axis in range(len(spec.shape))]
     printer = _CudaPrinter()
     result = printer.expression(tree.root)
     result_type = "float" if tree.kind == "score" else "bool"
@@ -818,10 +825,19 @@ class _CudaPrinter:
         op, type = node.op, node.type
         if op == "load":
             position, dtype, _ = node.value
-            offset = " + ".join(f"(long long){self.expression(a)} * t{position}_stride{axis}"
-                                for axis, a in enumerate(node.args)) or "0"
+            indices = [self.local(INT, f"min(max({self.expression(a)}, 0), t{position}_size{axis} - 1)")
+                       for axis, a in enumerate(node.args)]
+            offset = " + ".join(f"(long long){index} * t{position}_stride{axis}"
+                                for axis, index in enumerate(indices)) or "0"
             value = f"t{position}[{offset}]"
-            if dtype in ("int64", "float64"):
+            if dtype == "float16":  # (no header: the conversion in PTX)
+                name = f"v{len(self.lines)}"
+                self.lines.append(f"float {name};")
+                self.lines.append(f'asm("cvt.f32.f16 %0, %1;" : "=f"({name}) : "h"({value}));')
+                return name
+            if dtype == "bfloat16":  # bfloat16 is a float32's upper half
+                value = f"__uint_as_float((unsigned){value} << 16)"
+            elif dtype in ("int64", "float64"):
                 value = f"({_CUDA_TYPES[type]}){value}"
             return self.local(type, value)
         args = [self.expression(a) for a in node.args]
@@ -861,6 +877,132 @@ class _CudaPrinter:
         if op == "where":
             return self.local(type, f"{args[0]} ? {args[1]} : {args[2]}")
         raise AssertionError(f"unknown node {op}")
+
+
+MAX_KERNEL_TENSORS = 8  # mod tensors a kernel takes (cuda/mods.cuh, kMaxModTensors)
+MAX_KERNEL_DIMS = 4     # dimensions of each (ModTensor)
+
+
+def kernel_source(score: Traced | None, mask: Traced | None) -> str:
+    """The CUDA text the kernels of a call with mods compile with: score_mod, its derivative
+    and mask_mod as device functions, and ``cuflash::UserMods``, the struct the kernels call
+    them through (cuda/mods.cuh describes its interface; ``NoMods`` is the struct of the
+    kernels without mods). The text names each function's tree, so it keys the kernels'
+    cache: equal trees share their kernels, whatever the tensors' shapes."""
+    trees = [t for t in (score, mask) if t is not None]
+    if not trees:
+        raise ValueError("kernel_source needs a score or a mask tree")
+    specs = trees[0].tensors
+    if len(specs) > MAX_KERNEL_TENSORS or any(len(t.shape) > MAX_KERNEL_DIMS for t in specs):
+        raise ValueError(f"the kernels take at most {MAX_KERNEL_TENSORS} mod tensors of at most {MAX_KERNEL_DIMS} "
+                         f"dimensions each")
+    arguments = []
+    for spec in specs:
+        i, axes = spec.position, range(len(spec.shape))
+        arguments.append(f"static_cast<const {_CUDA_POINTERS[spec.dtype]}*>(t[{i}].ptr)")
+        arguments += [f"t[{i}].stride[{axis}]" for axis in axes]
+        arguments += [f"t[{i}].size[{axis}]" for axis in axes]
+    tail = "".join(f", {a}" for a in arguments)
+    lines, members = [], [f"  static constexpr bool kScore = {str(score is not None).lower()}, "
+                          f"kMask = {str(mask is not None).lower()};"]
+    method = "  template <typename Tensor>\n  static __device__ __forceinline__ {} {}({}, const Tensor* t) {{ return {}({}{}); }}"
+    score_args = "float score, int b, int h, int q_idx, int kv_idx"
+    if score is not None:
+        lines += [to_cuda(score, "cuflash_score_mod"), to_cuda(derivative(score), "cuflash_score_mod_gradient")]
+        members += [method.format("float", "score", score_args, "cuflash_score_mod",
+                                  "score, b, h, q_idx, kv_idx", tail),
+                    method.format("float", "gradient", score_args, "cuflash_score_mod_gradient",
+                                  "score, b, h, q_idx, kv_idx", tail)]
+    if mask is not None:
+        lines.append(to_cuda(mask, "cuflash_mask_mod"))
+        members.append(method.format("bool", "mask", "int b, int h, int q_idx, int kv_idx", "cuflash_mask_mod",
+                                     "b, h, q_idx, kv_idx", tail))
+    lines += ["namespace cuflash {", "struct UserMods {", *members, "};", "}  // namespace cuflash", ""]
+    return "\n".join(lines)
+
+
+def index_ranges(tree: Traced, domain: dict) -> None:
+    """Check a tree's integer arithmetic over the positions of a call before the kernels run:
+    ``domain`` maps b, h, q_idx and kv_idx to their (lowest, highest) values. Raises
+    IndexError where an index into a mod tensor can leave the tensor (as the NumPy path
+    raises at the first such value), ValueError where integer arithmetic can leave int32
+    (the GPU's). Interval arithmetic: an index computed from a mod tensor's values cannot
+    be bounded and is clamped into the tensor by the kernels instead."""
+    memo: dict = {}
+
+    def interval(node: Node):
+        if node in memo:
+            return memo[node]
+        result = memo[node] = _interval(node, interval, domain)
+        if node.type == INT and result is not None and not -INT32_LIMIT <= result[0] <= result[1] < INT32_LIMIT:
+            raise ValueError(f"{tree.name}: integer arithmetic ({node.text}) reaches {result[0]} .. {result[1]} "
+                             f"over this call's positions, beyond int32, the type of index arithmetic on the GPU")
+        return result
+
+    def visit(node: Node, seen: set):
+        if node in seen:
+            return
+        seen.add(node)
+        for a in node.args:
+            visit(a, seen)
+        interval(node)
+        if node.op != "load":
+            return
+        spec = tree.tensors[node.value[0]]
+        for axis, (index, size) in enumerate(zip(node.args, spec.shape)):
+            bounds = interval(index)
+            if bounds is not None and (bounds[0] < 0 or bounds[1] >= size):
+                raise IndexError(f"{tree.name}: index {axis} of mod tensor {spec.label} (shape {spec.shape}) must be "
+                                 f"in [0, {size}), got values from {bounds[0]} to {bounds[1]} over this call's "
+                                 f"positions ({index.text})")
+
+    visit(tree.root, set())
+
+
+def _interval(node: Node, interval, domain: dict):
+    """(lowest, highest) of an integer or boolean node, or None where unknown."""
+    op = node.op
+    if node.type == BOOL:
+        return (0, 1)
+    if node.type != INT:
+        return None
+    if op == "var":
+        return domain[node.value]
+    if op == "const":
+        return (node.value, node.value)
+    if op == "load":
+        return None
+    args = [interval(a) for a in node.args]
+    if op == "cast":
+        return args[0]
+    if op == "where":
+        args = args[1:]
+    if any(a is None for a in args):
+        return None
+    if op == "neg":
+        return (-args[0][1], -args[0][0])
+    if op == "abs":
+        lo, hi = args[0]
+        return (0 if lo <= 0 <= hi else min(builtins.abs(lo), builtins.abs(hi)), max(builtins.abs(lo), builtins.abs(hi)))
+    (a0, a1), (b0, b1) = args[0], args[1]
+    if op == "add":
+        return (a0 + b0, a1 + b1)
+    if op == "sub":
+        return (a0 - b1, a1 - b0)
+    if op == "mul":
+        corners = (a0 * b0, a0 * b1, a1 * b0, a1 * b1)
+        return (min(corners), max(corners))
+    if op in ("min", "max"):
+        f = min if op == "min" else max
+        return (f(a0, b0), f(a1, b1))
+    if op == "where":
+        return (min(a0, b0), max(a1, b1))
+    if op in ("floordiv", "mod") and b0 == b1 and b0 != 0:  # a constant divisor
+        if op == "mod":
+            return (0, b0 - 1) if b0 > 0 else (b0 + 1, 0)
+        corners = (a0 // b0, a1 // b0)
+        return (min(corners), max(corners))
+    return None
 
 
 # -- the derivative ---------------------------------------------------------------------------------

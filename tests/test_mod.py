@@ -8,13 +8,14 @@ against a dense computation written out here; every tracing error, naming the fu
 the CUDA printer's text through NVRTC."""
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _arrays, _options, cpu, mod
+from cuflash import _options, cpu, mod
 from cuflash.mod import derivative, to_cuda, to_numpy, trace
 from cuflash.reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
                                attention_reference_varlen_backward)
@@ -770,7 +771,7 @@ TRACE_ERRORS = [
     (slice_index, (SLOPES,), TypeError, r"index 0 of 't' \(mod_tensors\[0\]\) must be a symbolic value"),
     (float_index, (SLOPES,), TypeError, r"must be an integer expression, got a float one"),
     (too_many, ([1.0, 2.0],), TypeError, r"mod_tensors\[0\] must be a NumPy array \(the NumPy path\), got builtins"),
-    (too_many, (SLOPES.astype(np.float16),), TypeError, r"mod_tensors\[0\] must have a dtype among .* got float16"),
+    (too_many, (SLOPES.astype(np.uint8),), TypeError, r"mod_tensors\[0\] must have a dtype among .* got uint8"),
 ]
 
 
@@ -841,31 +842,14 @@ def test_argument_errors():
         to_cuda(trace(lambda s, b, h, i, j: s), "2fast")
 
 
-def test_cuda_arrays_raise_before_any_launch(monkeypatch):
-    """CUDA arrays (faked here: the checks see device 0) raise NotImplementedError, and
-    nothing is planned or launched."""
-    from cuflash import _kernels, api
-
-    def on_the_gpu(**arrays):
-        infos = {name: _arrays.inspect(x, name) for name, x in arrays.items()}
-        return {name: a._replace(device=0, dtype="float16" if a.dtype == "float32" and name != "lse" else a.dtype)
-                for name, a in infos.items()}
-
-    def never(*args, **kwargs):
-        raise AssertionError("launched")
-
-    monkeypatch.setattr(api, "_inspect", on_the_gpu)
-    monkeypatch.setattr(_kernels, "forward_launcher", never)
-    monkeypatch.setattr(_kernels, "backward_launcher", never)
+def test_paged_calls_refuse_mods():
+    """The paged varlen call (block_table) and the KV-cache call take no mods: a clear
+    error, before anything runs."""
     q, k, v = (np.ones((1, 3, 2, 8), np.float32) for _ in range(3))
-    lse = np.zeros((1, 2, 3), np.float32)
-    with pytest.raises(NotImplementedError, match="score_mod and mask_mod run on the NumPy path only so far"):
-        cuflash.attention(q, k, v, score_mod=lambda s, b, h, i, j: s)
-    with pytest.raises(NotImplementedError, match="NumPy path only"):
-        cuflash.attention_backward(q, q, k, v, q, lse, mask_mod=lambda b, h, i, j: i >= j)
-    gpu_q = _arrays.inspect(q, "q")._replace(device=0)
-    with pytest.raises(NotImplementedError, match="NumPy path only"):
-        _options.check_mods(gpu_q, None, lambda b, h, i, j: i >= j, ())
+    with pytest.raises(NotImplementedError, match="attention_with_kvcache does not take score_mod"):
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=3, score_mod=lambda s, b, h, i, j: s)
+    with pytest.raises(NotImplementedError, match="does not take score_mod, mask_mod or mod_tensors"):
+        cuflash.attention_with_kvcache(q, k, v, cache_seqlens=3, mask_mod=lambda b, h, i, j: i >= j)
     with pytest.raises(NotImplementedError, match="do not take block_table"):
         cuflash.attention_varlen(q[0], k[0], v[0], np.int32([0, 3]), np.int32([0, 3]), 3, 3,
                                  block_table=np.zeros((1, 1), np.int32), mask_mod=lambda b, h, i, j: i >= j)
@@ -882,20 +866,21 @@ def test_without_mods_nothing_changes():
 def _kernels_source():
     """Every operation, type and tensor dtype in one score_mod, its derivative and a mask_mod."""
     tensors = (np.zeros((2, 5), np.int64), np.zeros((3, 7), np.float32), np.zeros((), np.float64),
-               np.zeros(4, bool), np.zeros(3, np.int32))
+               np.zeros(4, bool), np.zeros(3, np.int32), np.zeros(2, np.float16), np.zeros(2, ml_dtypes.bfloat16))
 
-    def everything(s, b, h, q, k, doc, bias, c, flag, i32):
-        x = mod.where(flag[h % 4] & (doc[b, q] == doc[b, k]), s + bias[h % 3, (q - k) % 7], -INF)
+    def everything(s, b, h, q, k, doc, bias, c, flag, i32, half, brain):
+        x = mod.where(flag[h % 4] & (doc[b, q] == doc[b, k]), s + bias[h % 3, (q - k) % 7] * half[b], -INF)
         y = mod.minimum(mod.exp(x), mod.log(abs(s) + 1)) + mod.maximum(mod.sqrt(abs(s)), mod.sigmoid(s)) ** 1.5
         z = y - c[()] * i32[k % 3] + mod.tanh(s) ** 2 + float("nan") * (q // -2 == k % -3) + abs(-q)
-        return z + mod.minimum(q, k) - mod.maximum(q, 2) / 3 + 1e39 - 1e-7 + (q > 0) * 0.5
+        return z + mod.minimum(q, k) - mod.maximum(q, 2) / 3 + 1e39 - 1e-7 + (q > 0) * 0.5 + brain[h % 2]
 
     score = trace(everything, "score", tensors)
     mask = trace(lambda b, h, q, k, *t: (~(q < k) | (b != 0)) & (t[3][h] == True), "mask", tensors)  # noqa: E712
     text = to_cuda(score, "score_fn") + to_cuda(derivative(score), "score_grad") + to_cuda(mask, "mask_fn")
-    call = "0, 1, 2, 3, doc, 5, 1, bias, 7, 1, c, flag, 1, i32, 1"
+    call = "0, 1, 2, 3, doc, 5, 1, 2, 5, bias, 7, 1, 3, 7, c, flag, 1, 4, i32, 1, 3, half, 1, 2, brain, 1, 2"
     text += ('extern "C" __global__ void probe(float* out, const long long* doc, const float* bias, '
-             'const double* c, const bool* flag, const int* i32)\n'
+             'const double* c, const bool* flag, const int* i32, const unsigned short* half, '
+             'const unsigned short* brain)\n'
              f'{{ out[0] = score_fn(out[1], {call}) + score_grad(out[1], {call}); out[2] = mask_fn({call}); }}\n')
     return text
 
@@ -904,7 +889,9 @@ def test_cuda_text_is_straight_line_code_without_headers():
     tree = trace(lambda s, b, h, q, k, t: 5 * mod.tanh(s / 5) - t[h] * abs(q - k + 2), "score", (SLOPES,))
     text = to_cuda(tree, "softcap_alibi")
     assert "__device__ __forceinline__ float softcap_alibi(const float score, const int b, const int h, " \
-           "const int q_idx, const int kv_idx, const float* __restrict__ t0, const long long t0_stride0)" in text
+           "const int q_idx, const int kv_idx, const float* __restrict__ t0, const long long t0_stride0, " \
+           "const int t0_size0)" in text
+    assert "min(max(h, 0), t0_size0 - 1)" in text  # (indices clamped into the tensor)
     assert "tanhf(" in text and "#include" not in text and tree.text in text
     assert to_cuda(tree, "softcap_alibi") == text
     mask = to_cuda(trace(lambda b, h, q, k: q // 3 >= k % -2, "mask"), "blocks")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from .plan import Plan, Step, call_params, vectorizable
+from .plan import Plan, Step, call_params, vectorizable, with_mods
 from .variants import KINDS, Elementwise, Kernel, has_tile, head_dim_bucket, kernel
 
 if TYPE_CHECKING:
@@ -26,7 +26,8 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
     steps = ()
     if batch and p.seqlen_q and p.nheads:
         steps = (Step(tiled, tiled.grid(p.seqlen_q, p.nheads, batch), (), batch * p.nheads),)
-    return Plan(bytes(p), FORWARD_POINTERS, steps)
+    p, struct = with_mods(p, options)
+    return Plan(bytes(p), FORWARD_POINTERS, steps, struct)
 
 
 class BackwardRows(NamedTuple):
@@ -75,7 +76,8 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
         steps.append(Step(Elementwise("backward_convert_dq", q.dtype), rows.convert_grid, per_row))
     # dq_accum stays unset without the one-pass kernel: nothing reads it then.
     pointers = BACKWARD_POINTERS if one_pass else BACKWARD_POINTERS[:-1]
-    return Plan(bytes(p), pointers, tuple(steps))
+    p, struct = with_mods(p, options)  # (the elementwise kernels read the Params at its start)
+    return Plan(bytes(p), pointers, tuple(steps), struct)
 
 
 def backward_workspace(q_shape, deterministic: bool = False,
@@ -93,4 +95,5 @@ def backward_workspace(q_shape, deterministic: bool = False,
 
 
 def _kernel(kind: str, q: ArrayInfo, options: Options, vectorized: bool, shared_limit: int) -> Kernel:
-    return kernel(kind, q.dtype, q.shape[-1], options.local, vectorized, options.extras, shared_limit)
+    return kernel(kind, q.dtype, q.shape[-1], options.local, vectorized, options.extras, shared_limit,
+                  "" if options.mods is None else options.mods.source)

@@ -3,10 +3,11 @@ plan itself, and the kernels' Params of a call (shapes, strides, options) with i
 pointers left for the launcher to fill in."""
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from .._params import ArrayView, Params, field_offset
+from .._params import ArrayView, ModParams, Params, field_offset
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
@@ -102,6 +103,19 @@ def call_params(q, k, v, options: Options, varlen: Varlen | None, **arrays) -> t
         p.dropout_scale = 1.0 / (1.0 - options.dropout_p)
         p.seed, p.rng_offset = options.seed, options.rng_offset
     return p, batch
+
+
+def with_mods(p: Params, options: Options) -> tuple[Params, type]:
+    """The kernels' argument and its type: ``p`` itself, or with the call's mods its
+    ModParams (p followed by the mod tensors)."""
+    if options.mods is None:
+        return p, Params
+    m = ModParams.from_buffer_copy(bytes(p) + bytes(ctypes.sizeof(ModParams) - ctypes.sizeof(Params)))
+    for slot, a in zip(m.tensors, options.mods.tensors):
+        slot.ptr = a.ptr
+        for axis, (size, stride) in enumerate(zip(a.shape, a.strides)):
+            slot.size[axis], slot.stride[axis] = size, stride
+    return m, ModParams
 
 
 def dropout_threshold(p: float) -> int:

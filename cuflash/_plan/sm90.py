@@ -158,6 +158,8 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
     and that hold keys."""
     if not 64 <= q.shape[-1] <= 256 or q.dtype not in DTYPES or not vectorizable(q, k, v, out):
         return False
+    if options.mods is not None:  # score_mod / mask_mod: the mma.sync kernels only
+        return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
     seqlen_k = varlen.max_seqlen_k if varlen else k.shape[1]
@@ -247,6 +249,8 @@ def backward_takes(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, dq
     64 to 128 without softcap, ALiBi or dropout; arrays the copy engine can read (16-byte
     aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
     if not 64 <= q.shape[-1] <= max(SM90_BACKWARD_TILES) or q.dtype not in DTYPES or options.extras:
+        return False
+    if options.mods is not None:  # score_mod / mask_mod: the mma.sync kernels only
         return False
     return vectorizable(dout, q, k, v, dq, dk, dv) and all(a.strides[-1] == 1 for a in (dout, q, k, v))
 

@@ -200,7 +200,8 @@ class Kernel(NamedTuple):
     tile: Tile
     local: bool  # causal or sliding-window band
     vectorized: bool  # 16-byte aligned rows, head dim % 8 == 0
-    extras: bool  # softcap, ALiBi or dropout
+    extras: bool  # softcap, ALiBi, dropout or mods
+    mods: str = ""  # the call's score_mod / mask_mod as CUDA text (cuflash.mod.kernel_source), or ""
     arch = ""  # the device's own
 
     @property
@@ -215,6 +216,8 @@ class Kernel(NamedTuple):
         if kind.has_col_split:
             args.append(t.col_split)
         args.extend(kind.suffix)
+        if self.mods:  # (the struct self.mods defines; mods.cuh)
+            args.append("cuflash::UserMods")
         return f"cuflash::{kind.template}<{', '.join(map(str, args))}>"
 
     @property
@@ -280,9 +283,9 @@ def has_tile(kind: str, head_dim: int, extras: bool, shared_limit: int) -> bool:
 
 @functools.cache  # the plan of a call signature never changes: look it up once
 def kernel(kind: str, dtype: str, head_dim: int, local: bool, vectorized: bool, extras: bool,
-           shared_limit: int) -> Kernel:
+           shared_limit: int, mods: str = "") -> Kernel:
     bucket = head_dim_bucket(head_dim)
     for tile in KINDS[kind].candidates(bucket, extras):
         if KINDS[kind].shared_bytes(tile, bucket) <= shared_limit:
-            return Kernel(kind, dtype, bucket, tile, local, vectorized, extras)
+            return Kernel(kind, dtype, bucket, tile, local, vectorized, extras, mods)
     raise RuntimeError(f"no {kind} tile for head dim {bucket} fits {shared_limit} bytes of shared memory")

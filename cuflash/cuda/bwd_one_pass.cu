@@ -8,6 +8,7 @@
 #include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "mods.cuh"
 #include "params.cuh"
 #include "pipeline.cuh"
 #include "score.cuh"
@@ -41,8 +42,8 @@ struct BackwardShared {
 // @tparam kStages  shared buffers for Q / dO: 2 overlaps the next step's load with this
 //                  step's products, 3 loads two steps ahead
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
-          bool kExtras>
-__global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Params p) {
+          bool kExtras, typename Mods = NoMods>
+__global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const ParamsOf<Mods> p) {
   constexpr int kThreads = kWarps * 32;
   using S = HeadDimLayout<kHeadDim>;
   using P = PaddedRows<kBlockN>;  // P and dS, [query][key]
@@ -171,9 +172,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       mma_ABt<T, kQkUnroll>(acc_s, q_tile.from_row(s_row0), k_tile.from_row(s_key0), lane);
       mma_ABt<T, kQkUnroll>(acc_dp, do_tile.from_row(s_row0), v_tile.from_row(s_key0), lane);
       // P = dropout(exp(mod(S) - LSE));  dS = P (dropout(dP) - D) mod'(S)
-      probabilities_and_gradients<false, kLocal, kExtras>(
+      probabilities_and_gradients<false, kLocal, kExtras, Mods>(
           acc_s, acc_dp, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask,
-          mod, dropout, dropping, p.dropout_scale,
+          mod, ModsAt<Mods>::of(p, batch, head), dropout, dropping, p.dropout_scale,
           [=](int r, int) { return !kExtras || r < warp_rows ? step_lse[r] * kLog2e : kInf; },
           [=](int r, int) { return step_delta[r]; }, m0 + s_row0, n0 + s_key0, lane);
       // P, dS -> shared memory, for the products of every warp

@@ -8,6 +8,7 @@
 #include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "mods.cuh"
 #include "params.cuh"
 #include "pipeline.cuh"
 #include "score.cuh"
@@ -57,8 +58,8 @@ struct BackwardDqShared {
 // (__launch_bounds__ minimum 1 block: without it ptxas caps small CTAs near 168
 // registers and spills.)
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
-          bool kExtras, int kColSplit>
-__global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const Params p) {
+          bool kExtras, int kColSplit, typename Mods = NoMods>
+__global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const ParamsOf<Mods> p) {
   constexpr int kThreads = kWarps * 32;
   using S = HeadDimLayout<kHeadDim, true>;  // (layout.cuh: kXorAddress)
   constexpr int kCols = kHeadDim / kColSplit;
@@ -152,9 +153,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
       mma_ABt<T, kQkUnroll>(acc_ds, v_tile.from_row(warp * 16), do_tile, lane);
       mma_ABt<T, kQkUnroll>(acc_s, k_tile.from_row(warp * 16), q_tile, lane);
       // P^T = dropout(exp(mod(S^T) - LSE));  dS^T = P^T (dropout(dP^T) - D) mod'(S^T)
-      probabilities_and_gradients<true, kLocal, kExtras>(
+      probabilities_and_gradients<true, kLocal, kExtras, Mods>(
           acc_s, acc_ds, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask, mod,
-          dropout, dropping, p.dropout_scale, [=](int c, int) { return step_lse[c]; },
+          ModsAt<Mods>::of(p, batch, head), dropout, dropping, p.dropout_scale, [=](int c, int) { return step_lse[c]; },
           [=](int c, int) { return step_delta[c]; }, n0 + warp * 16, m0, lane);
       // dV_j += P^T dO;  dK_j += dS^T Q (scaled once at the end)
       mma_AB<T>(acc_dv, acc_s, do_tile, col0, lane);
@@ -178,8 +179,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
 //   S = Q K^T;  P = exp(mod(S) - LSE);  dP = dropout(dO V^T);  dS = P (dP - D) mod'(S);  dQ += dS K
 // kColSplit passes over the head dim keep the dQ accumulator within registers.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
-          bool kExtras, int kColSplit>
-__global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Params p) {
+          bool kExtras, int kColSplit, typename Mods = NoMods>
+__global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const ParamsOf<Mods> p) {
   constexpr int kThreads = kWarps * 32;
   using S = HeadDimLayout<kHeadDim, true>;  // (layout.cuh: kXorAddress)
   constexpr int kCols = kHeadDim / kColSplit;
@@ -264,8 +265,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
       mma_ABt<T, kQkUnroll>(acc_s, q_tile.from_row(warp * 16), k_tile, lane);
       mma_ABt<T, kQkUnroll>(acc_ds, do_tile.from_row(warp * 16), v_tile, lane);
       // P = dropout(exp(mod(S) - LSE));  dS = P (dropout(dP) - D) mod'(S)
-      probabilities_and_gradients<false, kLocal, kExtras>(
-          acc_s, acc_ds, scale_log2, !mask.covers(m0, row_end, n0, n0 + kBlockN), mask, mod, dropout, dropping,
+      probabilities_and_gradients<false, kLocal, kExtras, Mods>(
+          acc_s, acc_ds, scale_log2, !mask.covers(m0, row_end, n0, n0 + kBlockN), mask, mod,
+          ModsAt<Mods>::of(p, batch, head), dropout, dropping,
           p.dropout_scale, [=](int, int e) { return row_lse[e >> 1]; }, [=](int, int e) { return row_delta[e >> 1]; },
           m0 + warp * 16, n0, lane);
       // dQ_i += dS K (scaled once at the end)

@@ -2,7 +2,7 @@
 //
 //   for each key tile n the query tile can see (the last ones first):
 //     S = Q K_n^T                          tensor cores, fp32 accumulators
-//     S = mod(S)                           variants: softcap, ALiBi (kExtras)
+//     S = mod(S)                           variants: softcap, ALiBi (kExtras); score_mod, mask_mod (Mods)
 //     S = mask(S)                          only tiles that straddle a boundary
 //     m' = max(m, rowmax S);  P = exp(scale (S - m'))
 //     l = l exp(scale (m - m')) + rowsum P;  O = O exp(scale (m - m')) + dropout(P) V_n
@@ -16,6 +16,7 @@
 #include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "mods.cuh"
 #include "params.cuh"
 #include "pipeline.cuh"
 #include "score.cuh"
@@ -31,17 +32,19 @@ namespace cuflash {
 // @tparam kLocal    causal or sliding-window band (Params::window_left/right)
 // @tparam kVec      rows 16-byte aligned and headdim % 8 == 0: cp.async 16-byte chunks
 // @tparam kExtras   softcap, ALiBi or dropout may be on (each switched by Params)
+// @tparam Mods      the call's score_mod and mask_mod (mods.cuh; with kExtras), or NoMods
 // (__launch_bounds__ minimum 1 block: without it ptxas caps small CTAs near 168
 // registers and spills.)
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kWarps, int kStages, bool kLocal, bool kVec,
-          bool kExtras>
-__global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params p) {
+          bool kExtras, typename Mods = NoMods>
+__global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const ParamsOf<Mods> p) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row mma tiles per warp
   constexpr int kDTiles = kHeadDim / 8;
   using S = HeadDimLayout<kHeadDim>;
   static_assert(kMTiles * 16 * kWarps == kBlockM && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shape");
   static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
+  static_assert(kExtras || !kHasMods<Mods>, "mods take the scores in natural units: the extras' instances");
   // Key tiles load as kBlockN rows, but with 32 rows per warp above d 64 and softcap,
   // ALiBi or dropout, S, the softmax and P V go 32 keys at a time: the registers of a
   // 32-key tile (a 64-key S spills next to the O accumulator and the extras' state), the
@@ -134,6 +137,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
       mma_ABt<T>(acc_s, q_tile.from_row(warp_row0), k_sub, lane);
       // S = mod(S): softcap, ALiBi (then in natural units, already scaled)
       if constexpr (kExtras) mod.apply(acc_s, m0 + warp_row0, n0, lane);
+      // S = score_mod(S), -inf where mask_mod hides it: every tile
+      if constexpr (kHasMods<Mods>) ModsAt<Mods>::of(p, batch, head).apply(acc_s, m0 + warp_row0, n0, lane);
       // S = -inf where hidden, only in tiles the band or seqlen_k cuts through
       if (!mask.covers(m0, row_end, n0, n0 + kSubN)) mask.apply(acc_s, m0 + warp_row0, n0, lane);
       // m' = max(m, rowmax S);  P = exp2(c (S - m')) with c = scale log2(e);

@@ -6,6 +6,7 @@
 #include "common.cuh"
 #include "fragment.cuh"
 #include "mask.cuh"
+#include "mods.cuh"
 #include "score.cuh"
 
 namespace cuflash {
@@ -15,12 +16,15 @@ namespace cuflash {
 //   s  <- dropout(P), P = exp(mod(s) - LSE), 0 where hidden     (for dV)
 //   dp <- dS = P (dropout(dP) - D) mod'(s)                       (for dK and dQ)
 // lse_log2(i, e) / delta(i, e) give LSE * log2(e) and D of the query at index i of the
-// tile's queries (element e of its fragment).
-template <bool kTransposed, bool kLocal, bool kExtras, int kMTiles, int kNTiles, typename Lse, typename Delta>
+// tile's queries (element e of its fragment). With Mods (and extras), mod is ScoreMod and
+// then score_mod, and mask_mod hides scores too.
+template <bool kTransposed, bool kLocal, bool kExtras, typename Mods, int kMTiles, int kNTiles, typename Lse,
+          typename Delta>
 __device__ __forceinline__ void probabilities_and_gradients(
     float (&s)[kMTiles][kNTiles][4], float (&dp)[kMTiles][kNTiles][4], float scale_log2, bool masked,
-    const Mask<kLocal>& mask, const ScoreMod& mod, const Dropout& dropout, bool dropping, float dropout_scale,
-    Lse lse_log2, Delta delta, int row0, int col0, int lane) {
+    const Mask<kLocal>& mask, const ScoreMod& mod, const ModsAt<Mods>& mods, const Dropout& dropout, bool dropping,
+    float dropout_scale, Lse lse_log2, Delta delta, int row0, int col0, int lane) {
+  static_assert(kExtras || !kHasMods<Mods>, "mods take the scores in natural units: the extras' instances");
   const int g = lane >> 2, t = lane & 3;
   // Without extras a hidden score becomes -inf before the exp, in a pass of its own
   // that only tiles crossing the mask's edge run: the loop below stays free of per-score
@@ -37,12 +41,22 @@ __device__ __forceinline__ void probabilities_and_gradients(
         const int query = kTransposed ? col0 + c : row0 + r, key = kTransposed ? row0 + r : col0 + c;
         const int local = kTransposed ? c : r;  // the query's index for lse_log2 / delta
         const float raw = s[mt][nt][e];
-        float prob = fast_exp2((kExtras ? mod(raw, query, key) : raw) * scale_log2 - lse_log2(local, e));
-        if (kExtras && masked && !mask.visible(query, key)) prob = 0.f;
+        float prob, modified;
+        if constexpr (kHasMods<Mods>) {
+          modified = mod(raw, query, key);
+          const float score = mods.score(modified, query, key);
+          const bool hidden = (masked && !mask.visible(query, key)) || !mods.visible(query, key);
+          prob = hidden ? 0.f : fast_exp2(score * scale_log2 - lse_log2(local, e));
+        } else {
+          prob = fast_exp2((kExtras ? mod(raw, query, key) : raw) * scale_log2 - lse_log2(local, e));
+          if (kExtras && masked && !mask.visible(query, key)) prob = 0.f;
+        }
         float kept = 1.f;
         if (kExtras && dropping) kept = dropout.keep(query, key) ? dropout_scale : 0.f;
         float ds = prob * (dp[mt][nt][e] * kept - delta(local, e));
         if constexpr (kExtras) ds *= mod.chain(raw);
+        // (Where P is 0, score_mod's derivative may be NaN: hidden, or a row past the end.)
+        if constexpr (Mods::kScore) ds = prob == 0.f ? 0.f : ds * mods.gradient(modified, query, key);
         s[mt][nt][e] = prob * kept;
         dp[mt][nt][e] = ds;
       }
