@@ -1,0 +1,211 @@
+"""Programmable attention on the GPU: score_mod and mask_mod compiled into the mma.sync
+kernels, forward and backward, dense and varlen, against the float64 oracle
+(cuflash.reference with the same functions) by flash-attn's rule (tests/rule.py).
+
+The low-precision yardstick is plain attention's (cuflash.reference.attention_lowp, with the
+call's built-in options but without the mods, which it does not take) on the same inputs: the
+rounding of P and of the products is the same. Every case compiles its own kernels once
+(its functions' text keys them); hypothesis varies the shapes (GQA, ragged lengths: 1,
+tile + 1, primes; seqlen_q != seqlen_k) and the inputs, outputs land in NaN-poisoned memory.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import mod
+from cuflash.reference import (attention_lowp, attention_lowp_backward, attention_lowp_varlen,
+                               attention_lowp_varlen_backward, attention_reference, attention_reference_backward,
+                               attention_reference_varlen, attention_reference_varlen_backward)
+
+from .rule import FLOOR, check_lse, check_output, lowp_error
+from .strategies import assert_close
+from .test_gpu_forward import cupy_dtype, poisoned_allocations
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = (1, 2, 17, 31, 33, 64, 65, 127, 129, 131, 257)
+RADIUS = 16  # the relative bias's buckets: distances -RADIUS .. RADIUS
+
+
+def relative_bias(s, b, h, q_idx, kv_idx, bias):  # T5's, clipped to RADIUS
+    return s + bias[h, mod.minimum(mod.maximum(q_idx - kv_idx, -RADIUS), RADIUS) + RADIUS]
+
+
+def alibi(s, b, h, q_idx, kv_idx, slopes, diagonal):
+    return s - slopes[h] * abs(q_idx + diagonal[()] - kv_idx)
+
+
+def softcap(s, b, h, q_idx, kv_idx):
+    return 8.0 * mod.tanh(s / 8.0)
+
+
+def same_document(b, h, q_idx, kv_idx, doc_q, doc_k):
+    return doc_q[b, q_idx] == doc_k[b, kv_idx]
+
+
+def prefix_lm(b, h, q_idx, kv_idx, is_prefix, diagonal):
+    return (kv_idx <= q_idx + diagonal[()]) | is_prefix[b, kv_idx]
+
+
+def window_with_sinks(b, h, q_idx, kv_idx, diagonal):
+    distance = q_idx + diagonal[()] - kv_idx
+    return ((distance >= 0) & (distance <= 48)) | (kv_idx < 4)
+
+
+def tensor_bias(s, b, h, q_idx, kv_idx, bias):
+    return s + bias[b, h, q_idx, kv_idx]
+
+
+def _tensors(case: str, rng, batch, nheads, seqlen_q, seqlen_k):
+    """The case's mod tensors as NumPy arrays (b indexes the batch or the sequences)."""
+    diagonal = np.array(seqlen_k - seqlen_q, np.int32)
+    if case == "t5":
+        return (rng.standard_normal((nheads, 2 * RADIUS + 1)).astype(np.float32),)
+    if case == "alibi":
+        import ml_dtypes
+        return (rng.uniform(0.01, 0.5, nheads).astype(ml_dtypes.bfloat16), diagonal)
+    if case == "document":
+        docs = max(1, seqlen_k // 40)
+        return (np.sort(rng.integers(0, docs, (batch, seqlen_q)), axis=1).astype(np.int32),
+                np.sort(rng.integers(0, docs, (batch, seqlen_k)), axis=1).astype(np.int64))
+    if case == "prefix":
+        return (np.arange(seqlen_k)[None, :] < rng.integers(0, seqlen_k + 1, (batch, 1)), diagonal)
+    if case == "sinks":
+        return (diagonal,)
+    if case == "bias":
+        return (rng.standard_normal((batch, nheads, seqlen_q, seqlen_k)).astype(np.float16),)
+    return ()
+
+
+# case: (score_mod, mask_mod, dtype, head dim, built-in options, varlen)
+CASES = {
+    "t5": (relative_bias, None, "float16", 64, {}, False),
+    "alibi": (alibi, None, "bfloat16", 128, {"causal": True}, False),
+    "softcap": (softcap, None, "float16", 128, {"window_size": (40, 8)}, True),
+    "document": (None, same_document, "bfloat16", 64, {}, False),
+    "document_varlen": (relative_bias, same_document, "float16", 64, {}, True),
+    "prefix": (None, prefix_lm, "bfloat16", 128, {"softcap": 20.0}, False),
+    "sinks": (None, window_with_sinks, "float16", 256, {}, True),
+    "bias": (tensor_bias, None, "bfloat16", 96, {"softcap": 30.0, "causal": True}, False),
+}
+
+
+def _run(case: str, shape, seed: int, deterministic: bool):
+    import cupy
+    score_mod, mask_mod, dtype, head_dim, options, varlen = CASES[case]
+    batch, seqlen_q, seqlen_k, nheads_kv, group = shape
+    nheads = nheads_kv * group
+    tensor_case = "document" if case == "document_varlen" else case
+    rng = np.random.default_rng(seed)
+    host = _tensors(tensor_case, rng, batch, nheads, seqlen_q, seqlen_k)
+    if case == "document_varlen":
+        host = _tensors("t5", rng, batch, nheads, seqlen_q, seqlen_k) + host
+        score_mod = relative_bias_then_documents
+        mask_mod = same_document_after_bias
+    element = cupy_dtype(dtype)
+    q = rng.standard_normal((batch, seqlen_q, nheads, head_dim)).astype(element)
+    k, v = (rng.standard_normal((batch, seqlen_k, nheads_kv, head_dim)).astype(element) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(element)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod)
+    device = [cupy.asarray(t) for t in (q, k, v, dout)]
+    device_tensors = tuple(cupy.asarray(t) for t in host)
+    if varlen:  # the batch packed, with the sequences' own lengths: the first full, the others shorter
+        lengths_q = [seqlen_q] + [int(n) for n in rng.integers(1, seqlen_q + 1, batch - 1)]
+        lengths_k = [seqlen_k] + [int(n) for n in rng.integers(1, seqlen_k + 1, batch - 1)]
+        cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+        q, dout = (np.concatenate([x[b, :n] for b, n in enumerate(lengths_q)]) for x in (q, dout))
+        k, v = (np.concatenate([x[b, :n] for b, n in enumerate(lengths_k)]) for x in (k, v))
+        cq, ck, cv, cdout = (cupy.asarray(x) for x in (q, k, v, dout))
+        ccu_q, ccu_k = cupy.asarray(cu_q), cupy.asarray(cu_k)
+        with poisoned_allocations():
+            out, lse = cuflash.attention_varlen(cq, ck, cv, ccu_q, ccu_k, seqlen_q, seqlen_k, return_lse=True,
+                                                mod_tensors=device_tensors, **mods, **options)
+            grads = cuflash.attention_varlen_backward(cdout, cq, ck, cv, out, lse, ccu_q, ccu_k, seqlen_q, seqlen_k,
+                                                      deterministic=deterministic, mod_tensors=device_tensors,
+                                                      **mods, **options)
+        ref, ref_lse = attention_reference_varlen(q, k, v, cu_q, cu_k, mod_tensors=host, **mods, **options)
+        lowp = attention_lowp_varlen(q, k, v, cu_q, cu_k, **options)
+        plain = attention_reference_varlen(q, k, v, cu_q, cu_k, **options)[0]
+        refs = attention_reference_varlen_backward(dout, q, k, v, cu_q, cu_k, mod_tensors=host, **mods, **options)
+        lowps = attention_lowp_varlen_backward(dout, q, k, v, cu_q, cu_k, **options)
+        plains = attention_reference_varlen_backward(dout, q, k, v, cu_q, cu_k, **options)
+    else:
+        cq, ck, cv, cdout = device
+        with poisoned_allocations():
+            out, lse = cuflash.attention(cq, ck, cv, return_lse=True, mod_tensors=device_tensors, **mods, **options)
+            grads = cuflash.attention_backward(cdout, cq, ck, cv, out, lse, deterministic=deterministic,
+                                               mod_tensors=device_tensors, **mods, **options)
+        ref, ref_lse = attention_reference(q, k, v, mod_tensors=host, **mods, **options)
+        lowp = attention_lowp(q, k, v, **options)
+        plain = attention_reference(q, k, v, **options)[0]
+        refs = attention_reference_backward(dout, q, k, v, mod_tensors=host, **mods, **options)
+        lowps = attention_lowp_backward(dout, q, k, v, **options)
+        plains = attention_reference_backward(dout, q, k, v, **options)
+    check_output(out, ref, lowp_error(lowp, plain), dtype)
+    check_lse(lse, ref_lse)
+    for name, grad, reference, low, plain_grad, like in zip(("dq", "dk", "dv"), grads, refs, lowps, plains,
+                                                           (q, k, v)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype, name
+        # The gradient rule (tests/rule.py, check_gradient) with plain attention's yardstick.
+        scale = float(np.abs(reference).max(initial=0.0))
+        assert_close(grad, reference, atol=3 * lowp_error(low, plain_grad) + 2 * FLOOR[dtype] * (1.0 + scale),
+                     name=name)
+
+
+def relative_bias_then_documents(s, b, h, q_idx, kv_idx, bias, doc_q, doc_k):
+    return relative_bias(s, b, h, q_idx, kv_idx, bias)
+
+
+def same_document_after_bias(b, h, q_idx, kv_idx, bias, doc_q, doc_k):
+    return same_document(b, h, q_idx, kv_idx, doc_q, doc_k)
+
+
+shapes = st.tuples(st.integers(1, 2), st.sampled_from(LENGTHS), st.sampled_from(LENGTHS), st.integers(1, 2),
+                   st.integers(1, 3))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@settings(deadline=None, max_examples=8, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=shapes, seed=st.integers(0, 2**32 - 1), deterministic=st.booleans())
+def test_mods_match_the_oracle(case, shape, seed, deterministic):
+    _run(case, shape, seed, deterministic)
+
+
+def test_a_fully_masked_row_gives_zero_and_infinite_lse():
+    """mask_mod hiding every key of some rows: out 0, LSE +inf, gradients 0 there."""
+    import cupy
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (cupy.asarray(rng.standard_normal((1, 65, 2, 64)).astype(np.float16)) for _ in range(4))
+    hidden = cupy.asarray(np.arange(65) % 7 == 0)
+
+    def rows_hidden(b, h, q_idx, kv_idx, hidden):
+        return ~hidden[q_idx]
+
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, mask_mod=rows_hidden, mod_tensors=(hidden,), return_lse=True)
+        dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, mask_mod=rows_hidden, mod_tensors=(hidden,))
+    rows = np.flatnonzero(np.arange(65) % 7 == 0)
+    assert bool((out[0, rows] == 0).all()) and bool(cupy.isinf(lse[0][:, rows]).all())
+    assert bool((dq[0, rows] == 0).all()) and bool(cupy.isfinite(dk).all()) and bool(cupy.isfinite(dv).all())
+    assert bool(cupy.isfinite(out).all()) and bool(cupy.isfinite(dq).all())
+
+
+def test_plans_stay_on_the_mma_sync_kernels(monkeypatch):
+    """On any GPU (a Hopper one included) a call with mods launches the mma.sync kernels
+    compiled with its functions."""
+    import cupy
+    from cuflash import _kernels
+    q, k, v = (cupy.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 128)).astype(np.float16))
+               for _ in range(3))
+    launched = []
+    original = _kernels.Launcher.__init__
+
+    def record(self, plan, device):
+        launched.extend(step.kernel for step in plan.steps)
+        original(self, plan, device)
+
+    monkeypatch.setattr(_kernels.Launcher, "__init__", record)
+    cuflash.attention(q, k, v, score_mod=softcap)
+    assert [k.kind for k in launched] == ["forward"] and "cuflash::UserMods" in launched[0].instance

@@ -1,0 +1,200 @@
+"""Programmable attention's kernel side without a GPU: the mod variants of each mma.sync kernel
+kind compile for sm_80 and sm_90 with no spills, their argument lays out as the CUDA struct,
+the planner sends calls with mods to the mma.sync family (a Hopper GPU included) and keys
+their kernels by the functions' text, and every error is raised before any launch."""
+import ctypes
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _arrays, _compile, _kernels, _params, _plan, api, mod
+from cuflash.mod import TensorSpec, index_ranges, kernel_source, trace
+
+SPECS = (TensorSpec(0, None, (4, 33), "float32"), TensorSpec(1, None, (2, 300), "int64"),
+         TensorSpec(2, None, (4,), "bfloat16"), TensorSpec(3, None, (2, 300), "bool"),
+         TensorSpec(4, None, (4,), "float16"))
+
+
+def relative_bias(s, b, h, q_idx, kv_idx, bias, doc, slopes, prefix, half):
+    distance = mod.minimum(mod.maximum(q_idx - kv_idx, -16), 16)
+    return 8.0 * mod.tanh(s / 8.0) + bias[h, distance + 16] - slopes[h] * abs(q_idx - kv_idx) * half[h]
+
+
+def documents(b, h, q_idx, kv_idx, bias, doc, slopes, prefix, half):
+    return (doc[b, q_idx] == doc[b, kv_idx]) | prefix[b, kv_idx]
+
+
+SOURCE = kernel_source(trace(relative_bias, "score", SPECS), trace(documents, "mask", SPECS))
+# One variant of each kernel kind that takes mods (the one-pass backward: its extras tiles, d 160+).
+KINDS = (("forward", 128), ("backward_dkdv", 128), ("backward_dq", 128), ("backward", 256))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("kind,head_dim", KINDS)
+def test_mod_variants_compile_without_spills(kind, head_dim, arch):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (the cuda12/cuda13 extra) is not installed")
+    kernel = _plan.kernel(kind, "bfloat16", head_dim, True, True, True, _plan.shared_memory_limit(arch), SOURCE)
+    assert kernel.instance.endswith(", cuflash::UserMods>")
+    compiled = _compile.compile_kernel(kernel.source, kernel.instance, arch, prelude=SOURCE)
+    print(arch, kernel.instance, compiled.resources)
+    assert 0 < compiled.resources.registers <= 255
+    assert compiled.resources.spill_stores == compiled.resources.spill_loads == 0
+
+
+def test_mod_params_layout_matches_the_cuda_struct():
+    """ModParams is Params then the mod tensors, as cuda/mods.cuh declares them (NVRTC has no
+    offsetof: each probe reads one field, and the PTX says from where)."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (the cuda12/cuda13 extra) is not installed")
+    tensor = ctypes.sizeof(_params.ModTensor)
+    base = _params.ModParams.tensors.offset
+    fields = {"tile_group": _params.Params.tile_group.offset, "tensors[0].ptr": base,
+              "tensors[1].ptr": base + tensor,
+              "tensors[2].stride[3]": base + 2 * tensor + _params.ModTensor.stride.offset + 24,
+              "tensors[7].size[2]": base + 7 * tensor + _params.ModTensor.size.offset + 8}
+    probes = [f'extern "C" __global__ void probe_{i}(const cuflash::ModParams p, long long* out) '
+              f'{{ out[0] = (long long)p.{member}; }}' for i, member in enumerate(fields)]
+    nvrtc = _compile._nvrtc()
+    headers = {n: t for n, t in _compile._sources().items() if n.endswith(".cuh")}
+    prog = nvrtc.createProgram('#include "mods.cuh"\n' + "\n".join(probes) + "\n", "layout.cu",
+                               list(headers.values()), [n.encode() for n in headers])
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_80", "--std=c++17"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    size = re.search(r"\.param \.align \d+ \.b8 probe_0_param_0\[(\d+)\]", ptx)
+    assert size and int(size[1]) == ctypes.sizeof(_params.ModParams)
+    assert base == ctypes.sizeof(_params.Params)
+    for i, (member, offset) in enumerate(fields.items()):
+        load = re.search(rf"ld\.param\.\w+\s+%\w+, \[probe_{i}_param_0(?:\+(\d+))?\]", ptx)
+        assert load and int(load[1] or 0) == offset, member
+
+
+def _on_the_gpu(x, name="q", device=0):
+    """A NumPy array described as a CuPy array on a GPU (nothing reads its memory here)."""
+    info = _arrays.inspect(x, name)
+    dtype = "float16" if info.dtype == "float32" and name in ("q", "k", "v", "dout") else info.dtype
+    return info._replace(framework="cupy", device=device, dtype=dtype, ptr=4096)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """cuflash's calls see CuPy arrays on GPU 0 (mod tensors passed as ArrayInfo, or as NumPy
+    arrays: another kind); launching raises. Returns what reached the planner."""
+    reached = {}
+
+    def never(q, k, v, out, options, varlen):
+        reached["options"] = options
+        raise RuntimeError("launched")
+
+    monkeypatch.setattr(api, "_inspect", lambda **arrays: {n: _on_the_gpu(x, n) for n, x in arrays.items()})
+    monkeypatch.setattr(api._arrays, "Framework", lambda q: type("F", (), {"empty": lambda *a: q, "stream": 0})())
+    monkeypatch.setattr(_kernels, "forward_launcher", never)
+    monkeypatch.setattr(_kernels, "backward_launcher", lambda *a: never(*a[:4], a[-2], a[-1]))
+    return reached
+
+
+QKV = tuple(np.ones((2, 100, 4, 128), np.float32) for _ in range(3))
+
+
+def test_mod_calls_plan_onto_the_mma_sync_kernels_keyed_by_their_text(fake_gpu):
+    bias = _on_the_gpu(np.zeros((4, 199), np.float32), "bias")
+    with pytest.raises(RuntimeError, match="launched"):
+        cuflash.attention(*QKV, causal=True, score_mod=lambda s, b, h, i, j, t: s + t[h, i - j + 99],
+                          mod_tensors=(bias,))
+    options = fake_gpu["options"]
+    assert options.extras and options.mods.tensors == (bias,)
+    q = _on_the_gpu(QKV[0])
+    for sm90a in (False, True):  # (a Hopper GPU: the sm_90a kernels refuse mods)
+        forward = _plan.forward(q, q, q, q, options, None, 227 * 1024, sm90a, 132)
+        backward = _plan.backward(q, q, q, q, q, q, q, q, None, options, None, 227 * 1024, sm90a)
+        tiled = [s.kernel for s in forward.steps + backward.steps if isinstance(s.kernel, _plan.Kernel)]
+        assert [k.kind for k in tiled] == ["forward", "backward_dq", "backward_dkdv"]
+        assert all(k.mods == options.mods.source and "UserMods" in k.instance for k in tiled)
+        assert forward.struct is backward.struct is _params.ModParams
+        params = _params.ModParams.from_buffer_copy(forward.params)
+        assert (params.tensors[0].ptr, list(params.tensors[0].size[:2]), list(params.tensors[0].stride[:2])) == \
+            (4096, [4, 199], [199, 1])
+    plain = _plan.forward(q, q, q, q, options._replace(mods=None), None, 227 * 1024, False, 132)
+    assert plain.struct is _params.Params and plain.steps[0].kernel.mods == ""
+    assert "UserMods" not in plain.steps[0].kernel.instance
+    assert not _kernels._cacheable(options, None)  # (planned each call, as ALiBi)
+
+
+def test_the_compile_cache_keys_kernels_by_the_mod_text(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    compiled = []
+
+    def fake_nvrtc(source, instance, options, prelude=""):
+        compiled.append(prelude)
+        return _compile.Compiled(b"\x7fELF" + prelude.encode(), "kernel", _compile.Resources(32, 0, 0, 0), (12, 0))
+
+    monkeypatch.setattr(_compile, "_run_nvrtc", fake_nvrtc)
+    first, second = SOURCE, kernel_source(None, trace(documents, "mask", SPECS))
+    for prelude in (first, second, first, "", ""):
+        _compile.compile_kernel("fwd.cu", "cuflash::attention_forward<x>", "sm_80", prelude=prelude)
+    assert compiled == [first, second, ""]
+
+
+def test_equal_functions_share_their_text_whatever_the_shapes():
+    shorter = tuple(s._replace(shape=(3, 17)) if s.position == 0 else s for s in SPECS)
+    assert kernel_source(trace(relative_bias, "score", shorter), None) == \
+        kernel_source(trace(relative_bias, "score", SPECS), None)
+    assert kernel_source(trace(lambda s, b, h, i, j, *t: s * 2, "score", SPECS), None) != \
+        kernel_source(trace(lambda s, b, h, i, j, *t: s * 3, "score", SPECS), None)
+
+
+def test_index_ranges_follow_the_call_positions():
+    domain = {"b": (0, 1), "h": (0, 3), "q_idx": (0, 99), "kv_idx": (0, 99)}
+    spec = (TensorSpec(0, "bias", (4, 199), "float32"),)
+    index_ranges(trace(lambda s, b, h, i, j, t: s + t[h, i - j + 99], "score", spec), domain)
+    with pytest.raises(IndexError, match=r"index 1 of mod tensor 't' .* got values from -1 to 197"):
+        index_ranges(trace(lambda s, b, h, i, j, t: s + t[h, i - j + 98], "score", spec), domain)
+    clipped = trace(lambda s, b, h, i, j, t: s + t[h % 4, mod.minimum(abs(i - j), 198) + 0 * (b // 2)], "score",
+                    spec)
+    index_ranges(clipped, {**domain, "h": (0, 31), "q_idx": (0, 10**6)})
+    doc = (TensorSpec(0, "doc", (2, 100), "int32"), TensorSpec(1, "table", (5,), "float32"))
+    index_ranges(trace(lambda s, b, h, i, j, d, t: s + t[d[b, i]], "score", doc), domain)  # (clamped in the kernel)
+    with pytest.raises(ValueError, match="beyond int32"):
+        index_ranges(trace(lambda b, h, i, j: i * j * j > 0, "mask"), {**domain, "q_idx": (0, 2**20),
+                                                                        "kv_idx": (0, 2**20)})
+
+
+def test_errors_name_the_argument_before_any_launch(fake_gpu):
+    def score(s, b, h, i, j, t):
+        return s + t[h]
+
+    slopes = np.zeros(4, np.float32)
+    cases = [
+        ((slopes,), TypeError, r"mod_tensors\[0\] must be the same kind of array on the same device as q"),
+        ((_on_the_gpu(slopes, "t", device=1),), TypeError, r"mod_tensors\[0\] must be the same kind of array"),
+        ((_on_the_gpu(slopes.astype(np.uint8), "t"),), TypeError, r"mod_tensors\[0\] must have a dtype among"),
+        ((_on_the_gpu(slopes, "t"),) * 9, ValueError, "at most 8 mod tensors"),
+        ((_on_the_gpu(np.zeros((4, 1, 1, 1, 1), np.float32), "t"),), ValueError, "at most 4 dimensions"),
+        ((_on_the_gpu(np.zeros((4, 0), np.float32), "t"),), ValueError, r"sizes in \[1, 2\*\*31\)"),
+        ((_on_the_gpu(slopes[:2], "t"),), IndexError,
+         r"index 0 of mod tensor 't' \(mod_tensors\[0\]\) \(shape \(2,\)\)"),
+    ]
+    for tensors, error, message in cases:
+        with pytest.raises(error, match=message):
+            cuflash.attention(*QKV, score_mod=score, mod_tensors=tensors)
+    with pytest.raises(TypeError, match="used in Python control flow"):
+        cuflash.attention(*QKV, score_mod=lambda s, b, h, i, j: s if s > 0 else -s)
+    with pytest.raises(ValueError, match="beyond int32"):
+        cuflash.attention(*QKV, mask_mod=lambda b, h, i, j: i * 300000 * j > 0)
+    assert "options" not in fake_gpu  # nothing reached the launch
+
+
+def test_half_precision_mod_tensors_on_the_numpy_path():
+    """float16 and bfloat16 mod tensors (the GPU reads them as float32) on the NumPy path."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 9, 2, 16)).astype(np.float32) for _ in range(3))
+    slopes = np.array([0.25, 0.5], np.float32)
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        out = cuflash.attention(q, k, v, score_mod=lambda s, b, h, i, j, t: s - t[h] * abs(i - j),
+                                mod_tensors=(slopes.astype(dtype),))
+        np.testing.assert_allclose(out, cuflash.attention(q, k, v, alibi_slopes=slopes), atol=1e-6)
