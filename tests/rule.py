@@ -78,44 +78,63 @@ def kvcache_lowp_error(q, k_cache, v_cache, kw: dict) -> float:
     """The lowp yardstick of a KV-cache call: over each sequence's keys in the caches as the
     call leaves them (the oracle's), plain attention in q's dtype (the rotated queries
     rounded to it) against float64 with the same mask."""
-    dtype = q.dtype
     table = kw.get("block_table")
     page_size = k_cache.shape[1] if table is not None else None
-    capacity = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
     lengths = np.broadcast_to(np.asarray(kw["cache_seqlens"]), (q.shape[0],))
     new = kw.get("seqlen_new", 0)
     leftpad = kw.get("cache_leftpad")
-    window, causal = kw.get("window_size", (-1, -1)), kw.get("causal", False)
-    local = normalized_window(window, causal, capacity) != (-1, -1)  # q rotated row by row, as the oracle does
     alibi = kw.get("alibi_slopes")
+    q = rotated_queries(q, kw, capacity_of(k_cache, kw))
     error = 0.0
     for b in range(q.shape[0]):
-        n = int(lengths[b])
-        rows = cache_rows(b, np.arange(0 if leftpad is None else int(leftpad[b]), n + new), kw.get("cache_batch_idx"),
-                          table, page_size)
-        q_b = q[b]
-        if kw.get("rotary_cos") is not None:
-            positions = np.arange(n, n + q.shape[1]) if local else np.full(q.shape[1], n)
-            q_b = apply_rotary(q_b, kw["rotary_cos"], kw["rotary_sin"], positions, kw.get("rotary_interleaved", True))
-        options = dict(causal=causal, window_size=window, softcap=kw.get("softcap", 0.0),
-                       softmax_scale=kw.get("softmax_scale"),
+        rows = cache_rows(b, np.arange(0 if leftpad is None else int(leftpad[b]), int(lengths[b]) + new),
+                          kw.get("cache_batch_idx"), table, page_size)
+        options = dict(causal=kw.get("causal", False), window_size=kw.get("window_size", (-1, -1)),
+                       softcap=kw.get("softcap", 0.0), softmax_scale=kw.get("softmax_scale"),
                        alibi_slopes=None if alibi is None else (alibi if alibi.ndim == 1 else alibi[b]))
-        args = (q_b[None], k_cache[rows][None], v_cache[rows][None])
+        args = (q[b][None], k_cache[rows][None], v_cache[rows][None])
         ref, _ = attention_reference(*args, **options)
-        error = max(error, lowp_error(attention_lowp(*args, dtype=dtype, **options), ref))
+        error = max(error, lowp_error(attention_lowp(*args, **options), ref))
     return error
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, kw: dict, out, lse):
     """out and lse of a KV-cache call (its NumPy inputs as they were before it) against
-    the oracle by the rule. Returns the caches the oracle leaves (the append made)."""
+    the oracle by the rule. Returns the caches the oracle leaves (the append made).
+
+    The oracle sees the rotated queries as the kernels read them, rounded to q's dtype
+    (flash-attn's contract); unrounded, they would move a bf16 LSE by about 2^-9 |score|."""
     kw = {name: x for name, x in kw.items() if name not in ("num_splits", "deterministic")}
-    want, want_lse, want_k, want_v = attention_kvcache_reference(q, k_cache, v_cache, k, v, **kw)
+    _, _, want_k, want_v = attention_kvcache_reference(q, k_cache, v_cache, k, v, **kw)
     new = 0 if k is None else k.shape[1]
+    attend = {name: x for name, x in kw.items() if name not in ("rotary_cos", "rotary_sin", "rotary_interleaved")}
+    attend["cache_seqlens"] = np.broadcast_to(np.asarray(kw["cache_seqlens"]), (q.shape[0],)) + new
+    want, want_lse, _, _ = attention_kvcache_reference(rotated_queries(q, kw, capacity_of(k_cache, kw)), want_k,
+                                                       want_v, **attend)
     yardstick = kvcache_lowp_error(q, want_k, want_v, dict(kw, seqlen_new=new))
     check_output(out, want, yardstick, dtype_name(q))
     check_lse(lse, want_lse)
     return want_k, want_v
+
+
+def capacity_of(k_cache, kw: dict) -> int:
+    table = kw.get("block_table")
+    return k_cache.shape[1] * (table.shape[1] if table is not None else 1)
+
+
+def rotated_queries(q, kw: dict, capacity: int):
+    """q as a KV-cache call with rotary tables attends with it: each sequence's queries
+    rotated at their positions (cuflash.reference_kvcache) and rounded to q's dtype."""
+    if kw.get("rotary_cos") is None:
+        return q
+    lengths = np.broadcast_to(np.asarray(kw["cache_seqlens"]), (q.shape[0],))
+    local = normalized_window(kw.get("window_size", (-1, -1)), kw.get("causal", False), capacity) != (-1, -1)
+    rotated = np.empty(q.shape, np.float32)
+    for b, n in enumerate(lengths.tolist()):
+        positions = np.arange(n, n + q.shape[1]) if local else np.full(q.shape[1], n)
+        rotated[b] = apply_rotary(q[b], kw["rotary_cos"], kw["rotary_sin"], positions,
+                                  kw.get("rotary_interleaved", True)).astype(np.float32)
+    return rotated.astype(q.dtype)
 
 
 def check_merge(outs, lses, out, lse) -> None:

@@ -406,26 +406,28 @@ class Launches:
 
 
 @st.composite
-def kvcache_calls(draw, paged: bool = False):
+def kvcache_calls(draw, paged: bool = False, max_capacity: int = 24, headdims=(4, 8, 12)):
     """The sizes and options of a KV-cache call (``attention_with_kvcache``), as a dict:
     GQA/MQA, seqlen_q 1-5 with 0, 1, seqlen_q or seqlen_q + 2 new keys, lengths from 0 to full, left
-    padding, cache_batch_idx, rotary of every width and both layouts, causal, windows,
-    softcap, ALiBi; with ``paged``, a page size (1, 3, 16, 17, ...) instead of batch_idx."""
+    padding, cache_batch_idx, rotary of every width and both layouts, causal, drawn windows,
+    softcap, ALiBi; with ``paged``, a page size (1, 3, 16, 17, ...) instead of batch_idx. The
+    CPU suites keep the defaults (one tile); the GPU's pass capacities and head dims that
+    cross tiles and splits."""
     batch = draw(st.integers(1, 3))
     nheads_k = draw(st.sampled_from([1, 2]))
     nheads = nheads_k * draw(st.sampled_from([1, 3]))
-    d = draw(st.sampled_from([4, 8, 12]))
+    d = draw(st.sampled_from(headdims))
     seqlen_q = draw(st.integers(1, 5))
     seqlen_new = draw(st.sampled_from([0, 1, seqlen_q, seqlen_q + 2]))
-    capacity = draw(st.integers(max(seqlen_new, 1), 24))
+    capacity = draw(st.one_of(st.integers(max(seqlen_new, 1), max_capacity), st.just(max_capacity)))
     lengths = [draw(st.integers(0, capacity - seqlen_new)) for _ in range(batch)]
     leftpads = [draw(st.integers(0, n)) if draw(st.booleans()) else 0 for n in lengths]
-    rotary_dim = draw(st.sampled_from([0, 2, d // 2 * 2 if d % 4 == 0 else 2, d])) if seqlen_new else 0
+    rotary_dim = draw(st.sampled_from([0, 2, d // 2 * 2 if d % 4 == 0 else 2, d // 2 * 2])) if seqlen_new else 0
     page_size = draw(st.sampled_from([1, 3, 5, 16, 17])) if paged else 0
+    window = draw(st.one_of(st.just((-1, -1)), window_sizes(capacity)), label="window")
     return dict(batch=batch, nheads=nheads, nheads_k=nheads_k, d=d, seqlen_q=seqlen_q, seqlen_new=seqlen_new,
                 capacity=capacity, lengths=lengths, leftpads=leftpads, rotary_dim=rotary_dim,
-                interleaved=draw(st.booleans()), causal=draw(st.booleans()),
-                window=draw(st.sampled_from([(-1, -1), (3, -1), (-1, 1), (2, 0)])),
+                interleaved=draw(st.booleans()), causal=draw(st.booleans()), window=window,
                 softcap=draw(st.sampled_from([0.0, 2.0])), alibi=draw(st.booleans()),
                 batch_idx=not paged and draw(st.booleans()), page_size=page_size,
                 seed=draw(st.integers(0, 2**32 - 1)))

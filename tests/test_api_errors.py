@@ -172,19 +172,6 @@ def test_varlen_layout():
     assert out.shape == q.shape and lse.shape == (4, 10)
 
 
-def test_warm_calls_are_checked_like_the_first():
-    """Validation is remembered per call signature; a value equal to a valid one but
-    of the wrong type (causal=1 after causal=True) must still be rejected."""
-    q = np.zeros((1, 4, 1, 8), np.float32)
-    cuflash.attention(q, q, q, causal=True)
-    cuflash.attention(q, q, q, causal=True)
-    with pytest.raises(TypeError, match="causal must be a bool"):
-        cuflash.attention(q, q, q, causal=1)
-    cuflash.attention(q, q, q, window_size=(-1, -1))
-    with pytest.raises(TypeError, match="window_size right must be an integer"):
-        cuflash.attention(q, q, q, window_size=(-1, -1.0))
-
-
 @pytest.mark.parametrize("name,make,error,message", [
     ("lse", lambda lse: np.ascontiguousarray(lse.transpose(0, 2, 1)).transpose(0, 2, 1), ValueError,
      r"lse must be contiguous, got strides"),

@@ -1,41 +1,41 @@
 """The KV-cache call and merge_states on the GPU (decode/split_kv.cu, decode/merge.cu)
-against the float64 oracle (cuflash.reference_kvcache): the output, the LSE and the cache
-rows the call writes; paged against contiguous, every split count, rows that must never
-be read filled with NaN, CUDA-graph replay with growing lengths."""
+against the float64 oracle (cuflash.reference_kvcache) by flash-attn's rule (tests/rule.py):
+the output and the LSE, outputs in NaN-poisoned memory, and the cache rows the call writes;
+inputs on which a lost key tile fails, up to 128k keys, pages of 1 to 256 rows, every split
+count and both merge steps; paged against contiguous, rows that must never be read filled
+with NaN, CUDA-graph replay with growing lengths."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash.reference_kvcache import attention_kvcache_reference, merge_states_reference
+from cuflash.reference_kvcache import attention_kvcache_reference
 
-from .strategies import (assert_close, assert_lse_close, check_paged_is_bitwise_contiguous, kvcache_calls,
-                         paged_caches)
+from .rule import (check_attention, check_kvcache, check_lse, check_merge, check_output, kvcache_lowp_error,
+                   tile_marked_cache)
+from .strategies import check_paged_is_bitwise_contiguous, kvcache_calls, paged_caches
 from .test_gpu_forward import cupy_dtype, poisoned_allocations
 
 pytestmark = pytest.mark.gpu
 
-# Relative to the output's scale: the kernels compute in fp32 from 16-bit inputs (and round
-# rotated queries to them, as flash-attn does).
-TOLERANCE = {"float16": 4e-3, "bfloat16": 3e-2}
+
+def small_calls(paged: bool):
+    """kvcache_calls past one tile: capacities up to 200, head dims 4 to 64."""
+    return kvcache_calls(paged=paged, max_capacity=200, headdims=(4, 8, 12, 32, 59, 64))
 
 
 @st.composite
 def long_calls(draw):
     """kvcache_calls' options at sizes of several key tiles and splits: head dims of every
-    bucket (and unaligned ones), GQA groups that fill a row block and more."""
-    c = draw(kvcache_calls(paged=draw(st.booleans())))
-    c["d"] = draw(st.sampled_from([32, 59, 64, 96, 128, 160, 256]))
+    bucket (and unaligned ones), GQA groups that fill a row block and more, drawn windows."""
+    c = draw(kvcache_calls(paged=draw(st.booleans()), max_capacity=700, headdims=(32, 59, 64, 96, 128, 160, 256)))
     c["nheads"] = c["nheads_k"] * draw(st.sampled_from([1, 4, 8]))
-    c["capacity"] = draw(st.integers(max(c["seqlen_new"], 1), 700))
-    c["lengths"] = [draw(st.integers(0, c["capacity"] - c["seqlen_new"])) for _ in range(c["batch"])]
-    c["leftpads"] = [draw(st.integers(0, n)) if draw(st.booleans()) else 0 for n in c["lengths"]]
     if c["rotary_dim"]:
         c["rotary_dim"] = draw(st.sampled_from([2, 16, c["d"] // 2 * 2]))
     if c["page_size"]:
         c["page_size"] = draw(st.sampled_from([1, 3, 16, 17, 24, 63, 65, 256]))
-    c["num_splits"] = draw(st.sampled_from([0, 1, 2, 3]))
+    c["num_splits"] = draw(st.sampled_from([0, 1, 2, 3, 7]))
     return c
 
 
@@ -112,14 +112,14 @@ def run(q, k_cache, v_cache, k, v, kw):
 def check(c: dict, dtype: str, nan_outside=False):
     rng = np.random.default_rng(c["seed"])
     q, k_cache, v_cache, k, v, kw = make_call(c, dtype, rng, nan_outside)
-    reference_kw = {n: x for n, x in kw.items() if n != "num_splits"}
-    want_out, want_lse, want_k, want_v = attention_kvcache_reference(q, k_cache, v_cache, k, v, **reference_kw)
     out, lse, got_k, got_v = run(q, k_cache, v_cache, k, v, kw)
-    tol = TOLERANCE[dtype]
-    assert_close(out.astype(np.float64), want_out, atol=tol * (1 + np.abs(want_out).max(initial=0)), name="out")
-    assert_lse_close(lse, want_lse, atol=4 * tol)
-    # The append: values bitwise, rotated keys within one rounding of the float64 rotation;
-    # every other row untouched (NaN included).
+    want_k, want_v = check_kvcache(q, k_cache, v_cache, k, v, kw, out, lse)
+    check_appended(got_k, got_v, want_k, want_v, dtype)
+
+
+def check_appended(got_k, got_v, want_k, want_v, dtype: str) -> None:
+    """The append: values bitwise, rotated keys within one rounding of the float64 rotation;
+    every other row untouched (NaN included). NumPy arrays of 16-bit floats."""
     np.testing.assert_array_equal(got_v.view(np.uint16), want_v.view(np.uint16))
     want_k64, got_k64 = want_k.astype(np.float64), got_k.astype(np.float64)
     # (one unit in the last place of the dtype; fp16's subnormals are 2**-24 apart)
@@ -130,7 +130,7 @@ def check(c: dict, dtype: str, nan_outside=False):
 
 
 @settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
-@given(call=kvcache_calls(paged=False) | kvcache_calls(paged=True), dtype=st.sampled_from(["float16", "bfloat16"]))
+@given(call=small_calls(paged=False) | small_calls(paged=True), dtype=st.sampled_from(["float16", "bfloat16"]))
 def test_small_calls_match_the_oracle(call, dtype):
     check(call, dtype)
 
@@ -172,6 +172,27 @@ def test_rows_outside_the_sequences_are_never_read(call, dtype):
     check(call, dtype, nan_outside=True)
 
 
+# (keys, page size, num_splits): at 200 and 700 keys one lost key fails, at 20k and 128k a
+# lost tile of 64 keys or more; contiguous and in pages of 1, 16, 17 and 256 rows, split
+# counts from 1 to 16 and the planner's.
+TILE_CASES = [(n, page, splits) for n in (200, 700, 20000, 131072)
+              for page, splits in ((0, 0), (1, 3), (16, 16), (17, 7), (256, 1))]
+
+
+@pytest.mark.parametrize("seqlen_k,page_size,num_splits", TILE_CASES)
+def test_every_key_tile_counts(merge_step, seqlen_k, page_size, num_splits):
+    """Inputs on which a lost key tile, page or split fails the rule (tests/rule.py,
+    tile_marked_cache: every key weighs the same, each run of keys marks its own feature,
+    rows past the lengths NaN): two sequences, GQA 4:1, two queries, causal or not."""
+    dtype = "bfloat16" if (seqlen_k + page_size) % 2 else "float16"
+    rng = np.random.default_rng(seqlen_k + page_size)
+    q, k_cache, v_cache, kw = tile_marked_cache(rng, [seqlen_k, seqlen_k - 37], seqlen_k, 8, 2, 64,
+                                                cupy_dtype(dtype), seqlen_q=2, page_size=page_size)
+    kw.update(num_splits=num_splits, causal=num_splits % 2 == 1)
+    out, lse, _, _ = run(q, k_cache, v_cache, None, None, kw)
+    check_kvcache(q, k_cache, v_cache, None, None, kw, out, lse)
+
+
 def decode_case(rng, dtype="bfloat16", batch=3, capacity=1000, nheads=8, nheads_k=2, d=128, seqlen_q=1):
     import cupy
     np_dtype = cupy_dtype(dtype)
@@ -198,23 +219,31 @@ def test_paged_is_bitwise_the_contiguous_call_on_the_wide_tile(page_size):
                                       num_splits=1)
 
 
+def oracle_of(q, k_cache, v_cache, **kw):
+    """(out, lse, lowp yardstick) of a call without an append on these CuPy arrays."""
+    host = [x.get() for x in (q, k_cache, v_cache)]
+    kw = {name: x.get() if hasattr(x, "get") else x for name, x in kw.items()}
+    want, want_lse, _, _ = attention_kvcache_reference(*host, **kw)
+    return want, want_lse, kvcache_lowp_error(*host, kw)
+
+
+def check_against(oracle, out, lse, name="out") -> None:
+    want, want_lse, yardstick = oracle
+    check_output(out, want, yardstick, str(out.dtype), name=name)
+    check_lse(lse, want_lse, name=f"lse of {name}")
+
+
 @pytest.mark.parametrize("seqlen_q", [1, 4])
-def test_every_split_count_agrees_and_each_is_reproducible(merge_step, seqlen_q):
+def test_every_split_count_matches_the_oracle_and_each_is_reproducible(merge_step, seqlen_q):
     rng = np.random.default_rng(seqlen_q)
     q, k_cache, v_cache, lengths = decode_case(rng, seqlen_q=seqlen_q)
-    results = {}
+    oracle = oracle_of(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
     for splits in (1, 2, 7, 16, 0, 40):
-        runs = [cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
-                                               num_splits=splits, return_lse=True) for _ in range(2)]
+        with poisoned_allocations():
+            runs = [cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                   num_splits=splits, return_lse=True) for _ in range(2)]
         assert (runs[0][0] == runs[1][0]).all() and (runs[0][1] == runs[1][1]).all(), splits
-        results[splits] = runs[0]
-    for splits, (out, lse) in results.items():
-        assert_close(out.get().astype(np.float64), results[1][0].get().astype(np.float64), atol=2e-2, name=str(splits))
-        assert_close(lse.get(), results[1][1].get(), atol=1e-4, name=f"lse {splits}")
-    want, want_lse, _, _ = attention_kvcache_reference(q.get(), k_cache.get(), v_cache.get(),
-                                                       cache_seqlens=lengths.get(), causal=True)
-    assert_close(results[0][0].get().astype(np.float64), want, atol=2e-2)
-    assert_close(results[0][1].get(), want_lse, atol=1e-3)
+        check_against(oracle, *runs[0], name=f"{splits} splits")
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])
@@ -227,7 +256,8 @@ def test_deterministic_results_depend_on_neither_splits_nor_the_batch(seqlen_q):
     q, k_cache, v_cache, _ = decode_case(rng, batch=5, capacity=9000, seqlen_q=seqlen_q)
     lengths = cupy.asarray(np.array([5000, 1, 77, 9000 - seqlen_q, 999], np.int32))
     kw = dict(causal=True, return_lse=True, deterministic=True)
-    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, **kw)
+    with poisoned_allocations():
+        out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, **kw)
     for splits in (1, 3, 16, 200):
         again = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=splits, **kw)
         assert (again[0] == out).all() and (again[1] == lse).all(), splits
@@ -237,9 +267,12 @@ def test_deterministic_results_depend_on_neither_splits_nor_the_batch(seqlen_q):
             room[:, :9000] = c[b]
         alone = cuflash.attention_with_kvcache(q[b:b + 1], *roomier, cache_seqlens=lengths[b:b + 1], **kw)
         assert (alone[0] == out[b:b + 1]).all() and (alone[1] == lse[b:b + 1]).all(), b
-    default = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True, return_lse=True)
-    assert_close(out.get().astype(np.float64), default[0].get().astype(np.float64), atol=2e-2)
-    assert_close(lse.get(), default[1].get(), atol=1e-4)
+    with poisoned_allocations():
+        default = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                 return_lse=True)
+    oracle = oracle_of(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
+    check_against(oracle, out, lse, name="deterministic")
+    check_against(oracle, *default, name="default")
 
 
 @pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 999, 1000])
@@ -249,11 +282,9 @@ def test_lengths_at_the_edges(length):
     rng = np.random.default_rng(length)
     q, k_cache, v_cache, _ = decode_case(rng, batch=2)
     lengths = cupy.asarray(np.array([length, 1000 - length], np.int32))
-    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True)
-    want, want_lse, _, _ = attention_kvcache_reference(q.get(), k_cache.get(), v_cache.get(),
-                                                       cache_seqlens=lengths.get())
-    assert_close(out.get().astype(np.float64), want, atol=2e-2)
-    assert_lse_close(lse.get(), want_lse, atol=1e-3)
+    with poisoned_allocations():
+        out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True)
+    check_against(oracle_of(q, k_cache, v_cache, cache_seqlens=lengths), out, lse)
 
 
 def test_warm_calls_are_checked_like_the_first():
@@ -265,10 +296,10 @@ def test_warm_calls_are_checked_like_the_first():
     q, k_cache, v_cache, _ = decode_case(rng, batch=1)
     for length, num_splits in ((10, 1), (10, 1), (700, 1), (700, 1), (700, 3), (700, 3)):
         q = cupy.asarray(rng.standard_normal(q.shape).astype(q.dtype))
-        out = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=length, num_splits=num_splits)
-        want, _, _, _ = attention_kvcache_reference(q.get(), k_cache.get(), v_cache.get(),
-                                                    cache_seqlens=np.array([length], np.int32))
-        assert_close(out.get().astype(np.float64), want, atol=2e-2)
+        with poisoned_allocations():
+            out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=length,
+                                                      num_splits=num_splits, return_lse=True)
+        check_against(oracle_of(q, k_cache, v_cache, cache_seqlens=np.array([length], np.int32)), out, lse)
     with pytest.raises(TypeError, match="num_splits must be an integer"):
         cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=700, num_splits=True)
 
@@ -322,8 +353,10 @@ def test_torch_and_flash_attn_interface_on_the_gpu():
     q, k_cache, v_cache, lengths = decode_case(rng, dtype="float16", seqlen_q=2)
     t = [torch.as_tensor(x, device="cuda") for x in (q, k_cache, v_cache, lengths)]
     out, lse = flash_attn_with_kvcache(t[0], t[1], t[2], cache_seqlens=t[3], causal=True, return_softmax_lse=True)
-    want, want_lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
-                                                    return_lse=True)
+    with poisoned_allocations():
+        want, want_lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                        return_lse=True)
+    check_against(oracle_of(q, k_cache, v_cache, cache_seqlens=lengths, causal=True), want, want_lse)
     assert torch.equal(out, torch.as_tensor(want, device="cuda")) and torch.equal(lse, torch.as_tensor(want_lse))
 
 
@@ -339,14 +372,18 @@ def test_merge_states_matches_the_oracle(parts, dtype, d, seed):
     lses[rng.random(lses.shape) < 0.3] = np.inf  # empty parts
     lses[rng.random(lses.shape) < 0.1] = -np.inf
     lses[:, 0, 0, 0] = np.inf  # a row no part saw
-    want, want_lse = merge_states_reference(outs, lses)
     outs_gpu, lses_gpu = cupy.asarray(outs), cupy.asarray(lses)
     for given_parts in (outs_gpu, [outs_gpu[i] for i in range(parts)]):
-        out, lse = cuflash.merge_states(given_parts, lses_gpu if given_parts is outs_gpu else list(lses_gpu))
+        with poisoned_allocations():
+            out, lse = cuflash.merge_states(given_parts, lses_gpu if given_parts is outs_gpu else list(lses_gpu))
         assert type(out) is cupy.ndarray and out.dtype == outs.dtype and lse.dtype == np.float32
-        assert_close(out.get().astype(np.float64), want, atol=TOLERANCE.get(dtype, 1e-5) * (1 + np.abs(want).max()))
-        assert_lse_close(lse.get(), want_lse, atol=1e-4)
+        check_merge(outs, lses, out, lse)
         assert (out.get()[0, 0, 0] == 0).all() and np.isposinf(lse.get()[0, 0, 0])
+    # Parts of equal LSE: each weighs 1 / parts, so a part left out moves the LSE by log(parts / (parts - 1)).
+    lses = np.full_like(lses, 1.5)
+    with poisoned_allocations():
+        out, lse = cuflash.merge_states(outs_gpu, cupy.asarray(lses))
+    check_merge(outs, lses, out, lse)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -364,6 +401,7 @@ def test_jax_on_the_gpu(jit):
              alibi=True, batch_idx=False, page_size=17, seed=9, num_splits=3)
     q, k_cache, v_cache, k, v, kw = make_call(c, "float16", rng)
     want_out, want_lse, want_k, want_v = run(q, k_cache, v_cache, k, v, kw)
+    check_kvcache(q, k_cache, v_cache, k, v, kw, want_out, want_lse)
     arrays = {name: jax.device_put(x, gpu) for name, x in kw.items() if isinstance(x, np.ndarray)}
     static = {name: x for name, x in kw.items() if name not in arrays}
 
@@ -388,10 +426,8 @@ def test_jax_on_the_gpu(jit):
        seed=st.integers(0, 2**32 - 1))
 def test_paged_varlen_matches_the_packed_call(lengths, page_size, causal, window, group, d, dtype, seed):
     """attention_varlen(block_table=...) on the GPU (the split kernel over pages) against
-    the packed varlen call (the forward kernel) on the same keys, and against the oracle."""
+    the oracle by the rule, sequence by sequence."""
     import cupy
-
-    from cuflash.reference import attention_reference
     rng = np.random.default_rng(seed)
     np_dtype, nheads_k = cupy_dtype(dtype), 2
     seqlens_q, seqlens_k = (np.array(x, np.int32) for x in zip(*lengths))
@@ -409,20 +445,21 @@ def test_paged_varlen_matches_the_packed_call(lengths, page_size, causal, window
             pool[table[b]] = rows.reshape(max_blocks, page_size, nheads_k, d)
     g = {name: cupy.asarray(x) for name, x in dict(q=q, k=k, v=v, k_pages=k_pages, v_pages=v_pages, cu_q=cu_q,
                                                    cu_k=cu_k, table=table).items()}
-    kw = dict(causal=causal, window_size=window, return_lse=True)
     max_q, max_k = int(seqlens_q.max()), int(seqlens_k.max())
     with poisoned_allocations():
         out, lse = cuflash.attention_varlen(g["q"], g["k_pages"], g["v_pages"], g["cu_q"], g["cu_k"], max_q, max_k,
-                                            block_table=g["table"], **kw)
-    want, want_lse = cuflash.attention_varlen(g["q"], g["k"], g["v"], g["cu_q"], g["cu_k"], max_q, max_k, **kw)
-    tol = TOLERANCE[dtype]
-    assert_close(out.get().astype(np.float64), want.get().astype(np.float64), atol=tol * 4, name="out")
-    assert_lse_close(lse.get(), want_lse.get(), atol=1e-3)
-    for b in range(len(lengths)):  # and the oracle, sequence by sequence
-        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        ref, ref_lse = attention_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal,
-                                           window_size=window)
-        assert_close(out.get()[rows_q].astype(np.float64), ref[0], atol=tol * (1 + np.abs(ref).max(initial=0)))
+                                            block_table=g["table"], causal=causal, window_size=window,
+                                            return_lse=True)
+    check_packed(q, k, v, cu_q, cu_k, out.get(), lse.get(), causal=causal, window_size=window)
+
+
+def check_packed(q, k, v, cu_q, cu_k, out, lse, **options) -> None:
+    """A packed call's out (total_q, nheads, d) and lse (nheads, total_q) against the oracle
+    by the rule, sequence by sequence (NumPy or CuPy arrays; cu_q, cu_k NumPy)."""
+    for b in range(len(cu_q) - 1):
+        rows_q, rows_k = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        check_attention(q[None, rows_q], k[None, rows_k], v[None, rows_k], out[None, rows_q], lse[None, :, rows_q],
+                        **options)
 
 
 def test_paged_varlen_through_torch_and_jax():
@@ -450,8 +487,9 @@ def test_paged_varlen_through_torch_and_jax():
 
 # flash-attn's test_flash_attn_kvcache grid on the GPU at its own sizes: its eleven seqlen
 # pairs (up to 128k keys), six head dims and MHA/MQA/GQA, with every case of the CPU grid in
-# tests/test_torch_kvcache.py, through flash_attn_with_kvcache on CUDA tensors, bf16 and
-# fp16 in turn. Its whole product is 1,782 calls; these 324 hold every (seqlen pair, case)
+# tests/test_torch_kvcache.py (its inputs made by torch on the GPU), through
+# cuflash.attention_with_kvcache on CuPy views of them into poisoned memory, bf16 and fp16
+# in turn. Its whole product is 1,782 calls; these 324 hold every (seqlen pair, case)
 # once, the head dims and head layouts taken in turn (128k keys with d <= 64, for the
 # float64 oracle's time), and 225 more drawn from the rest with a fixed seed.
 def _flash_attn_kvcache_cells():
@@ -474,7 +512,7 @@ def _flash_attn_kvcache_cells():
 @pytest.mark.parametrize("seqlen_q,seqlen_k,d,mha_type,case", _flash_attn_kvcache_cells())
 def test_flash_attn_kvcache_grid_on_the_gpu(seqlen_q, seqlen_k, d, mha_type, case):
     torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
-    from cuflash.flash_attn_interface import flash_attn_with_kvcache
+    import cupy
 
     from .test_torch_kvcache import flash_attn_case
     dtype = "bfloat16" if (seqlen_q + d + len(case)) % 2 else "float16"
@@ -483,18 +521,13 @@ def test_flash_attn_kvcache_grid_on_the_gpu(seqlen_q, seqlen_k, d, mha_type, cas
     host = {name: x.cpu().numpy() if isinstance(x, torch.Tensor) else x for name, x in kw.items()}
     as_numpy = [None if x is None else x.float().cpu().numpy().astype(cupy_dtype(dtype))
                 for x in (q, k_cache, v_cache, k, v)]
-    want_out, _, want_k, want_v = attention_kvcache_reference(*as_numpy, **host)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=0, **kw)
-    tol = TOLERANCE[dtype]
-    assert_close(out.float().cpu().numpy().astype(np.float64), want_out,
-                 atol=tol * (1 + np.abs(want_out).max(initial=0)))
-    got_k, got_v = (x.cpu().view(torch.int16).numpy() for x in (k_cache, v_cache))
-    assert (got_v == want_v.view(np.int16)).all()
-    ulp = np.maximum(np.spacing(np.abs(want_k).astype(np.float32)) * (2.0**13 if dtype == "float16" else 2.0**16),
-                     2.0**-24)
-    same = (got_k == want_k.view(np.int16)) | \
-        (np.abs(k_cache.float().cpu().numpy() - want_k.astype(np.float64)) <= ulp)
-    assert same.all()
+    views = [None if x is None else cupy.from_dlpack(x) for x in (q, k_cache, v_cache, k, v)]
+    with poisoned_allocations():
+        out, lse = cuflash.attention_with_kvcache(*views, num_splits=0, return_lse=True,
+                                                  **{name: cupy.from_dlpack(x) if isinstance(x, torch.Tensor) else x
+                                                     for name, x in kw.items()})
+    want_k, want_v = check_kvcache(*as_numpy, host, out.get(), lse.get())
+    check_appended(*(x.cpu().numpy() for x in views[1:3]), want_k, want_v, dtype)
 
 
 # flash-attn's paged varlen test (test_flash_attn_varlen_causal with paged_kv_block_size)
@@ -511,15 +544,43 @@ def test_flash_attn_paged_varlen_grid_on_the_gpu(seqlen_q, seqlen_k, swap, d, lo
     torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
     import cupy
 
-    from cuflash.flash_attn_interface import flash_attn_varlen_func
-
-    from .test_torch_kvcache import check_flash_attn_paged_varlen, flash_attn_paged_varlen_case
+    from .test_torch_kvcache import flash_attn_paged_varlen_case
     dtype = "bfloat16" if (seqlen_q + d + block + local) % 2 else "float16"
     case = flash_attn_paged_varlen_case(seqlen_q, seqlen_k, swap, d, local, block, getattr(torch, dtype), "cuda")
     q, k_pages, v_pages, table, cu_q, cu_k, max_q, max_k, window = case[:9]
-    out = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, 0.0, causal=True,
-                                 window_size=window, block_table=table)
-    # The oracle sees what the kernel read: the inputs rounded to the dtype.
-    rounded = [x.to(getattr(torch, dtype)).float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-               for x in case]
-    check_flash_attn_paged_varlen(rounded, out, TOLERANCE[dtype], xp=cupy)
+    k_dense, v_dense, lengths_k = case[9], case[10], case[12]
+    with poisoned_allocations():
+        out, lse = cuflash.attention_varlen(*(cupy.from_dlpack(x) for x in (q, k_pages, v_pages, cu_q, cu_k)), max_q,
+                                            max_k, block_table=cupy.from_dlpack(table), causal=True,
+                                            window_size=tuple(int(w) for w in window), return_lse=True)
+    # The oracle on the GPU, on the keys each sequence's pages hold (in the dtype, as the kernel read them).
+    keys = [x.to("cuda", getattr(torch, dtype)) for x in (k_dense, v_dense)]
+    packed_k, packed_v = (cupy.from_dlpack(torch.cat([x[b, :n] for b, n in enumerate(lengths_k.tolist())]))
+                          for x in keys)
+    cu_k_host = np.concatenate([[0], np.cumsum(lengths_k.cpu().numpy())])
+    check_packed(cupy.from_dlpack(q), packed_k, packed_v, cu_q.cpu().numpy(), cu_k_host, out, lse, causal=True,
+                 window_size=tuple(int(w) for w in window))
+
+
+def test_a_compiled_decode_step_on_the_gpu():
+    """torch.compile(fullgraph=True) of the KV-cache call on CUDA tensors: step after step
+    the append lands in the caches in place and out and lse match the oracle."""
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    import cuflash.torch
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k_cache, v_cache = (torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16, generator=gen) for _ in "kv")
+    angle = torch.rand(302, 16, device="cuda", generator=gen) * 6
+    cos, sin = angle.cos(), angle.sin()
+    step = torch.compile(lambda q, k, v, n: cuflash.torch.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=n, rotary_cos=cos, rotary_sin=sin, causal=True, return_lse=True),
+        fullgraph=True)
+    lengths = torch.tensor([3, 250], device="cuda", dtype=torch.int32)
+    for _ in range(4):
+        q, k, v = (torch.randn(2, 2, h, 64, device="cuda", dtype=torch.float16, generator=gen) for h in (8, 2, 2))
+        host = [x.cpu().numpy() for x in (q, k_cache, v_cache, k, v)]
+        kw = dict(cache_seqlens=lengths.cpu().numpy(), rotary_cos=cos.cpu().numpy(), rotary_sin=sin.cpu().numpy(),
+                  causal=True)
+        out, lse = step(q, k, v, lengths)
+        want_k, want_v = check_kvcache(*host, kw, out.cpu().numpy(), lse.cpu().numpy())
+        check_appended(k_cache.cpu().numpy(), v_cache.cpu().numpy(), want_k, want_v, "float16")
+        lengths += 2

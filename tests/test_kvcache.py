@@ -195,3 +195,34 @@ def test_paged_varlen_of_empty_sequences():
     out, lse = cuflash.attention_varlen(q, pool, pool, zeros, zeros, 0, 0, block_table=np.zeros((1, 1), np.int32),
                                         return_lse=True)
     assert out.shape == (0, 2, 8) and lse.shape == (2, 0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_rotated_queries_are_rounded_to_the_input_dtype(interleaved, causal):
+    """As flash-attn: q is rotated, then rounded to its dtype before the scores (the new keys
+    too, on their way into the cache). On inputs whose rotation is exact in float32 (q and
+    k multiples of 1/32 below 2, tables multiples of 1/128: every rotated value a multiple
+    of 2^-12 below 4, more bits than float16 keeps), the call with rotary tables gives the
+    bits of the call without them on q and k rotated and rounded to float16 beforehand."""
+    from cuflash.reference_kvcache import apply_rotary
+    rng = np.random.default_rng(2 * causal + interleaved)
+    batch, seqlen, nheads, nheads_k, d, capacity = 2, 3, 4, 2, 32, 40
+    q = (rng.integers(-64, 64, (batch, seqlen, nheads, d)) / 32).astype(np.float16)
+    k, v = ((rng.integers(-64, 64, (batch, seqlen, nheads_k, d)) / 32).astype(np.float16) for _ in "kv")
+    caches = [rng.standard_normal((batch, capacity, nheads_k, d)).astype(np.float16) for _ in "kv"]
+    cos, sin = ((rng.integers(-128, 129, (capacity + seqlen, 12)) / 128).astype(np.float32) for _ in "cs")
+    lengths = np.array([0, 17], np.int32)
+    kw = dict(cache_seqlens=lengths, causal=causal, return_lse=True)
+    rotated_caches = [x.copy() for x in caches]
+    out, lse = cuflash.attention_with_kvcache(q, *rotated_caches, k, v, rotary_cos=cos, rotary_sin=sin,
+                                              rotary_interleaved=interleaved, **kw)
+    q_pre, k_pre = np.empty_like(q), np.empty_like(k)
+    for b, n in enumerate(lengths):
+        q_at = np.arange(n, n + seqlen) if causal else np.full(seqlen, n)
+        q_pre[b] = apply_rotary(q[b], cos, sin, q_at, interleaved).astype(np.float16)
+        k_pre[b] = apply_rotary(k[b], cos, sin, np.arange(n, n + seqlen), interleaved).astype(np.float16)
+    assert not (q_pre == q).all()
+    want, want_lse = cuflash.attention_with_kvcache(q_pre, *caches, k_pre, v, **kw)
+    assert (out.view(np.uint16) == want.view(np.uint16)).all() and (lse.view(np.uint32) == want_lse.view(np.uint32)).all()
+    assert all((got.view(np.uint16) == cache.view(np.uint16)).all() for got, cache in zip(rotated_caches, caches))
