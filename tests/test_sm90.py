@@ -1,9 +1,9 @@
 """The sm_90a forward (cuda/sm90/fwd.cu): every instance compiles for sm_90a with no spill
 and no ptxas C75xx warning (setmaxnreg ignored, wgmma serialised); the planner sends it
-the calls it takes and no other; on a Hopper GPU its output and LSE match the float64
-oracle and the mma.sync kernels (CUFLASH_PORTABLE=1). The rest of the GPU suite runs on
-whichever path the planner picks: on an H100 or H200 once as is and once with
-CUFLASH_PORTABLE=1 (docs/testing.md)."""
+the calls it takes and no other; on a Hopper GPU its output and LSE, and the mma.sync
+kernels' (CUFLASH_PORTABLE=1) on the same calls, match the float64 oracle by flash-attn's
+rule (tests/rule.py), in NaN-poisoned memory. The forward and variant suites run on both
+families too (the forward_family fixture)."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,6 +14,7 @@ from cuflash import _arrays, _compile, _kernels, _options, _plan, _sass, api
 from cuflash._params import Sm90Params
 
 from .conftest import hopper
+from .rule import check_attention, check_output, lowp_error, tile_marked
 
 
 def _compiled_sample(kernel) -> bool:
@@ -294,11 +295,11 @@ def _arrays_of(rng, dtype, *shapes):
     return host, [cupy.asarray(x) for x in host]
 
 
-def _close(got, want, atol):
-    got, want = (np.asarray(x.get() if hasattr(x, "get") else x, dtype=np.float64) for x in (got, want))
-    finite = np.isfinite(want)
-    assert np.array_equal(finite, np.isfinite(got)), "inf/nan in different places"
-    np.testing.assert_allclose(got[finite], want[finite], atol=atol)
+def _both_paths(paths, call):
+    """call() on the sm_90a path and on the mma.sync kernels, into poisoned memory."""
+    from .test_gpu_forward import poisoned_allocations
+    with poisoned_allocations():
+        return paths(False, call), paths(True, call)
 
 
 SHAPES = [(1, 128, 128, 1, 1), (2, 1, 300, 4, 2), (1, 129, 257, 2, 2), (2, 300, 517, 4, 1), (1, 1000, 1000, 2, 2),
@@ -315,64 +316,52 @@ CASES = [(128, dtype, *shape) for dtype in ("float16", "bfloat16") for shape in 
 @pytest.mark.parametrize("head_dim,dtype,batch,seqlen_q,seqlen_k,heads,heads_k", CASES)
 @pytest.mark.parametrize("causal,window_size,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
                                                     (False, (200, 30), 0.0), (True, (-1, -1), 20.0)])
-def test_the_sm90_forward_matches_the_oracle_and_the_mma_sync_kernels(paths, head_dim, dtype, batch, seqlen_q,
-                                                                     seqlen_k, heads, heads_k, causal, window_size,
-                                                                     softcap):
-    import cupy
-
-    from cuflash.reference import attention_reference
+def test_both_forward_families_match_the_oracle(paths, head_dim, dtype, batch, seqlen_q, seqlen_k, heads, heads_k,
+                                                causal, window_size, softcap):
     rng = np.random.default_rng(seqlen_q * 7 + seqlen_k)
-    host, (q, k, v) = _arrays_of(rng, dtype, (batch, seqlen_q, heads, head_dim),
-                                 (batch, seqlen_k, heads_k, head_dim), (batch, seqlen_k, heads_k, head_dim))
+    _, (q, k, v) = _arrays_of(rng, dtype, (batch, seqlen_q, heads, head_dim), (batch, seqlen_k, heads_k, head_dim),
+                              (batch, seqlen_k, heads_k, head_dim))
     options = dict(causal=causal, window_size=window_size, softcap=softcap)
-    out, lse = paths(False, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
-    want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), **options)
-    scale = 1 + float(abs(want).max())
-    _close(out, want, 4e-3 * scale)
-    _close(lse, want_lse, 1e-3)
-    same, same_lse = paths(True, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
-    _close(out, same, 4e-3 * scale)
-    _close(lse, same_lse, 1e-3)
+    for out, lse in _both_paths(paths, lambda: cuflash.attention(q, k, v, return_lse=True, **options)):
+        check_attention(q, k, v, out, lse, **options)
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_alibi_and_dropout_as_the_mma_sync_kernels(paths, causal, dtype):
-    """The same seed drops the same scores on both paths (the mask is a function of the
-    score's coordinates), so the outputs agree to rounding."""
+def test_alibi_and_dropout_on_both_families(paths, causal, dtype):
+    """ALiBi, dropout (the oracle applies the keep mask cuflash._philox makes for the seed)
+    and ALiBi with softcap, on each path against the oracle."""
     import cupy
+
+    from .test_gpu_variants import check_forward
     rng = np.random.default_rng(5)
     _, (q, k, v) = _arrays_of(rng, dtype, (2, 333, 4, 128), (2, 517, 2, 128), (2, 517, 2, 128))
     slopes = cupy.asarray(rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32))
     for options in (dict(alibi_slopes=slopes), dict(dropout_p=0.2, seed=11), dict(alibi_slopes=slopes, softcap=5.0)):
-        got = paths(False, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True, **options))
-        want = paths(True, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True, **options))
-        _close(got[0], want[0], 1e-2 * (1 + float(abs(want[0]).max())))
-        _close(got[1], want[1], 1e-3)
+        options = dict(options, causal=causal)
+        for out, lse in _both_paths(paths, lambda: cuflash.attention(q, k, v, return_lse=True, **options)):
+            check_forward(q, k, v, out, lse, options)
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_sm90_varlen_forward_matches_the_mma_sync_kernels(paths, causal):
+def test_the_varlen_forward_on_both_families(paths, causal):
     """Packed sequences of ragged lengths (1, a tile + 1, primes, an empty one), out in
     poisoned memory: no row written outside its sequence, none left unwritten."""
     import cupy
 
-    from .test_gpu_forward import poisoned_allocations
+    from .test_gpu_variants import check_forward
     rng = np.random.default_rng(3)
     lengths_q, lengths_k = np.array([1, 129, 211, 0, 64, 997]), np.array([300, 129, 17, 5, 640, 1000])
     cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
     _, (q, k, v) = _arrays_of(rng, "float16", (lengths_q.sum(), 4, 128), (lengths_k.sum(), 2, 128),
                               (lengths_k.sum(), 2, 128))
     args = (q, k, v, cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()))
-    with poisoned_allocations():
-        out, lse = paths(False, lambda: cuflash.attention_varlen(*args, causal=causal, return_lse=True))
-        want, want_lse = paths(True, lambda: cuflash.attention_varlen(*args, causal=causal, return_lse=True))
-    _close(out, want, 2e-2)
-    _close(lse, want_lse, 1e-3)
+    for out, lse in _both_paths(paths, lambda: cuflash.attention_varlen(*args, causal=causal, return_lse=True)):
+        check_forward(q, k, v, out, lse, dict(causal=causal), varlen=(cu_q, cu_k))
 
 
 @pytest.mark.gpu
@@ -386,23 +375,21 @@ def test_every_tile_is_computed_once_whatever_the_section(paths, monkeypatch, kv
     tile, dense and packed."""
     import cupy
 
-    from cuflash.reference import attention_reference
-
     from .test_gpu_forward import poisoned_allocations
+    from .test_gpu_variants import check_forward
     seqlen = 300
     monkeypatch.setattr(_plan.sm90, "SM90_SECTION_BYTES", kv_heads_a_section * 4 * seqlen * 128)
     monkeypatch.setattr(_plan.sm90, "SM90_SECTION_ROWS", 1)
     rng = np.random.default_rng(kv_heads_a_section)
-    host, (q, k, v) = _arrays_of(rng, "bfloat16", (3, seqlen, 5, 128), (3, seqlen, 1, 128), (3, seqlen, 1, 128))
-    want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), window_size=window_size)
+    _, (q, k, v) = _arrays_of(rng, "bfloat16", (3, seqlen, 5, 128), (3, seqlen, 1, 128), (3, seqlen, 1, 128))
     cu = cupy.arange(0, 3 * seqlen + 1, seqlen, dtype=np.int32)
+    packed_qkv = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
     with poisoned_allocations():
         out, lse = paths(False, lambda: cuflash.attention(q, k, v, window_size=window_size, return_lse=True))
-        packed = paths(False, lambda: cuflash.attention_varlen(*(x.reshape(-1, *x.shape[2:]) for x in (q, k, v)), cu,
-                                                               cu, seqlen, seqlen, window_size=window_size))
-    _close(out, want, 2e-2)
-    _close(lse, want_lse, 1e-3)
-    _close(packed.reshape(out.shape), want, 2e-2)
+        packed = paths(False, lambda: cuflash.attention_varlen(*packed_qkv, cu, cu, seqlen, seqlen,
+                                                               window_size=window_size, return_lse=True))
+    check_attention(q, k, v, out, lse, window_size=window_size)
+    check_forward(*packed_qkv, *packed, dict(window_size=window_size), varlen=(cu, cu))
 
 
 @pytest.mark.gpu
@@ -415,11 +402,8 @@ def test_a_banded_grid_takes_every_tile_once_from_its_counter(ctas, window_size)
     in a row into poisoned memory (the counter too), every row written by its own tile; a
     launch without the counter is refused."""
     import cupy
-
-    from cuflash.reference import attention_reference
     rng = np.random.default_rng(ctas)
-    host, (q, k, v) = _arrays_of(rng, "bfloat16", (2, 700, 3, 128), (2, 700, 1, 128), (2, 700, 1, 128))
-    want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), window_size=window_size)
+    _, (q, k, v) = _arrays_of(rng, "bfloat16", (2, 700, 3, 128), (2, 700, 1, 128), (2, 700, 1, 128))
     infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", q))]
     options = _options.make_options(infos[0], infos[1], False, None, window_size, 0.0, None, 0.0, None, 0,
                                     backward=False)
@@ -432,8 +416,7 @@ def test_a_banded_grid_takes_every_tile_once_from_its_counter(ctas, window_size)
         for x in (out, lse, counter):
             x.view(np.uint8).fill(0xFF)
         launcher(stream, *(x.data.ptr for x in (q, k, v, out, lse, counter)))
-        _close(out, want, 2e-2)
-        _close(lse, want_lse, 1e-3)
+        check_attention(q, k, v, out, lse, window_size=window_size)
     with pytest.raises(ValueError, match="workspace"):
         launcher(stream, *(x.data.ptr for x in (q, k, v, out, lse)))
 
@@ -441,8 +424,15 @@ def test_a_banded_grid_takes_every_tile_once_from_its_counter(ctas, window_size)
 @pytest.mark.gpu
 @hopper
 def test_torch_reaches_the_sm90_forward_and_its_backward_takes_the_lse(paths):
+    """Through torch autograd on both paths: out and the gradients against the oracle."""
     torch = pytest.importorskip("torch", reason="the torch front end needs PyTorch")
+    import cupy
+
     import cuflash.torch
+
+    from cuflash.reference import attention_lowp, attention_reference
+
+    from .test_gpu_backward import check_gradients
     q, k, v = (torch.randn(2, 600, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
 
@@ -454,11 +444,14 @@ def test_torch_reaches_the_sm90_forward_and_its_backward_takes_the_lse(paths):
             x.grad = None
         return out.detach(), grads
 
-    out, grads = paths(False, run)
-    want, want_grads = paths(True, run)
-    torch.testing.assert_close(out, want, atol=2e-2, rtol=0)
-    for got, expected in zip(grads, want_grads):
-        torch.testing.assert_close(got, expected, atol=5e-2, rtol=2e-2)
+    arrays = [cupy.from_dlpack(x.detach()) for x in (q, k, v)]
+    ref, _ = attention_reference(*arrays, causal=True)
+    yardstick = lowp_error(attention_lowp(*arrays, causal=True), ref)
+    for portable in (False, True):
+        out, grads = paths(portable, run)
+        check_output(cupy.from_dlpack(out), ref, yardstick, "bfloat16")
+        dout = cupy.from_dlpack((2 * out.float()).to(torch.bfloat16))  # (of the loss: sum of out squared)
+        check_gradients(dout, *arrays, [cupy.from_dlpack(g) for g in grads], causal=True)
 
 
 @pytest.mark.gpu
@@ -487,35 +480,34 @@ TAIL_CASES = [(128, "bfloat16", 1, 1000, 4001, 4, 2), (128, "float16", 2, 1000, 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("head_dim,dtype,batch,seqlen_q,seqlen_k,heads,heads_k", TAIL_CASES)
-@pytest.mark.parametrize("extras", ["", "softcap", "alibi", "dropout"])
-def test_a_cut_tail_matches_the_oracle_and_the_mma_sync_kernels(paths, head_dim, dtype, batch, seqlen_q, seqlen_k,
-                                                                 heads, heads_k, extras):
+@pytest.mark.parametrize("extras", ["", "softcap", "alibi", "dropout", "marked"])
+def test_a_cut_tail_matches_the_oracle_on_both_families(paths, head_dim, dtype, batch, seqlen_q, seqlen_k, heads,
+                                                        heads_k, extras):
     """Each piece's O and LSE merged by the last to finish: into poisoned memory every row
-    written, as the oracle and the mma.sync kernels have it (the same dropout mask: a
-    function of each score's coordinates), LSE included, the same bits call after call."""
+    written, as the oracle has it (dropout's keep mask cuflash._philox's), LSE included,
+    the same bits call after call; the mma.sync kernels on the same calls. "marked":
+    inputs on which a lost key tile or piece fails the rule (tests/rule.py)."""
     import cupy
 
-    from cuflash.reference import attention_reference
-
-    from .test_gpu_forward import poisoned_allocations
-    kernel = _plan.Sm90Forward.of(dtype, next(d for d in _plan.SM90_HEAD_DIMS if d >= head_dim), False, bool(extras))
+    from .test_gpu_forward import cupy_dtype, poisoned_allocations
+    from .test_gpu_variants import check_forward
+    with_extras = extras not in ("", "marked")
+    kernel = _plan.Sm90Forward.of(dtype, next(d for d in _plan.SM90_HEAD_DIMS if d >= head_dim), False, with_extras)
     tiles = -(-seqlen_q // kernel.block_m) * heads * batch
     assert _plan.sm90_tail(tiles, -(-seqlen_k // kernel.block_n), _kernels.multiprocessors(0))[1], "not cut"
     rng = np.random.default_rng(seqlen_k + head_dim)
-    host, (q, k, v) = _arrays_of(rng, dtype, (batch, seqlen_q, heads, head_dim),
-                                 (batch, seqlen_k, heads_k, head_dim), (batch, seqlen_k, heads_k, head_dim))
-    options = {"": {}, "softcap": dict(softcap=5.0), "dropout": dict(dropout_p=0.2, seed=3),
+    if extras == "marked":
+        q, k, v = tile_marked(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, cupy_dtype(dtype), rng, xp=cupy)
+    else:
+        _, (q, k, v) = _arrays_of(rng, dtype, (batch, seqlen_q, heads, head_dim),
+                                  (batch, seqlen_k, heads_k, head_dim), (batch, seqlen_k, heads_k, head_dim))
+    options = {"softcap": dict(softcap=5.0), "dropout": dict(dropout_p=0.2, seed=3),
                "alibi": dict(alibi_slopes=cupy.asarray(rng.uniform(0.01, 0.2, (batch, heads)).astype(np.float32)))}
-    options = options[extras]
+    options = options.get(extras, {})
     with poisoned_allocations():
-        out, lse = paths(False, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
         again, again_lse = paths(False, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
-        want, want_lse = paths(True, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
-    scale = 1 + float(abs(want).max())
-    _close(out, want, 1e-2 * scale)
-    _close(lse, want_lse, 1e-3)
+    results = _both_paths(paths, lambda: cuflash.attention(q, k, v, return_lse=True, **options))
+    for out, lse in results:
+        check_forward(q, k, v, out, lse, options)
+    out, lse = results[0]
     assert (out.view(np.uint16) == again.view(np.uint16)).all() and (lse == again_lse).all()
-    if not extras or extras == "softcap":
-        want, want_lse = attention_reference(*(cupy.asarray(x.astype(np.float64)) for x in host), **options)
-        _close(out, want, 4e-3 * scale)
-        _close(lse, want_lse, 1e-3)
