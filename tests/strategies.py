@@ -424,7 +424,9 @@ def kvcache_calls(draw, paged: bool = False, max_capacity: int = 24, headdims=(4
     leftpads = [draw(st.integers(0, n)) if draw(st.booleans()) else 0 for n in lengths]
     rotary_dim = draw(st.sampled_from([0, 2, d // 2 * 2 if d % 4 == 0 else 2, d // 2 * 2])) if seqlen_new else 0
     page_size = draw(st.sampled_from([1, 3, 5, 16, 17])) if paged else 0
-    window = draw(st.one_of(st.just((-1, -1)), window_sizes(capacity)), label="window")
+    # (small sides too: one at least a sequence's keys but below the capacity still bounds the mask)
+    small = st.sampled_from([-1, 0, 1, 2, 3])
+    window = draw(st.one_of(st.just((-1, -1)), window_sizes(capacity), st.tuples(small, small)), label="window")
     return dict(batch=batch, nheads=nheads, nheads_k=nheads_k, d=d, seqlen_q=seqlen_q, seqlen_new=seqlen_new,
                 capacity=capacity, lengths=lengths, leftpads=leftpads, rotary_dim=rotary_dim,
                 interleaved=draw(st.booleans()), causal=draw(st.booleans()), window=window,
