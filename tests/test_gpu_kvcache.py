@@ -172,8 +172,8 @@ def test_rows_outside_the_sequences_are_never_read(call, dtype):
     check(call, dtype, nan_outside=True)
 
 
-# (keys, page size, num_splits): at 200 and 700 keys one lost key fails, at 20k and 128k a
-# lost tile of 64 keys or more; contiguous and in pages of 1, 16, 17 and 256 rows, split
+# (keys, page size, num_splits): at 200 and 700 keys one lost key fails, at 20k a lost tile
+# of 64 keys, at 128k one of 128 (tests/test_rule.py); contiguous and in pages of 1, 16, 17 and 256 rows, split
 # counts from 1 to 16 and the planner's.
 TILE_CASES = [(n, page, splits) for n in (200, 700, 20000, 131072)
               for page, splits in ((0, 0), (1, 3), (16, 16), (17, 7), (256, 1))]
