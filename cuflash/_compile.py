@@ -126,7 +126,8 @@ def compile_kernel(source: str, instance: str, arch: str, *, refresh: bool = Fal
             compiled = None
         if compiled is None:
             start = time.perf_counter()
-            compiled = _run_nvrtc(source, instance, options, prelude)
+            with_prelude = (prelude,) if prelude else ()  # (the plain call as it always was)
+            compiled = _run_nvrtc(source, instance, options, *with_prelude)
             log.info("cuflash: compiled %s for %s in %.1f s (%d registers, %d bytes spilled)", instance, arch,
                      time.perf_counter() - start, compiled.resources.registers, compiled.resources.spill_stores)
             _write_entry(path, compiled, arch, instance)
