@@ -59,7 +59,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     vec = vectorizable(dout, q, k, v, dq, dk, dv)
     nheads_kv = k.shape[-2]
     one_pass = dq_accum is not None and has_tile("backward", p.headdim, options.extras, shared_limit)
-    accum_cols = dq_accum.shape[2] * dq_accum.shape[-1] if one_pass else 0  # (rows / 8, nheads, cols / 8, 8, 8)
+    accum_cols = dq_accum.shape[2] * dq_accum.shape[-1] if one_pass else 0  # (rows / 8, nheads, cols / 16, 8, 16)
     rows = backward_rows(p, batch, q, varlen, accum_cols)
     per_row, tasks = rows.args, rows.tasks
     steps = []
@@ -83,14 +83,14 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
 def backward_workspace(q_shape, deterministic: bool = False,
                        extras: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Scratch buffers of the backward (contents on entry do not matter): D = rowsum(dO * O),
-    laid out like the LSE, and, unless ``deterministic``, dQ's fp32 accumulator in 8 x 8
-    blocks, (rows / 8, nheads, head-dim bucket / 8, 8, 8) (dq_accum.cuh, DqAccum), where the
+    laid out like the LSE, and, unless ``deterministic``, dQ's fp32 accumulator in blocks
+    of 8 x 16, (rows / 8, nheads, head-dim bucket / 16, 8, 16) (dq_accum.cuh, DqAccum), where the
     one-pass kernel has a tile for this head dim and ``extras`` (softcap, ALiBi or dropout on)."""
     *rows, nheads, head_dim = q_shape
     work = {"delta": (((rows[0], nheads, rows[1]) if len(rows) == 2 else (nheads, rows[0])), "float32")}
     bucket = head_dim_bucket(head_dim)
     if not deterministic and KINDS["backward"].candidates(bucket, extras):
-        work["dq_accum"] = ((-(-math.prod(rows) // 8), nheads, bucket // 8, 8, 8), "float32")
+        work["dq_accum"] = ((-(-math.prod(rows) // 8), nheads, bucket // 16, 8, 16), "float32")
     return work
 
 

@@ -262,7 +262,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     the struct of the maps, the elementwise steps given its ``p``."""
     p, batch = call_params(q, k, v, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
     nheads_kv = k.shape[-2]
-    accum_cols = dq_accum.shape[2] * dq_accum.shape[-1]  # (rows / 8, nheads, cols / 8, 8, 8)
+    accum_cols = dq_accum.shape[2] * dq_accum.shape[-1]  # (rows / 8, nheads, cols / 16, 8, 16)
     rows = backward_rows(p, batch, q, varlen, accum_cols)
     per_row, tasks = rows.args, rows.tasks
     tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_TILES if d >= p.headdim), options.local)

@@ -12,7 +12,7 @@
 // - attention_backward (bwd_one_pass.cu; FlashAttention-2's scheme, the default): the
 //   same CTA adds dQ_i += dS K_j into an fp32 buffer with atomics, and
 //   attention_backward_convert_dq scales and rounds it. Five matmuls per tile; the order
-//   of the additions varies. The buffer is laid out in 8 x 8 blocks (dq_accum.cuh) so
+//   of the additions varies. The buffer is laid out in 8 x 16 blocks (dq_accum.cuh) so
 //   that each warp-wide atomic covers 256 contiguous bytes.
 // - attention_backward_dkdv + attention_backward_dq (bwd_two_kernel.cu; deterministic,
 //   softcap / ALiBi / dropout up to d 128, and where the one-pass tiles do not fit the
@@ -139,15 +139,16 @@ attention_backward_convert_dq(const Params p, int batch, int rows_per_batch, int
   const float* accum = DqAccum::at(p.dq_accum, task.row, task.head, p.nheads, accum_cols, 0);
   if (p.headdim % 8 == 0 && aligned16(dq)) {
     for (int c = 8 * task.lane; c < p.headdim; c += 8 * lanes) {
-      const float* block_row = accum + (c >> 3) * DqAccum::kColBlock;
-      const float4 lo = *reinterpret_cast<const float4*>(block_row), hi = *reinterpret_cast<const float4*>(block_row + 4);
+      const float* pairs = accum + DqAccum::column(c);  // columns c + 2i, c + 2i + 1 at 4i
+      float2 x[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = *reinterpret_cast<const float2*>(pairs + 4 * i);
       *reinterpret_cast<uint4*>(dq + c) =
-          make_uint4(DType<T>::pack(lo.x * p.scale, lo.y * p.scale), DType<T>::pack(lo.z * p.scale, lo.w * p.scale),
-                     DType<T>::pack(hi.x * p.scale, hi.y * p.scale), DType<T>::pack(hi.z * p.scale, hi.w * p.scale));
+          make_uint4(DType<T>::pack(x[0].x * p.scale, x[0].y * p.scale), DType<T>::pack(x[1].x * p.scale, x[1].y * p.scale),
+                     DType<T>::pack(x[2].x * p.scale, x[2].y * p.scale), DType<T>::pack(x[3].x * p.scale, x[3].y * p.scale));
     }
   } else {
-    for (int c = task.lane; c < p.headdim; c += lanes)
-      dq[c] = DType<T>::from_float(accum[(c >> 3) * DqAccum::kColBlock + (c & 7)] * p.scale);
+    for (int c = task.lane; c < p.headdim; c += lanes) dq[c] = DType<T>::from_float(accum[DqAccum::column(c)] * p.scale);
   }
 }
 

@@ -206,11 +206,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       const int col0 = dq_col0 + part * kPartCols;
       float acc_dq[2][kPartCols / 8][4] = {};
       mma_AB<T, kBlockN, kDqUnroll>(acc_dq, ds_tile.from_row(s_row0), 0, k_tile, col0, lane);
-      // This lane's first row (g), then rows 8 apart: 8 x 8 blocks (DqAccum) one step of
-      // eight_rows apart, from one address per step. (Written as a DqAccum function of
+      // This lane's first row (g), then rows 8 apart: blocks of 8 rows (DqAccum) one step
+      // of eight_rows apart, from one address per step. (Written as a DqAccum function of
       // the lane's row and column, the same arithmetic came out in another order.)
       const int64 first_row = seq.q_rows_before + m0 + s_row0 + g;
-      float* dq_rows = DqAccum::at(p.dq_accum, first_row, head, p.nheads, kHeadDim, col0 + 2 * t);
+      float* dq_rows = DqAccum::at(p.dq_accum, first_row, head, p.nheads, kHeadDim, 2 * t);
       const int64 eight_rows = DqAccum::eight_rows(p.nheads, kHeadDim);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -219,9 +219,19 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
           const int r = mt * 16 + g + 8 * h;
           if (m0 + s_row0 + r >= seq.seqlen_q) continue;
           float* dst = dq_rows + (2 * mt + h) * eight_rows;
+#if __CUDA_ARCH__ >= 900
+          if constexpr (kDqCols % 16 == 0 && kPartCols % 16 == 0) {  // two fragments a red.v4
+#pragma unroll
+            for (int j = 0; j < kPartCols / 16; ++j)
+              atomic_add_quad(dst + DqAccum::column(col0 + 16 * j), acc_dq[mt][2 * j][2 * h],
+                              acc_dq[mt][2 * j][2 * h + 1], acc_dq[mt][2 * j + 1][2 * h],
+                              acc_dq[mt][2 * j + 1][2 * h + 1]);
+            continue;
+          }
+#endif
 #pragma unroll
           for (int dt = 0; dt < kPartCols / 8; ++dt)
-            atomic_add_pair(dst + dt * DqAccum::kColBlock, acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
+            atomic_add_pair(dst + DqAccum::column(col0 + 8 * dt), acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
         }
     }
     // dK_j += dS^T Q_i (scaled once at the end), after dQ: its products cover the

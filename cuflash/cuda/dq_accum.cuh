@@ -17,21 +17,37 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
 #endif
 }
 
-// dQ's fp32 accumulator, (rows / 8, nheads, cols / 8, 8, 8): 8 x 8 blocks, row-major
-// inside. A warp's red.v2 of an mma C fragment (8 rows x 8 columns) then writes one
-// 256-byte block, where the plain (rows, nheads, cols) layout spread it over 8 lines:
-// 4x the L1 wavefronts, and at d 256 a full memory queue (ncu). FlashAttention-2 also
-// stores this buffer in its atomics' order. `row` counts rows over all batches.
+#if __CUDA_ARCH__ >= 900
+// fp32 (a, b, c, d) added to dst[0..3] (16-byte aligned) in one reduction.
+__device__ __forceinline__ void atomic_add_quad(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+#endif
+
+// dQ's fp32 accumulator, (rows / 8, nheads, cols / 16, 8, 16): blocks of 8 rows x 16
+// columns, a block's row holding its columns in pairs, (0 1 8 9) (2 3 10 11) (4 5 12 13)
+// (6 7 14 15). A warp's reductions of an mma C fragment (8 rows x 8 columns) then write
+// one 256-byte stretch, where the plain (rows, nheads, cols) layout spread them over 8
+// lines (4x the L1 wavefronts, and at d 256 a full memory queue: ncu), and a lane's two
+// pairs of neighbouring 8-column blocks are 16 contiguous bytes: one red.v4 on sm_90, and
+// the fragments of 8 rows x 64 columns one contiguous 2 KB stretch for a bulk reduction.
+// FlashAttention-2 and -3 also store this buffer in their reductions' order. `row` counts
+// rows over all batches.
 struct DqAccum {
-  static constexpr int kColBlock = 64;  // floats from one 8-column block to the next
+  static constexpr int kBlockFloats = 8 * 16;
+  // column `col`'s float in its row of a block
+  static __device__ __forceinline__ int column(int col) {
+    return (col >> 4) * kBlockFloats + ((col & 7) >> 1) * 4 + ((col >> 3) & 1) * 2 + (col & 1);
+  }
   static __device__ __forceinline__ float* at(float* base, int64 row, int head, int nheads, int cols, int col) {
-    return base + ((row >> 3) * nheads + head) * (8 * cols) + (col >> 3) * kColBlock + (row & 7) * 8 + (col & 7);
+    return base + ((row >> 3) * nheads + head) * (8 * cols) + (row & 7) * 16 + column(col);
   }
   // floats from one row to the one 8 rows further down
   static __device__ __forceinline__ int64 eight_rows(int nheads, int cols) { return int64(8) * cols * nheads; }
 };
 
-// All of dQ's accumulator, (rows / 8 rounded up, nheads, accum_cols / 8, 8, 8) floats,
+// All of dQ's accumulator, (rows / 8 rounded up, nheads, accum_cols / 16, 8, 16) floats,
 // set to zero by the grid's threads, 16 contiguous bytes each at a time.
 __device__ __forceinline__ void zero_dq_accum(const Params& p, int64 rows, int accum_cols, int64 thread) {
   const int64 count = ceil_div(rows, int64(8)) * 8 * p.nheads * accum_cols / 4;  // float4s

@@ -22,7 +22,7 @@ struct Params {
   // loss does not use the LSE. The preprocess folds it into D (bwd.cu).
   const float* dlse;
   float* delta;
-  // Backward, dQ by atomics: fp32 in 8 x 8 blocks of (rows, nheads, kHeadDim)
+  // Backward, dQ by atomics: fp32 in 8 x 16 blocks of (rows, nheads, kHeadDim)
   // (dq_accum.cuh, DqAccum), rows numbered as Sequence::q_rows_before counts them; null
   // when dQ has its own pass.
   float* dq_accum;

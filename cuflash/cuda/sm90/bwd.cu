@@ -18,7 +18,7 @@
 //   dK += dS^T Q                          wgmma, dS^T from registers
 //   dS^T -> shared memory; both consumers' keys written (named barrier)
 //   dQ = dS K                             wgmma, dS and K read MN-major
-//   dQ -> the fp32 accumulator            red.global.add (dq_accum.cuh)
+//   dQ -> the fp32 accumulator            red.global.add.v4 (dq_accum.cuh)
 //
 // then dK (times the softmax scale) and dV from registers to global memory.
 #include "common.cuh"
@@ -74,11 +74,12 @@ struct Sm90BackwardShared {
   __device__ __forceinline__ sm90::Barrier landed(int stage) const { return barrier(1 + stage); }
   __device__ __forceinline__ sm90::Barrier released(int stage) const { return barrier(1 + kStages + stage); }
 
-  // The loading thread arrives at each "landed" barrier, every consumer thread at each
+  // The loading thread arrives at K/V's "landed" barrier, the producer warp's lanes at
+  // each stage's (each after its own LSE and D stores), every consumer thread at each
   // "released" one.
   __device__ __forceinline__ void init_barriers(int consumer_threads) const {
     kv_landed().init(1);
-    for (int s = 0; s < kStages; ++s) landed(s).init(1), released(s).init(consumer_threads);
+    for (int s = 0; s < kStages; ++s) landed(s).init(32), released(s).init(consumer_threads);
     sm90::Barrier::fence_init();
   }
   // K and V of the block's rows from `row`, and a step's Q and dO (rows from `row`), each
@@ -209,16 +210,17 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
         const int stage = step % kStages;
         shared.released(stage).wait(((step / kStages) & 1) ^ 1);
         // The step's LSE (in log2 units) and D; rows past the sequence see no key (LSE
-        // +inf: P = 0). The warp's stores precede lane 0's arrival (__syncwarp), whose
-        // release the consumers' wait acquires.
+        // +inf: P = 0). Each lane's arrival releases its own stores to the consumers' wait.
         const int64 at = seq.lse_offset(p, batch, head);
         for (int i = lane; i < kBlockM; i += 32) {
           const bool inside = m0 + i < seq.seqlen_q;
           shared.lse(stage)[i] = inside ? p.lse[at + m0 + i] * kLog2e : kInf;
           shared.delta(stage)[i] = inside ? p.delta[at + m0 + i] : 0.f;
         }
-        __syncwarp();
-        if (lane == 0) shared.load_step(args, stage, seq.q_start + m0, head, tma_batch);
+        if (lane == 0)
+          shared.load_step(args, stage, seq.q_start + m0, head, tma_batch);
+        else
+          shared.landed(stage).arrive();
       }
     }
   } else {  // a consumer: keys 64c .. 64c + 63 of the block
@@ -288,18 +290,19 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
       sm90::fence_operands(acc_dk);
       sm90::fence_operands(acc_dv);
       shared.released(stage).arrive();  // Q and dO read
-      // dQ -> its accumulator: this warp's rows g and g + 8, a warp's 8 x 8 fragment one
-      // 256-byte block (DqAccum)
+      // dQ -> its accumulator: this warp's rows g and g + 8, a lane's two neighbouring
+      // 8-column fragments one red.v4 (DqAccum). (Through shared memory and the copy
+      // engine's bulk reduction, each warp's 2 KB blocks, it ran 2-7% slower: docs/tuning.md.)
       const int row = m0 + dq_rows + 16 * (warp % 4) + g;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (row + 8 * h >= seq.seqlen_q) continue;
-        float* dst = DqAccum::at(p.dq_accum, seq.q_rows_before + row + 8 * h, head, p.nheads, args.accum_cols,
-                                 dq_col0 + 2 * t);
+        float* dst = DqAccum::at(p.dq_accum, seq.q_rows_before + row + 8 * h, head, p.nheads, args.accum_cols, 2 * t);
 #pragma unroll
-        for (int dt = 0; dt < kDqCols / 8; ++dt)
-          if (dq_col0 + dt * 8 < args.accum_cols)
-            atomic_add_pair(dst + dt * DqAccum::kColBlock, acc_dq[0][dt][2 * h], acc_dq[0][dt][2 * h + 1]);
+        for (int j = 0; j < kDqCols / 16; ++j)
+          if (dq_col0 + 16 * j < args.accum_cols)
+            atomic_add_quad(dst + DqAccum::column(dq_col0 + 16 * j), acc_dq[0][2 * j][2 * h],
+                            acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h], acc_dq[0][2 * j + 1][2 * h + 1]);
       }
     }
     // dK (times the softmax scale) and dV: this warp's keys g and g + 8, the array's columns

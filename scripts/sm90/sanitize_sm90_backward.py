@@ -1,0 +1,71 @@
+"""Backward calls on the sm_90a backward kernel small enough for compute-sanitizer, on a
+compute capability 9.0 GPU:
+
+    compute-sanitizer --tool memcheck python scripts/sm90/sanitize_sm90_backward.py
+    compute-sanitizer --tool racecheck python scripts/sm90/sanitize_sm90_backward.py
+    compute-sanitizer --tool synccheck python scripts/sm90/sanitize_sm90_backward.py
+
+Both tiles (d 64: 128 x 128; d 128: 64 x 128, also serving d 72-120), causal and not,
+a sliding window, GQA and MQA, ragged lengths (sq != sk, a block + 1, a single query),
+the LSE's gradient, packed sequences with an empty one. Each call's gradients are checked
+against the float64 reference.
+"""
+import cupy
+import numpy as np
+
+import cuflash
+from cuflash.reference import attention_reference_backward, attention_reference_varlen_backward
+
+
+def _check(name, got, want):
+    err = float(np.abs(cupy.asnumpy(got).astype(np.float64) - want).max())
+    assert err < 3e-2 * (1.0 + float(np.abs(want).max())), (name, err)
+    return err
+
+
+def call(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dlse=False, **kw):
+    rng = np.random.default_rng(batch * seqlen_q + seqlen_k + d)
+    q = rng.standard_normal((batch, seqlen_q, nheads, d)).astype(np.float16)
+    k, v = (rng.standard_normal((batch, seqlen_k, nheads_k, d)).astype(np.float16) for _ in "kv")
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    g = [cupy.asarray(x) for x in (dout, q, k, v)]
+    out, lse = cuflash.attention(*g[1:], return_lse=True, **kw)
+    lse_grad = cupy.asarray(rng.standard_normal(lse.shape).astype(np.float32)) if dlse else None
+    grads = cuflash.attention_backward(*g, out, lse, dlse=lse_grad, **kw)
+    want = attention_reference_backward(dout, q, k, v, dlse=None if lse_grad is None else cupy.asnumpy(lse_grad),
+                                        **kw)
+    errs = [_check(n, x, w) for n, x, w in zip(("dq", "dk", "dv"), grads, want)]
+    print(f"d {d:3} {batch}x{seqlen_q}x{seqlen_k} heads {nheads}/{nheads_k} {kw} dlse={dlse}: "
+          f"max errors {' '.join(f'{e:.1e}' for e in errs)}")
+
+
+def packed(lengths, nheads, nheads_k, d, **kw):
+    rng = np.random.default_rng(sum(lengths) + d)
+    total = sum(lengths)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q = rng.standard_normal((total, nheads, d)).astype(np.float16)
+    k, v = (rng.standard_normal((total, nheads_k, d)).astype(np.float16) for _ in "kv")
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    g = [cupy.asarray(x) for x in (dout, q, k, v)]
+    cu_gpu = cupy.asarray(cu)
+    out, lse = cuflash.attention_varlen(*g[1:], cu_gpu, cu_gpu, max(lengths), max(lengths), return_lse=True, **kw)
+    grads = cuflash.attention_varlen_backward(*g, out, lse, cu_gpu, cu_gpu, max(lengths), max(lengths), **kw)
+    want = attention_reference_varlen_backward(dout, q, k, v, cu, cu, **kw)
+    errs = [_check(n, x, w) for n, x, w in zip(("dq", "dk", "dv"), grads, want)]
+    print(f"d {d:3} packed {lengths} heads {nheads}/{nheads_k} {kw}: max errors {' '.join(f'{e:.1e}' for e in errs)}")
+
+
+def main() -> None:
+    major, _ = cupy.cuda.Device().compute_capability
+    assert int(major) == 9, "needs a compute capability 9.0 GPU"
+    for d in (64, 96, 128):
+        call(2, 300, 300, 4, 2, d)
+        call(2, 300, 300, 4, 2, d, causal=True, dlse=True)
+        call(1, 129, 517, 4, 1, d, causal=True)
+        call(1, 1, 200, 2, 2, d)
+        call(1, 257, 130, 4, 4, d, window_size=(70, 20))
+        packed([100, 0, 129, 7], 4, 2, d, causal=True)
+
+
+if __name__ == "__main__":
+    main()
