@@ -139,7 +139,8 @@ def field_offset(struct: type, name: str) -> int:
     is its first field)."""
     offset = 0
     for part in name.split("."):
-        field = getattr(struct, part)
-        offset += field.offset
-        struct = dict(struct._fields_)[part]
+        offset += getattr(struct, part).offset
+        # (a subclass's _fields_ hold only its own fields: ModParams' base's are in Params)
+        struct = next(dict(c.__dict__["_fields_"])[part] for c in struct.__mro__
+                      if part in dict(c.__dict__.get("_fields_", ())))
     return offset

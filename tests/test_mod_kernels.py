@@ -116,6 +116,9 @@ def test_mod_calls_plan_onto_the_mma_sync_kernels_keyed_by_their_text(fake_gpu):
         assert [k.kind for k in tiled] == ["forward", "backward_dq", "backward_dkdv"]
         assert all(k.mods == options.mods.source and "UserMods" in k.instance for k in tiled)
         assert forward.struct is backward.struct is _params.ModParams
+        for plan in (forward, backward):  # the launcher finds every pointer inside Params
+            assert _plan.pointer_offsets(plan.struct, plan.pointers) == \
+                _plan.pointer_offsets(_params.Params, plan.pointers)
         params = _params.ModParams.from_buffer_copy(forward.params)
         assert (params.tensors[0].ptr, list(params.tensors[0].size[:2]), list(params.tensors[0].stride[:2])) == \
             (4096, [4, 199], [199, 1])
