@@ -598,3 +598,6 @@ def _write(buffers, arrays) -> None:
     # The CPU path returns fresh arrays; copy them into the buffers XLA allocated.
     for buffer, array in zip(buffers, arrays):
         np.asarray(buffer)[...] = array
+
+from .jax_ring import ring_attention  # noqa: E402  (context parallelism, built on the calls above)
+__all__ += ["ring_attention"]
