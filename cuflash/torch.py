@@ -47,6 +47,7 @@ make the glue testable without a GPU; it is not fast.
 
 Importing this module imports torch; ``import cuflash`` alone does not.
 """
+import hashlib
 import math
 from typing import Optional
 
@@ -66,7 +67,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               softmax_scale: Optional[float] = None, deterministic: bool = False, *,
               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
               alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-              seed: Optional[int] = None, return_lse: bool = False):
+              seed: Optional[int] = None, return_lse: bool = False, score_mod=None, mask_mod=None,
+              mod_tensors=()):
     """Differentiable ``cuflash.attention`` for torch tensors: returns out, or (out, lse)
     with ``return_lse`` (lse float32 (batch, nheads, seqlen_q), differentiable too).
 
@@ -74,19 +76,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     see ``cuflash.attention`` for the semantics of the options. ``deterministic`` makes
     the backward bitwise reproducible (dq accumulated in a fixed order) at some cost in
     speed. ``seed=None`` with dropout draws one from torch's generator (see the module).
+    ``score_mod``, ``mask_mod`` and ``mod_tensors`` (tensors on q's device that get no
+    gradient) as ``cuflash.attention``; see the module for how they reach the ops.
     """
-    if alibi_slopes is None and q.__class__ is torch.Tensor and deterministic.__class__ is bool \
+    mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
+    if alibi_slopes is None and not mods and q.__class__ is torch.Tensor and deterministic.__class__ is bool \
             and not _tracked(q, k, v):  # inference on a signature that ran: straight to its launch
         result = api.warm_forward(q, k, v, (causal, softmax_scale, window_size, softcap, dropout_p, seed, 0,
                                             return_lse))
         if result is not None:
             return result
     _options.check_bool("return_lse", return_lse)
-    args = _op_options(dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), causal=causal, softmax_scale=softmax_scale,
-                       deterministic=deterministic, window_size=window_size, softcap=softcap,
-                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed)
+    args = _op_options(dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, **_mod_tensor_names(mods, mod_tensors)),
+                       causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                       seed=seed)
+    if mods:
+        args = (*args, *_mod_arguments(score_mod, mask_mod, mod_tensors))
     if _tracked(q, k, v):
-        out, lse, _ = _forward(q, k, v, *args)
+        out, lse, _ = (_mod_forward if mods else _forward)(q, k, v, *args)
     else:
         out, lse, _ = _run_forward(q, k, v, *args, return_lse=return_lse)
     return (out, lse) if return_lse else out
@@ -98,7 +106,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                      seed: Optional[int] = None, return_lse: bool = False,
-                     block_table: Optional[torch.Tensor] = None):
+                     block_table: Optional[torch.Tensor] = None, score_mod=None, mask_mod=None, mod_tensors=()):
     """Differentiable ``cuflash.attention_varlen`` for torch tensors: returns out, or
     (out, lse) with ``return_lse`` (lse float32 (nheads, total_q), differentiable too).
 
@@ -106,20 +114,27 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
     of k and v (int32 tensors (batch + 1,) on q's device). Gradients reach q, k and v.
     With ``block_table``, k and v are page pools (``cuflash.attention_varlen``): forward
-    only, inputs that need no gradient (or under torch.no_grad()).
+    only, inputs that need no gradient (or under torch.no_grad()). ``score_mod``,
+    ``mask_mod`` and ``mod_tensors`` as ``attention`` (b is the sequence index).
     """
+    mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
     if block_table is not None:
+        if mods:
+            raise NotImplementedError("score_mod and mask_mod do not take block_table (the paged call) yet")
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                              causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=return_lse)
     _options.check_bool("return_lse", return_lse)
-    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                   **_mod_tensor_names(mods, mod_tensors))
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *_op_options(
         tensors, max_seqlens=(max_seqlen_q, max_seqlen_k), causal=causal, softmax_scale=softmax_scale,
         deterministic=deterministic, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         dropout_p=dropout_p, seed=seed))
+    if mods:
+        args = (*args, *_mod_arguments(score_mod, mask_mod, mod_tensors))
     if _tracked(q, k, v):
-        out, lse, _ = _varlen_forward(*args)
+        out, lse, _ = (_varlen_mod_forward if mods else _varlen_forward)(*args)
     else:
         out, lse, _ = _run_varlen_forward(*args, return_lse=return_lse)
     return (out, lse) if return_lse else out
@@ -223,17 +238,20 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 
 
 def _run_forward(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap, alibi_slopes,
-                 dropout_p, seed, *, return_lse: bool):
+                 dropout_p, seed, mods=None, mod_tensors=(), *, return_lse: bool):
     """(out, lse or None, (seed, rng_offset)): ``cuflash.attention`` on the tensors (CUDA)
-    or on NumPy views of them (CPU), the dropout seed drawn as the module says."""
+    or on NumPy views of them (CPU), the dropout seed drawn as the module says; ``mods``
+    the registry key of the call's score_mod / mask_mod (or None)."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
-        result = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=return_lse, **options)
+        result = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=return_lse, **options,
+                               **_mod_functions(mods, mod_tensors))
         out, lse = result if return_lse else (result, None)
         return out, lse, (seed, rng_offset)
     q, k, v, alibi_slopes = _numpy(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
-    out, lse = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options)
+    out, lse = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options,
+                             **_mod_functions(mods, _numpy_mod_tensors(mod_tensors)))
     return _tensor(out), _tensor(lse), (seed, rng_offset)
 
 
@@ -258,15 +276,22 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): gradients of attention_forward's out (dout) and lse (dlse, or None
     where lse is unused), given its out, lse and rng_state."""
+    return _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right,
+                         softcap, alibi_slopes, dropout_p, rng_state, dlse)
+
+
+def _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right, softcap,
+                  alibi_slopes, dropout_p, rng_state, dlse, mods=None, mod_tensors=()):
     seed, rng_offset = _from_rng_state(rng_state)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         return tuple(api.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
-                                            deterministic=deterministic, dlse=dlse, **options))
+                                            deterministic=deterministic, dlse=dlse, **options,
+                                            **_mod_functions(mods, mod_tensors)))
     *arrays, alibi_slopes, dlse = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
                                          dlse=dlse)
     grads = api.attention_backward(*arrays, alibi_slopes=alibi_slopes, deterministic=deterministic, dlse=dlse,
-                                   **options)
+                                   **options, **_mod_functions(mods, _numpy_mod_tensors(mod_tensors)))
     return tuple(_tensor(g) for g in grads)
 
 
@@ -282,19 +307,20 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, det
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap,
-     alibi_slopes, ctx.dropout_p, _) = inputs
+     alibi_slopes, ctx.dropout_p, _, *mods) = inputs  # (mods: the mod ops' key and tensors)
     out, lse, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
+    ctx.mods = mods[0] if mods else None
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, *(mods[1] if mods else ()))
     ctx.mark_non_differentiable(rng_state)
 
 
 def _backward(backward, ctx, dout, dlse, _drng_state):
-    q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, rng_state, *mod_tensors = ctx.saved_tensors
     dout, dlse = _output_gradients(dout, dlse, out)
     dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
                           ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state,
-                          dlse)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                          dlse, *_mod_inputs(ctx, mod_tensors))
+    return (dq, dk, dv) + (None,) * 9 + _mod_gradients(ctx, mod_tensors)
 
 
 def _differentiable(op, forward, backward_op, backward, setup_context, formula):
@@ -331,6 +357,57 @@ _forward = _differentiable(attention_forward, _attention_forward, attention_back
                            _setup_context, _backward)
 
 
+# The same with score_mod / mask_mod: a custom op's schema has no default for a tensor
+# list, so the mods get ops of their own whose last two inputs are the key and the tensors.
+
+def _attention_mod_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                           softmax_scale: Optional[float], deterministic: bool, window_left: int, window_right: int,
+                           softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int],
+                           mods: str, mod_tensors: list[torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_forward with the score_mod / mask_mod registered under ``mods``."""
+    out, lse, (seed, rng_offset) = _run_forward(q, k, v, causal, softmax_scale, deterministic, window_left,
+                                                window_right, softcap, alibi_slopes, dropout_p, seed, mods,
+                                                mod_tensors, return_lse=True)
+    return out, lse, _rng_state(seed, rng_offset)
+
+
+attention_mod_forward = torch.library.custom_op(
+    "cuflash::attention_mod_forward", mutates_args=(),
+    tags=(torch.Tag.nondeterministic_seeded,))(_attention_mod_forward)
+
+
+@attention_mod_forward.register_fake
+def _attention_mod_forward_fake(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap,
+                                alibi_slopes, dropout_p, seed, mods, mod_tensors):
+    return _attention_forward_fake(q, k, v, causal, softmax_scale, deterministic)
+
+
+def _attention_mod_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: Optional[float],
+                            deterministic: bool, window_left: int, window_right: int, softcap: float,
+                            alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng_state: Optional[torch.Tensor],
+                            dlse: Optional[torch.Tensor], mods: str, mod_tensors: list[torch.Tensor]
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_backward with the score_mod / mask_mod registered under ``mods``."""
+    return _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right,
+                         softcap, alibi_slopes, dropout_p, rng_state, dlse, mods, mod_tensors)
+
+
+attention_mod_backward = torch.library.custom_op("cuflash::attention_mod_backward",
+                                                 mutates_args=())(_attention_mod_backward)
+
+
+@attention_mod_backward.register_fake
+def _attention_mod_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left,
+                                 window_right, softcap, alibi_slopes, dropout_p, rng_state, dlse, mods, mod_tensors):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_mod_forward = _differentiable(attention_mod_forward, _attention_mod_forward, attention_mod_backward,
+                               _attention_mod_backward, _setup_context, _backward)
+
+
 # --- packed variable length -------------------------------------------------------------------
 
 
@@ -348,8 +425,8 @@ def _attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                        deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, *,
-                        return_lse: bool):
+                        deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, mods=None,
+                        mod_tensors=(), *, return_lse: bool):
     """``_run_forward`` of packed sequences."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
@@ -358,8 +435,9 @@ def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     else:
         *arrays, alibi_slopes = _numpy(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                        alibi_slopes=alibi_slopes)
+        mod_tensors = _numpy_mod_tensors(mod_tensors)
     out, lse = api.attention_varlen(*arrays, max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
-                                    return_lse=True, **options)
+                                    return_lse=True, **options, **_mod_functions(mods, mod_tensors))
     if q.device.type == "cpu":
         out, lse = _tensor(out), _tensor(lse)
     return out, lse if return_lse else None, (seed, rng_offset)
@@ -387,16 +465,26 @@ def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                rng_state: Optional[torch.Tensor] = None, dlse: Optional[torch.Tensor] = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention_varlen_forward's out and lse (dlse, or None)."""
+    return _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal, softmax_scale, deterministic, window_left, window_right, softcap,
+                                alibi_slopes, dropout_p, rng_state, dlse)
+
+
+def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                         softmax_scale, deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                         rng_state, dlse, mods=None, mod_tensors=()):
     seed, rng_offset = _from_rng_state(rng_state)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         return tuple(api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
-                                                   deterministic=deterministic, dlse=dlse, **options))
+                                                   deterministic=deterministic, dlse=dlse, **options,
+                                                   **_mod_functions(mods, mod_tensors)))
     *arrays, alibi_slopes, dlse = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                                          cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, dlse=dlse)
     grads = api.attention_varlen_backward(*arrays, max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
-                                          deterministic=deterministic, dlse=dlse, **options)
+                                          deterministic=deterministic, dlse=dlse, **options,
+                                          **_mod_functions(mods, _numpy_mod_tensors(mod_tensors)))
     return tuple(_tensor(g) for g in grads)
 
 
@@ -414,23 +502,154 @@ def _attention_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
 
 def _setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale,
-     ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, _) = inputs
+     ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, _,
+     *mods) = inputs
     out, lse, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
+    ctx.mods = mods[0] if mods else None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
+                          *(mods[1] if mods else ()))
     ctx.mark_non_differentiable(rng_state)
 
 
 def _varlen_backward(backward, ctx, dout, dlse, _drng_state):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, *mod_tensors = ctx.saved_tensors
     dout, dlse = _output_gradients(dout, dlse, out)
     dq, dk, dv = backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
                           ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.window_left,
-                          ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state, dlse)
-    return (dq, dk, dv) + (None,) * 13
+                          ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state, dlse,
+                          *_mod_inputs(ctx, mod_tensors))
+    return (dq, dk, dv) + (None,) * 13 + _mod_gradients(ctx, mod_tensors)
 
 
 _varlen_forward = _differentiable(attention_varlen_forward, _attention_varlen_forward, attention_varlen_backward,
                                   _attention_varlen_backward, _setup_varlen_context, _varlen_backward)
+
+
+def _attention_varlen_mod_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                                  softmax_scale: Optional[float], deterministic: bool, window_left: int,
+                                  window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+                                  dropout_p: float, seed: Optional[int], mods: str, mod_tensors: list[torch.Tensor]
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_varlen_forward with the score_mod / mask_mod registered under ``mods``."""
+    out, lse, (seed, rng_offset) = _run_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
+        window_left, window_right, softcap, alibi_slopes, dropout_p, seed, mods, mod_tensors, return_lse=True)
+    return out, lse, _rng_state(seed, rng_offset)
+
+
+attention_varlen_mod_forward = torch.library.custom_op(
+    "cuflash::attention_varlen_mod_forward", mutates_args=(),
+    tags=(torch.Tag.nondeterministic_seeded,))(_attention_varlen_mod_forward)
+
+
+@attention_varlen_mod_forward.register_fake
+def _attention_varlen_mod_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                       softmax_scale, deterministic, window_left, window_right, softcap,
+                                       alibi_slopes, dropout_p, seed, mods, mod_tensors):
+    return _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                          softmax_scale, deterministic)
+
+
+def _attention_varlen_mod_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                                   softmax_scale: Optional[float], deterministic: bool, window_left: int,
+                                   window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+                                   dropout_p: float, rng_state: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
+                                   mods: str, mod_tensors: list[torch.Tensor]
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_varlen_backward with the score_mod / mask_mod registered under ``mods``."""
+    return _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal, softmax_scale, deterministic, window_left, window_right, softcap,
+                                alibi_slopes, dropout_p, rng_state, dlse, mods, mod_tensors)
+
+
+attention_varlen_mod_backward = torch.library.custom_op(
+    "cuflash::attention_varlen_mod_backward", mutates_args=())(_attention_varlen_mod_backward)
+
+
+@attention_varlen_mod_backward.register_fake
+def _attention_varlen_mod_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, causal, softmax_scale, deterministic, window_left,
+                                        window_right, softcap, alibi_slopes, dropout_p, rng_state, dlse, mods,
+                                        mod_tensors):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_varlen_mod_forward = _differentiable(attention_varlen_mod_forward, _attention_varlen_mod_forward,
+                                      attention_varlen_mod_backward, _attention_varlen_mod_backward,
+                                      _setup_varlen_context, _varlen_backward)
+
+
+# --- score_mod / mask_mod --------------------------------------------------------------------
+
+# The traced functions of the calls so far, by key: a custom op takes no Python function,
+# so the mod ops take the key (a string) and find the functions here. The key hashes the
+# traced text and the tensors' shapes and dtypes: equal keys compute alike, and the first
+# functions of a key stay for the life of the process.
+_MODS: dict = {}
+
+
+def _mod_tensor_names(mods: bool, mod_tensors) -> dict:
+    """The mod tensors by the names the device checks give them."""
+    if not mods or not isinstance(mod_tensors, (tuple, list)):
+        return {}
+    return {f"mod_tensors[{i}]": t for i, t in enumerate(mod_tensors)}
+
+
+def _mod_arguments(score_mod, mask_mod, mod_tensors) -> tuple[str, list]:
+    """The mod ops' last two inputs: the key of the traced functions, and the tensors
+    (checked: torch tensors on q's device by now, none requiring grad)."""
+    _options.check_mods(None, score_mod, mask_mod, mod_tensors)
+    if torch.is_grad_enabled():
+        for i, t in enumerate(mod_tensors):
+            if t.requires_grad:
+                raise ValueError(f"mod_tensors[{i}] requires grad, but cuflash gives mod tensors no gradient "
+                                 f"(FlexAttention would give a captured tensor one): detach it, or call under "
+                                 f"torch.no_grad()")
+    specs = tuple((tuple(int(n) for n in t.shape), str(t.dtype).removeprefix("torch.")) for t in mod_tensors)
+    return _register_mods(score_mod, mask_mod, specs), list(mod_tensors)
+
+
+@torch.compiler.assume_constant_result  # (torch.compile calls it while tracing and keeps the key)
+def _register_mods(score_mod, mask_mod, specs: tuple) -> str:
+    """Trace the functions over tensors of these (shape, dtype)s and file them under their key."""
+    from . import mod
+    tensors = tuple(mod.TensorSpec(i, None, shape, dtype) for i, (shape, dtype) in enumerate(specs))
+    texts = tuple(None if fn is None else mod.trace(fn, kind, tensors).text
+                  for fn, kind in ((score_mod, "score"), (mask_mod, "mask")))
+    key = hashlib.sha256(repr((texts, specs)).encode()).hexdigest()
+    _MODS.setdefault(key, (score_mod, mask_mod))
+    return key
+
+
+def _mod_functions(mods: Optional[str], mod_tensors) -> dict:
+    """``cuflash.attention``'s score_mod, mask_mod and mod_tensors for a registry key (none for None)."""
+    if mods is None:
+        return {}
+    try:
+        score_mod, mask_mod = _MODS[mods]
+    except KeyError:
+        raise ValueError(f"mods: no score_mod / mask_mod registered under {mods!r} in this process (the mod "
+                         f"ops take the key cuflash.torch.attention made)") from None
+    return dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=tuple(mod_tensors))
+
+
+def _numpy_mod_tensors(mod_tensors) -> tuple:
+    if not mod_tensors:
+        return ()
+    return tuple(_numpy(**{f"mod_tensors[{i}]": t for i, t in enumerate(mod_tensors)}))
+
+
+def _mod_inputs(ctx, mod_tensors: list) -> tuple:
+    """The backward mod op's key and tensors (nothing for the plain ops)."""
+    return () if ctx.mods is None else (ctx.mods, list(mod_tensors))
+
+
+def _mod_gradients(ctx, mod_tensors: list) -> tuple:
+    """No gradient for the key, one None per mod tensor (the formula mirrors the inputs' structure)."""
+    return () if ctx.mods is None else (None, [None] * len(mod_tensors))
 
 
 # --- the KV-cache call -----------------------------------------------------------------------
