@@ -65,7 +65,9 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, softmax_scale: f
     """
     scale = _check(q, k, v, causal, softmax_scale, layout, return_lse)
     size = _axis_size(axis_name)
-    out, lse = _ring(q, k, v, _Ring(axis_name, size, causal, scale, layout))
+    # The mesh axes the results vary over (the ring makes them vary over axis_name at least).
+    axes = tuple(sorted(_vma(q, k, v) | {axis_name}, key=str))
+    out, lse = _ring(q, k, v, _Ring(axis_name, size, causal, scale, layout, axes))
     return (out, lse) if return_lse else out
 
 
@@ -106,6 +108,7 @@ class _Ring(NamedTuple):
     causal: bool
     scale: float
     layout: str
+    axes: tuple  # the mesh axes that q, k or v vary over, and axis_name
 
     def shift(self, arrays):
         """``arrays`` of every device, moved to the next device on the axis."""
@@ -141,19 +144,25 @@ def _visit(ring: _Ring, step: int, seqlen: int, compute, state):
                         lambda s: compute(s, _Block(slice(half, None), _ALL, False)), state)
 
 
-def _varying(x, axes: frozenset):
+def _varying(x, axes: tuple):
     """x typed as varying over the mesh axes ``axes``: buffer_callback's results (and fresh
     zeros) carry no such type, and an array typed invariant would have its cotangents summed
     over the axis by JAX, though each device's value is its own."""
-    missing = tuple(sorted(axes - getattr(jax.typeof(x), "vma", frozenset()), key=str))
+    missing = tuple(a for a in axes if a not in _vma(x))
     if not missing:
         return x
     return jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
 
 
 def _vma(*arrays) -> frozenset:
-    """The mesh axes over which any of ``arrays`` varies (none where JAX has no such types)."""
-    return frozenset().union(*(getattr(jax.typeof(x), "vma", frozenset()) for x in arrays))
+    """The mesh axes over which any of ``arrays`` varies: the type's manual_axis_type (JAX
+    0.10), or its vma (JAX 0.7 to 0.9)."""
+    axes = frozenset()
+    for x in arrays:
+        aval = jax.typeof(x)
+        manual = getattr(aval, "manual_axis_type", None)
+        axes |= frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+    return axes
 
 
 def _accumulator(dtype):
@@ -181,10 +190,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def _forward(q, k, v, ring: _Ring):
     """(out like q, lse float32): ``size`` steps of attention and merge, the next block in flight."""
 
-    axes = _vma(q, k, v) | {ring.axis_name}
-
     def attention(q, k, v, causal):
-        return tuple(_varying(x, axes) for x in glue.attention(q, k, v, causal=causal, softmax_scale=ring.scale,
+        return tuple(_varying(x, ring.axes) for x in glue.attention(q, k, v, causal=causal, softmax_scale=ring.scale,
                                                                 return_lse=True))
 
     def attend(kv, state, block: _Block):
@@ -212,7 +219,6 @@ def _backward(dout, dlse, q, k, v, out, lse, ring: _Ring):
     """(dq, dk, dv): each step's block gradients from cuflash's backward with the final out
     and LSE; dK/dV accumulate in float32 as they travel behind K/V back to their owner."""
     acc = _accumulator(q.dtype)
-    axes = _vma(q, k, v, dout, dlse) | {ring.axis_name}
 
     def differentiate(kv, state, block: _Block):
         dq, dk, dv = state
@@ -220,11 +226,11 @@ def _backward(dout, dlse, q, k, v, out, lse, ring: _Ring):
         kb, vb = (x[:, keys] for x in kv)
         dqb, dkb, dvb = _block_backward(dout[:, rows], dlse[:, :, rows], q[:, rows], kb, vb, out[:, rows],
                                         lse[:, :, rows], block.causal, ring.scale)
-        dqb, dkb, dvb = (_varying(x.astype(acc), axes) for x in (dqb, dkb, dvb))
+        dqb, dkb, dvb = (_varying(x.astype(acc), ring.axes) for x in (dqb, dkb, dvb))
         return dq.at[:, rows].add(dqb), dk.at[:, keys].add(dkb), dv.at[:, keys].add(dvb)
 
     held = (k, v)
-    dq, *grads = (_varying(jnp.zeros(x.shape, acc), axes) for x in (q, k, v))  # grads: the block held's
+    dq, *grads = (_varying(jnp.zeros(x.shape, acc), ring.axes) for x in (q, k, v))  # grads: the block held's
     for step in range(ring.size):
         incoming = ring.shift(held) if step + 1 < ring.size else None
         dq, *grads = _visit(ring, step, q.shape[1], functools.partial(differentiate, held), (dq, *grads))
