@@ -70,17 +70,19 @@ _DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False,
               window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, seed=None,
-              return_lse: bool = False):
+              return_lse: bool = False, score_mod=None, mask_mod=None, mod_tensors=()):
     """Differentiable ``cuflash.attention`` for JAX arrays: returns out, or (out, lse) with
     ``return_lse`` (lse float32 (batch, nheads, seqlen_q), differentiable too).
 
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim);
     see ``cuflash.attention`` for the semantics of the options and the module for seeds.
     float16/bfloat16 on a GPU, float16/float32/float64 on the CPU. ``deterministic``
-    makes the backward bitwise reproducible.
+    makes the backward bitwise reproducible. ``score_mod``, ``mask_mod`` and ``mod_tensors``
+    as ``cuflash.attention`` (see the module: the functions are static, the tensors inputs
+    without gradient).
     """
     config, extras = _prepare(q, k, v, None, causal, softmax_scale, deterministic, window_size, softcap,
-                              alibi_slopes, dropout_p, seed)
+                              alibi_slopes, dropout_p, seed, score_mod, mask_mod, mod_tensors)
     out, lse = _attention(q, k, v, extras, config)
     return (out, lse) if return_lse else out
 
@@ -88,24 +90,28 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False,
                      window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                     seed=None, return_lse: bool = False, block_table=None):
+                     seed=None, return_lse: bool = False, block_table=None, score_mod=None, mask_mod=None,
+                     mod_tensors=()):
     """Differentiable ``cuflash.attention_varlen`` for JAX arrays: returns out, or (out, lse)
     with ``return_lse`` (lse float32 (nheads, total_q), differentiable too).
 
     q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim) packed; sequence
     b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
     of k and v (int32 (batch + 1,) arrays); max_seqlen_q/k (Python ints, static) bound
-    the lengths. Options as ``attention``. With ``block_table``, k and v are page pools
-    (``cuflash.attention_varlen``): forward only, no dropout.
+    the lengths. Options as ``attention`` (score_mod and mask_mod see b, the sequence
+    index). With ``block_table``, k and v are page pools (``cuflash.attention_varlen``):
+    forward only, no dropout, no score_mod or mask_mod.
     """
     if block_table is not None:
+        if _options.has_mods(score_mod, mask_mod, mod_tensors):
+            raise NotImplementedError("score_mod and mask_mod do not take block_table (the paged call) yet")
         if dropout_p != 0:
             raise ValueError(f"dropout_p must be 0 with block_table (the paged call is for inference), got {dropout_p}")
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, causal,
                              softmax_scale, window_size, softcap, alibi_slopes, return_lse)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     config, extras = _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size, softcap,
-                              alibi_slopes, dropout_p, seed)
+                              alibi_slopes, dropout_p, seed, score_mod, mask_mod, mod_tensors)
     out, lse = _attention(q, k, v, extras, config)
     return (out, lse) if return_lse else out
 
@@ -327,6 +333,7 @@ class _Config:
     deterministic: bool
     max_seqlens: tuple[int, int] | None  # (max_seqlen_q, max_seqlen_k) of a packed batch
     inputs: tuple[str, ...]  # names of the callback's inputs after q, k, v (the extras')
+    mods: _Mods | None = None  # score_mod / mask_mod; their tensors are inputs "mod_tensors[i]"
 
     @property
     def varlen(self) -> bool:
@@ -334,14 +341,33 @@ class _Config:
 
     @property
     def extras(self) -> bool:  # as _options.Options.extras
-        return self.softcap > 0 or self.dropout_p > 0 or "alibi_slopes" in self.inputs
+        return self.softcap > 0 or self.dropout_p > 0 or "alibi_slopes" in self.inputs or self.mods is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mods:
+    """score_mod and mask_mod of a call, static: equal (and hashing alike) by their traced
+    text and the tensors' shapes and dtypes, so that jit and eager calls reuse an executable
+    whatever function object wrote them."""
+    texts: tuple[str | None, str | None]  # the traced trees' canonical texts (cuflash.mod.Traced.text)
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]  # (the buffers of bfloat16 tensors describe themselves as '<V2')
+    # The CUDA text (cuflash.mod.kernel_source; its comments name the function, so it does
+    # not take part in equality) and the functions, for the NumPy path.
+    source: str = dataclasses.field(default="", compare=False)
+    score_mod: object = dataclasses.field(default=None, compare=False)
+    mask_mod: object = dataclasses.field(default=None, compare=False)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f"mod_tensors[{i}]" for i in range(len(self.dtypes)))
 
 
 def _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes,
-             dropout_p, seed):
+             dropout_p, seed, score_mod=None, mask_mod=None, mod_tensors=()):
     """Check everything that exists while tracing (shapes, dtypes, option values), so that
     user errors are raised here, not from inside a callback. Returns the static _Config
-    and the array inputs beside q, k, v (a dict: alibi, seed, cu_seqlens_q/k)."""
+    and the array inputs beside q, k, v (a dict: alibi, seed, cu_seqlens_q/k, mod tensors)."""
     if buffer_callback is None:
         raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or newer); "
                           f"this is JAX {jax.__version__}: pip install -U jax")
@@ -369,10 +395,41 @@ def _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size,
         words = _seed_words(seed)  # checked even without dropout, where it is not used
         if options.dropout_p > 0:
             extras["seed"] = words
+    mods = None
+    if _options.has_mods(score_mod, mask_mod, mod_tensors):
+        seqlen_q = q.shape[1] if varlen is None else max_seqlens[0]
+        mods, tensors = _trace_mods(q, score_mod, mask_mod, mod_tensors, batch, seqlen_q, seqlen_k)
+        extras.update(zip(mods.names, tensors))
     config = _Config(np.dtype(q.dtype).name, options.causal, options.scale, options.window, options.softcap,
                      options.dropout_p, options.seed if options.dropout_p > 0 and static_seed is not None else None,
-                     bool(deterministic), max_seqlens, tuple(extras))
+                     bool(deterministic), max_seqlens, tuple(extras), mods)
     return config, extras
+
+
+def _trace_mods(q, score_mod, mask_mod, mod_tensors, batch: int, seqlen_q: int, seqlen_k: int):
+    """The static _Mods of a call and its mod tensors as arrays. The functions are traced
+    over the tensors' shapes and dtypes, and their indices checked over the call's
+    positions here, while tracing: on a GPU by the kernels' rules (``_options.device_mods``),
+    on the CPU as the NumPy path would find them."""
+    from . import mod
+    qi = _describe(q, q)
+    _options.check_mods(qi, score_mod, mask_mod, mod_tensors)
+    tensors = [jnp.asarray(t) for t in mod_tensors]
+    infos = tuple(_describe(t, q) for t in tensors)
+    if _platform(q) != "cpu":  # (the kernels' limits on the tensors, and the index checks)
+        _options.device_mods(qi, score_mod, mask_mod, infos, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    specs = tuple(mod.TensorSpec(i, None, a.shape, a.dtype) for i, a in enumerate(infos))
+    trees = [None if fn is None else mod.trace(fn, kind, specs) for fn, kind in ((score_mod, "score"),
+                                                                                  (mask_mod, "mask"))]
+    if batch and q.shape[-2] and seqlen_q and seqlen_k:
+        domain = {"b": (0, batch - 1), "h": (0, q.shape[-2] - 1), "q_idx": (0, seqlen_q - 1),
+                  "kv_idx": (0, seqlen_k - 1)}
+        for tree in trees:
+            if tree is not None:
+                mod.index_ranges(tree, domain)
+    mods = _Mods(tuple(None if tree is None else tree.text for tree in trees), tuple(a.shape for a in infos),
+                 tuple(a.dtype for a in infos), mod.kernel_source(*trees), score_mod, mask_mod)
+    return mods, tensors
 
 
 def _describe(x, q) -> _arrays.ArrayInfo:
@@ -448,7 +505,7 @@ def _attention_bwd(config, residuals, cotangents):
 
 
 def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.integer):
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
         return np.zeros(x.shape, jax.dtypes.float0)
     return jnp.zeros_like(x)
 
@@ -465,8 +522,10 @@ def _forward(q, k, v, extras: dict, config: _Config):
     workspace = {}
     if _platform(q) != "cpu":  # the sm_90a forward's scratch (tile counter, tail pieces): shapes from the plan
         described = {name: _describe(x, q) for name, x in (("q", q), ("k", k), ("v", v), *extras.items())}
+        mods = None if config.mods is None else _options.DeviceMods(
+            config.mods.source, tuple(described[name] for name in config.mods.names))
         options = _options.Options(config.causal, config.scale, config.window, config.softcap,
-                                   described.get("alibi_slopes"), config.dropout_p)
+                                   described.get("alibi_slopes"), config.dropout_p, mods=mods)
         varlen = None
         if config.varlen:
             varlen = _options.Varlen(described["cu_seqlens_q"], described["cu_seqlens_k"], *config.max_seqlens)
@@ -539,6 +598,9 @@ def _call_cpu(dense, packed, config: _Config, arrays: list, extras: dict, **kwar
     options = dict(causal=config.causal, softmax_scale=config.scale, window_size=config.window,
                    softcap=config.softcap, alibi_slopes=host.get("alibi_slopes"), dropout_p=config.dropout_p,
                    seed=_host_seed(config, host.get("seed")), **kwargs)
+    if config.mods is not None:
+        options.update(score_mod=config.mods.score_mod, mask_mod=config.mods.mask_mod,
+                       mod_tensors=tuple(host[name] for name in config.mods.names))
     arrays = [np.asarray(b) for b in arrays]
     if not config.varlen:
         return dense(*arrays, **options)
@@ -551,9 +613,13 @@ def _gpu_options(config: _Config, extras: dict, q, stream: int):
     seed_words = extras.get("seed")
     if seed_words is not None:
         seed_words = _device_to_host(seed_words, np.uint32, stream)
+    mods = None
+    if config.mods is not None:
+        mods = _options.DeviceMods(config.mods.source, tuple(
+            _info(extras[name], dtype) for name, dtype in zip(config.mods.names, config.mods.dtypes)))
     options = _options.Options(config.causal, config.scale, config.window, config.softcap,
                                None if alibi is None else _info(alibi, "float32"), config.dropout_p,
-                               _host_seed(config, seed_words) or 0, 0)
+                               _host_seed(config, seed_words) or 0, 0, mods)
     varlen = None
     if config.varlen:
         varlen = _options.Varlen(_info(extras["cu_seqlens_q"], "int32"), _info(extras["cu_seqlens_k"], "int32"),

@@ -1,0 +1,215 @@
+"""score_mod / mask_mod through cuflash.jax: custom_vjp, eagerly and under jax.jit.
+
+CPU arrays take the NumPy path inside the same buffer_callback, in float32, against the
+float64 oracle (cuflash.reference with the same functions): outputs, LSE and the gradients
+of both. The functions: a relative bias read from an array, a document mask read from
+arrays, a softcap written with tanh. The tests marked gpu run the same calls on GPU arrays
+(the mma.sync kernels compiled with the functions) by flash-attn's rule (tests/rule.py).
+"""
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="JAX is not installed: pip install -e '.[jax]'")
+pytest.importorskip("jax.experimental.buffer_callback", reason="cuflash.jax needs JAX 0.7 or newer")
+
+import jax.numpy as jnp  # noqa: E402
+
+import cuflash.jax  # noqa: E402
+from cuflash import mod  # noqa: E402
+from cuflash.reference import (attention_reference, attention_reference_backward,  # noqa: E402
+                               attention_reference_varlen, attention_reference_varlen_backward)
+
+from .strategies import assert_close  # noqa: E402
+
+RADIUS = 4  # the relative bias's buckets: distances -RADIUS .. RADIUS
+BATCH, SEQLEN_Q, SEQLEN_K, NHEADS, NHEADS_KV, HEADDIM = 2, 13, 17, 4, 2, 8
+
+
+def relative_bias(score, b, h, q_idx, kv_idx, bias):
+    return score + bias[h, mod.minimum(mod.maximum(q_idx - kv_idx, -RADIUS), RADIUS) + RADIUS]
+
+
+def same_document(b, h, q_idx, kv_idx, doc_q, doc_k):
+    return doc_q[b, q_idx] == doc_k[b, kv_idx]
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 2.0 * mod.tanh(score / 2.0)
+
+
+def biased_documents(score, b, h, q_idx, kv_idx, bias, doc_q, doc_k):
+    return relative_bias(score, b, h, q_idx, kv_idx, bias)
+
+
+def documents_beside_a_bias(b, h, q_idx, kv_idx, bias, doc_q, doc_k):
+    return same_document(b, h, q_idx, kv_idx, doc_q, doc_k)
+
+
+# case: (score_mod, mask_mod, built-in options)
+CASES = {
+    "bias": (relative_bias, None, {"causal": True}),
+    "document": (None, same_document, {}),
+    "softcap": (softcap, None, {"window_size": (5, 3)}),
+    "both": (biased_documents, documents_beside_a_bias, {"softcap": 3.0}),
+}
+
+
+@pytest.fixture(autouse=True)
+def cpu(request):
+    """CPU arrays (the NumPy path) for the CPU tests, the default device for the gpu ones."""
+    if request.node.get_closest_marker("gpu"):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def _tensors(case: str, rng, batch: int, seqlen_q: int, seqlen_k: int) -> tuple:
+    bias = rng.standard_normal((NHEADS, 2 * RADIUS + 1)).astype(np.float32)
+    docs = tuple(np.sort(rng.integers(0, 3, (batch, n)), axis=1).astype(np.int32) for n in (seqlen_q, seqlen_k))
+    return {"bias": (bias,), "document": docs, "softcap": (), "both": (bias, *docs)}[case]
+
+
+def _case(case: str, varlen: bool, dtype=np.float32, seed: int = 0):
+    """(host inputs q, k, v, dout, dlse; packing or None; host mod tensors; oracle (out, lse); oracle grads)."""
+    score_mod, mask_mod, options = CASES[case]
+    rng = np.random.default_rng(seed)
+    if varlen:
+        lengths_q, lengths_k = (9, 0, 13), (11, 6, 17)
+        cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+        q_shape, kv_shape, lse_shape = (cu_q[-1], NHEADS, HEADDIM), (cu_k[-1], NHEADS_KV, HEADDIM), (NHEADS, cu_q[-1])
+        host = _tensors(case, rng, 3, max(lengths_q), max(lengths_k))
+        packing = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    else:
+        q_shape, kv_shape = (BATCH, SEQLEN_Q, NHEADS, HEADDIM), (BATCH, SEQLEN_K, NHEADS_KV, HEADDIM)
+        lse_shape = (BATCH, NHEADS, SEQLEN_Q)
+        host = _tensors(case, rng, BATCH, SEQLEN_Q, SEQLEN_K)
+        packing = None
+    q, k, v, dout = (rng.standard_normal(s).astype(dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    dlse = rng.standard_normal(lse_shape).astype(np.float32)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
+    if varlen:
+        ref = attention_reference_varlen(q, k, v, *packing[:2], **options, **mods)
+        grads = attention_reference_varlen_backward(dout, q, k, v, *packing[:2], dlse=dlse, **options, **mods)
+    else:
+        ref = attention_reference(q, k, v, **options, **mods)
+        grads = attention_reference_backward(dout, q, k, v, dlse=dlse, **options, **mods)
+    return (q, k, v, dout, dlse), packing, host, ref, grads
+
+
+def _loss(case: str, packing):
+    """(q, k, v, dout, dlse, *mod_tensors) -> (sum(out * dout) + sum(lse * dlse), (out, lse))."""
+    score_mod, mask_mod, options = CASES[case]
+
+    def loss(q, k, v, dout, dlse, *tensors):
+        mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=tensors, return_lse=True, **options)
+        if packing is None:
+            out, lse = cuflash.jax.attention(q, k, v, **mods)
+        else:
+            out, lse = cuflash.jax.attention_varlen(q, k, v, jnp.asarray(packing[0]), jnp.asarray(packing[1]),
+                                                    *packing[2:], **mods)
+        total = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(lse * dlse)
+        return total, (out, lse)
+
+    return loss
+
+
+def _check(out, lse, grads, ref, ref_grads, atol=2e-5):
+    """float32 against float64: the tolerance scales with each quantity."""
+    assert_close(np.asarray(out), ref[0], atol=atol)
+    assert_close(np.asarray(lse), ref[1], atol=atol * (1 + np.abs(ref[1][np.isfinite(ref[1])]).max(initial=0.0)),
+                 name="lse")
+    for name, g, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(np.asarray(g), want, atol=atol * (1 + np.abs(want).max(initial=0.0)), name=name)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("varlen", [False, True])
+def test_cpu_mods_match_the_oracle_under_jit(case, varlen):
+    inputs, packing, host, ref, ref_grads = _case(case, varlen)
+    step = jax.jit(jax.value_and_grad(_loss(case, packing), argnums=(0, 1, 2), has_aux=True))
+    (_, (out, lse)), grads = step(*inputs, *host)
+    _check(out, lse, grads, ref, ref_grads)
+
+
+def test_cpu_mods_eagerly_and_without_lse():
+    inputs, _, host, ref, ref_grads = _case("both", False)
+    (_, (out, lse)), grads = jax.value_and_grad(_loss("both", None), argnums=(0, 1, 2), has_aux=True)(*inputs, *host)
+    _check(out, lse, grads, ref, ref_grads)
+    score_mod, mask_mod, options = CASES["both"]
+    plain = cuflash.jax.attention(*inputs[:3], score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host, **options)
+    assert_close(np.asarray(plain), ref[0], atol=2e-5)
+
+
+def test_cpu_mods_are_static_by_their_text():
+    """Two function objects of one traced text make equal static configurations (one
+    executable); another text another."""
+    q, k, v = (jnp.asarray(x) for x in _case("softcap", False)[0][:3])
+
+    def config(score_mod):
+        return cuflash.jax._prepare(q, k, v, None, False, None, False, (-1, -1), 0.0, None, 0.0, None, score_mod)[0]
+
+    same = config(lambda s, b, h, i, j: 2.0 * mod.tanh(s / 2.0))
+    assert same == config(softcap) and hash(same) == hash(config(softcap))
+    assert same != config(lambda s, b, h, i, j: 3.0 * mod.tanh(s / 3.0))
+
+
+def test_cpu_mod_tensors_get_zero_gradients():
+    inputs, _, host, _, _ = _case("bias", False)
+    grad = jax.grad(lambda bias: _loss("bias", None)(*inputs, bias)[0])(jnp.asarray(host[0]))
+    assert grad.shape == host[0].shape and not np.asarray(grad).any()
+
+
+def test_cpu_mod_errors():
+    q, k, v = (jnp.asarray(x) for x in _case("bias", False)[0][:3])
+    bias = jnp.zeros((NHEADS, 2 * RADIUS + 1))
+    with pytest.raises(ValueError, match="pass one of them too"):
+        cuflash.jax.attention(q, k, v, mod_tensors=(bias,))
+    with pytest.raises(TypeError, match="score_mod 'relative_bias'"):
+        cuflash.jax.attention(q, k, v, score_mod=relative_bias)  # (its tensor missing)
+    with pytest.raises(IndexError, match="relative_bias"):  # found while tracing, before the callback
+        jax.jit(lambda q, k, v, bias: cuflash.jax.attention(q, k, v, score_mod=relative_bias,
+                                                            mod_tensors=(bias,)))(q, k, v, bias[:, :3])
+    with pytest.raises(NotImplementedError, match="block_table"):
+        cuflash.jax.attention_varlen(q[0], k[0], v[0], jnp.array([0, SEQLEN_Q], jnp.int32),
+                                     jnp.array([0, SEQLEN_K], jnp.int32), SEQLEN_Q, SEQLEN_K,
+                                     block_table=jnp.zeros((1, 1), jnp.int32), score_mod=softcap)
+
+
+# --- GPU: the kernels inside the same callbacks ---------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_mods_match_the_oracle_under_jit(case, varlen):
+    """float16 GPU arrays under jit, by flash-attn's rule against the oracle."""
+    from cuflash.reference import (attention_lowp, attention_lowp_backward, attention_lowp_varlen,
+                                   attention_lowp_varlen_backward)
+
+    from .rule import FLOOR, check_lse, check_output, lowp_error
+    (q, k, v, dout, _), packing, host, _, _ = _case(case, varlen, np.float16)
+    score_mod, mask_mod, options = CASES[case]
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
+    dlse = np.zeros((NHEADS, q.shape[0]) if varlen else (BATCH, NHEADS, SEQLEN_Q), np.float32)
+    step = jax.jit(jax.value_and_grad(_loss(case, packing), argnums=(0, 1, 2), has_aux=True))
+    (_, (out, lse)), grads = step(q, k, v, dout, dlse, *host)
+    if varlen:
+        ref, ref_lse = attention_reference_varlen(q, k, v, *packing[:2], **mods, **options)
+        low, plain = (attention_lowp_varlen(q, k, v, *packing[:2], **options),
+                      attention_reference_varlen(q, k, v, *packing[:2], **options)[0])
+        refs = attention_reference_varlen_backward(dout, q, k, v, *packing[:2], **mods, **options)
+        lows = attention_lowp_varlen_backward(dout, q, k, v, *packing[:2], **options)
+        plains = attention_reference_varlen_backward(dout, q, k, v, *packing[:2], **options)
+    else:
+        ref, ref_lse = attention_reference(q, k, v, **mods, **options)
+        low, plain = attention_lowp(q, k, v, **options), attention_reference(q, k, v, **options)[0]
+        refs = attention_reference_backward(dout, q, k, v, **mods, **options)
+        lows = attention_lowp_backward(dout, q, k, v, **options)
+        plains = attention_reference_backward(dout, q, k, v, **options)
+    check_output(np.asarray(out), ref, lowp_error(low, plain), "float16")
+    check_lse(np.asarray(lse), ref_lse)
+    for name, g, want, lw, pl in zip(("dq", "dk", "dv"), grads, refs, lows, plains):
+        scale = float(np.abs(want).max(initial=0.0))
+        assert_close(np.asarray(g), want, atol=3 * lowp_error(lw, pl) + 2 * FLOOR["float16"] * (1.0 + scale),
+                     name=name)
