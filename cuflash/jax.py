@@ -33,6 +33,12 @@ Either way the mask is ``cuflash._philox``'s for (seed, rng_offset 0), and the b
 regenerates it from the same seed. Under vmap every mapped element gets the same seed, so
 the same mask.
 
+Programmable attention (``score_mod``, ``mask_mod``, ``mod_tensors``; ``cuflash.mod``): the
+functions are traced while tracing and are static, part of the configuration, equal by
+their traced text and the tensors' shapes and dtypes (two function objects of one text
+share an executable); the mod tensors are inputs of the callbacks with zero cotangents
+(jax.grad with respect to one gives zeros: cuflash gives mod tensors no gradient yet).
+
 Arrays on the CPU take the same route: buffer_callback gives host buffers there, and the
 callback runs the NumPy path on them (float16, float32, float64). One route for both means
 jit needs no platform switch and the glue is testable without a GPU.

@@ -18,6 +18,17 @@ whole. Eager calls of ``attention`` / ``attention_varlen`` (and ``flash_attn_int
 run the same functions and formulas through an autograd.Function instead: the ops' eager
 dispatch checks every output against every input for aliasing, ~500 us a training step.
 
+Programmable attention (``score_mod``, ``mask_mod``, ``mod_tensors``; ``cuflash.mod``)
+takes four more ops, ``cuflash::attention_mod_forward`` / ``attention_mod_backward`` and
+their varlen twins, with two more inputs, each required (a schema gives a tensor list no
+default): ``mods``, a string, and ``mod_tensors``, a list of tensors without gradient (one
+that requires grad is refused: FlexAttention would give it a gradient, cuflash does not).
+A custom op takes no Python function, so the functions are traced and filed in a registry
+of the process under the hash of their traced text and the tensors' shapes and dtypes,
+and ``mods`` is that key; under torch.compile the key is made while tracing
+(``torch.compiler.assume_constant_result``), a constant of the graph, so
+``fullgraph=True`` holds.
+
 The options are flash-attn's (see ``cuflash.attention``): ``window_size``, ``softcap``,
 ``alibi_slopes`` (a float32 tensor on q's device; an input of the ops that gets no
 gradient) and ``dropout_p``. The ops take them as plain values (window_left and
