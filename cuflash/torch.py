@@ -68,7 +68,8 @@ import torch
 from . import _options, _warm, api, kvcache
 
 __all__ = ["attention", "attention_varlen", "attention_forward", "attention_backward",
-           "attention_varlen_forward", "attention_varlen_backward", "attention_with_kvcache", "merge_states",
+           "attention_varlen_forward", "attention_varlen_backward", "attention_mod_forward", "attention_mod_backward",
+           "attention_varlen_mod_forward", "attention_varlen_mod_backward", "attention_with_kvcache", "merge_states",
            "ring_attention"]
 
 _UINT64 = 2**64

@@ -170,6 +170,17 @@ def test_cpu_mod_ops_opcheck():
     torch.library.opcheck(cuflash.torch.attention_mod_backward, (*backward, None, key, tensors))
 
 
+def test_cpu_varlen_mod_ops_opcheck():
+    (q, k, v, dout, dlse), packing, kwargs, _, _ = _varlen("both")
+    key, tensors = cuflash.torch._mod_arguments(kwargs["score_mod"], kwargs["mask_mod"], kwargs["mod_tensors"])
+    options = (True, 0.5, False, -1, -1, 3.0, None, 0.0, None)
+    torch.library.opcheck(cuflash.torch.attention_varlen_mod_forward, (q, k, v, *packing, *options, key, tensors))
+    out, lse, rng_state = cuflash.torch.attention_varlen_mod_forward(*(x.detach() for x in (q, k, v)), *packing,
+                                                                     *options, key, tensors)
+    backward = (dout, *(x.detach() for x in (q, k, v)), out, lse, *packing, *options[:-1], rng_state)
+    torch.library.opcheck(cuflash.torch.attention_varlen_mod_backward, (*backward, dlse.float(), key, tensors))
+
+
 def test_cpu_mod_errors():
     (q, k, v, _, _), kwargs, _, _ = _dense("bias")
     bias = kwargs["mod_tensors"][0]
