@@ -89,9 +89,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
 
   // Query tiles that can see any key of this tile.
   const auto mask = Mask<kLocal>::of(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
-  const int key_end = min(n0 + kBlockN, seq.seqlen_k);
-  const int m_begin = mask.query_begin(n0) / kBlockM;
-  const int m_tiles = max(0, ceil_div(mask.query_end(key_end, seq.seqlen_q), kBlockM) - m_begin);
+  const int2 query_tiles = mask.template query_tiles<kBlockM>(n0, min(n0 + kBlockN, seq.seqlen_k), seq.seqlen_q);
+  const int m_begin = query_tiles.x, m_tiles = query_tiles.y;
   const int steps = p.heads_per_kv * m_tiles;  // (query head of the group, query tile) pairs
   const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
   const bool dropping = kExtras && p.dropout_threshold > 0;

@@ -58,6 +58,13 @@ struct Mask {
   __device__ __forceinline__ int query_end(int col_end, int seqlen_q) const {
     return kLocal ? max(0, min(seqlen_q, col_end - diagonal + left)) : seqlen_q;
   }
+  // The query tiles of kBlockM rows that see any key of [col_begin, col_end): the first, and
+  // how many (the backward's loop over query tiles for one key tile).
+  template <int kBlockM>
+  __device__ __forceinline__ int2 query_tiles(int col_begin, int col_end, int seqlen_q) const {
+    const int first = query_begin(col_begin) / kBlockM;
+    return make_int2(first, max(0, ceil_div(query_end(col_end, seqlen_q), kBlockM) - first));
+  }
 
   // Does every query of [row_begin, row_end) see every key of [col_begin, col_end)?
   // Only tiles where it does not pay for masking.

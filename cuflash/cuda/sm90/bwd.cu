@@ -189,8 +189,8 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
 
   // The query blocks that see any key of the block, for each query head of the group.
   const auto mask = Mask<kLocal>::of(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
-  const int m_begin = mask.query_begin(n0) / kBlockM;
-  const int m_blocks = max(0, ceil_div(mask.query_end(min(n0 + kBlockN, seq.seqlen_k), seq.seqlen_q), kBlockM) - m_begin);
+  const int2 query_blocks = mask.template query_tiles<kBlockM>(n0, min(n0 + kBlockN, seq.seqlen_k), seq.seqlen_q);
+  const int m_begin = query_blocks.x, m_blocks = query_blocks.y;
   const int steps = p.heads_per_kv * m_blocks;
   auto position = [&](int step, int& head, int& m0) {
     head = kv_head * p.heads_per_kv + step / max(m_blocks, 1);
