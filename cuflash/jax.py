@@ -493,8 +493,18 @@ def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return checked
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, extras, config):
+    """(out, lse). Inside jax.shard_map, q, k and v first take every mesh axis any of them
+    varies over: the callbacks' results carry no such type, and JAX transposes the cast of
+    an input that does not vary (k and v shared by the devices) into the sum of its
+    gradient over the axis."""
+    axes = _vma(q, k, v)
+    q, k, v = (_varying(x, axes) for x in (q, k, v))
+    return _attention_vjp(q, k, v, extras, config)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention_vjp(q, k, v, extras, config):
     return _forward(q, k, v, extras, config)
 
 
@@ -516,7 +526,7 @@ def _zero_cotangent(x):
     return jnp.zeros_like(x)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention_vjp.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _lse_shape(q, config: _Config):
@@ -541,7 +551,7 @@ def _forward(q, k, v, extras: dict, config: _Config):
     call = buffer_callback(_ForwardCallback(config, tuple(workspace)), (*results, workspace),
                            vmap_method="sequential")
     out, lse, _ = call(q, k, v, *(extras[name] for name in config.inputs))
-    return out, lse
+    return _varying(out, _vma(q)), _varying(lse, _vma(q))
 
 
 def _backward(dout, dlse, q, k, v, out, lse, extras: dict, config: _Config):
@@ -550,7 +560,28 @@ def _backward(dout, dlse, q, k, v, out, lse, extras: dict, config: _Config):
     workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in work.items()}
     call = buffer_callback(_BackwardCallback(config), (grads, workspace), vmap_method="sequential")
     grads, _ = call(dout, dlse, q, k, v, out, lse, *(extras[name] for name in config.inputs))
-    return grads
+    return tuple(_varying(g, _vma(q)) for g in grads)
+
+
+def _varying(x, axes):
+    """x typed as varying over the mesh axes ``axes`` (inside jax.shard_map): a callback's
+    result carries no such type, and one typed invariant would have its cotangents summed
+    over the axis by JAX, though each device's value is its own."""
+    missing = tuple(a for a in sorted(axes, key=str) if a not in _vma(x))
+    if not missing:
+        return x
+    return jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
+
+
+def _vma(*arrays) -> frozenset:
+    """The mesh axes over which any of ``arrays`` varies (none outside jax.shard_map): the
+    type's manual_axis_type (JAX 0.10), or its vma (JAX 0.7 to 0.9)."""
+    axes = frozenset()
+    for x in arrays:
+        aval = jax.typeof(x)
+        manual = getattr(aval, "manual_axis_type", None)
+        axes |= frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+    return axes
 
 
 # command_buffer_compatible stays off: with it XLA would run the Python once and replay a

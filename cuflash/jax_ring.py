@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from . import _options
 from . import jax as glue
+from .jax import _varying, _vma  # (the callbacks' results typed varying over the mesh axes)
 
 __all__ = ["ring_attention"]
 
@@ -142,27 +143,6 @@ def _visit(ring: _Ring, step: int, seqlen: int, compute, state):
     # both); from a later one, both its chunks precede only our late chunk.
     return jax.lax.cond(earlier, lambda s: compute(s, _Block(_ALL, slice(0, half), False)),
                         lambda s: compute(s, _Block(slice(half, None), _ALL, False)), state)
-
-
-def _varying(x, axes: tuple):
-    """x typed as varying over the mesh axes ``axes``: buffer_callback's results (and fresh
-    zeros) carry no such type, and an array typed invariant would have its cotangents summed
-    over the axis by JAX, though each device's value is its own."""
-    missing = tuple(a for a in axes if a not in _vma(x))
-    if not missing:
-        return x
-    return jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
-
-
-def _vma(*arrays) -> frozenset:
-    """The mesh axes over which any of ``arrays`` varies: the type's manual_axis_type (JAX
-    0.10), or its vma (JAX 0.7 to 0.9)."""
-    axes = frozenset()
-    for x in arrays:
-        aval = jax.typeof(x)
-        manual = getattr(aval, "manual_axis_type", None)
-        axes |= frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
-    return axes
 
 
 def _accumulator(dtype):

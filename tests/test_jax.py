@@ -104,6 +104,26 @@ def test_cpu_softmax_scale_and_vmap(cpu):
     np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(doubled))
 
 
+def test_cpu_gradients_inside_shard_map(cpu):
+    # q split over the mesh axis, k and v shared: their gradients are summed over it, and
+    # the custom_vjp's results carry the axis (JAX refuses mismatched types otherwise).
+    from jax.sharding import Mesh, PartitionSpec as P
+    shape = Shape(2, 19, 23, 4, 2, 8, True)
+    q, k, v, _ = make_inputs(shape, jnp.float32)
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+
+    def loss(q, k, v):
+        out, lse = cuflash.jax.attention(q, k, v, True, return_lse=True)
+        return (out ** 2).sum() + lse.sum()
+
+    sharded = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(P("x"), P(), P()),
+                            out_specs=(P("x"), P(), P()))
+    got = jax.jit(sharded)(q, k, v)
+    want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
 def test_cpu_errors_are_raised_while_tracing(cpu):
     q = jnp.zeros((1, 8, 2, 16), jnp.float32)
     with pytest.raises(ValueError, match="k and v must have one shape"):
