@@ -473,3 +473,40 @@ def assert_lse_close(got, want, atol: float) -> None:
     """LSEs equal where infinite (a row that sees no key), within atol elsewhere."""
     assert (np.isposinf(got) == np.isposinf(want)).all() and (np.isneginf(got) == np.isneginf(want)).all()
     assert_close(np.where(np.isinf(got), 0, got), np.where(np.isinf(want), 0, want), atol=atol, name="lse")
+
+
+def finite_difference(f, x, step=1e-6):
+    """Central differences of the scalar f() in every element of x, which f reads in place."""
+    grad = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        saved = x[index]
+        x[index] = saved + step
+        above = f()
+        x[index] = saved - step
+        below = f()
+        x[index] = saved
+        grad[index] = (above - below) / (2 * step)
+    return grad
+
+
+def assert_nan_row(out, lse, row) -> None:
+    """out (batch, seqlen, nheads, d) is NaN in all of row (b, i, h) and nowhere else, and lse
+    (batch, nheads, seqlen) NaN in that row only."""
+    nan_rows = np.zeros(out.shape[:-1], dtype=bool)
+    nan_rows[row] = True
+    assert np.isnan(out).all(axis=-1).tolist() == nan_rows.tolist()
+    assert not np.isnan(out[~nan_rows]).any()
+    assert np.isnan(lse).tolist() == nan_rows.transpose(0, 2, 1).tolist()
+
+
+def record_calls(monkeypatch, owner, name: str) -> list:
+    """Replace owner.name by a wrapper that appends each result to the returned list."""
+    results = []
+    real = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return results

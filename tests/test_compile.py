@@ -118,18 +118,12 @@ def _leaves(struct, prefix=""):
             yield prefix + name, prefix + name
 
 
-@pytest.mark.parametrize("struct,header", [("Params", "params.cuh"), ("DecodeParams", "decode/decode_params.cuh"),
-                                           ("MergeParams", "decode/decode_params.cuh"),
-                                           ("Sm90Params", "sm90/fwd_params.cuh"),
-                                           ("Sm90BackwardParams", "sm90/bwd_params.cuh")])
-def test_params_layout_matches_the_cuda_struct(struct, header):
-    """cuflash._params' structs must lay out exactly like their CUDA structs. NVRTC has no
-    offsetof, so one probe kernel per field reads it and the PTX says from where."""
-    from cuflash import _params
-    cls = getattr(_params, struct)
-    leaves = list(_leaves(cls))
-    probes = [f"extern \"C\" __global__ void probe_{i}(const cuflash::{struct} p, long long* out) "
-              f"{{ out[0] = (long long)p.{member}; }}" for i, (_, member) in enumerate(leaves)]
+def struct_layout(header: str, struct: str, members: list[str]) -> tuple[int, list[int]]:
+    """The size of the CUDA struct cuflash::<struct> (declared in header) and the byte offset
+    of each member expression, as NVRTC lays them out: it has no offsetof, so one probe
+    kernel per member reads it and the PTX says from where."""
+    probes = [f'extern "C" __global__ void probe_{i}(const cuflash::{struct} p, long long* out) '
+              f"{{ out[0] = (long long)p.{member}; }}" for i, member in enumerate(members)]
     nvrtc = _compile._nvrtc()
     headers = {n: t for n, t in _compile._sources().items() if n.endswith(".cuh")}
     source = f'#include "{header}"\n' + "\n".join(probes) + "\n"
@@ -140,12 +134,29 @@ def test_params_layout_matches_the_cuda_struct(struct, header):
     finally:
         nvrtc.destroyProgram(prog)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    param_bytes = re.search(r"\.param \.align \d+ \.b8 probe_0_param_0\[(\d+)\]", ptx)
-    assert param_bytes and int(param_bytes[1]) == ctypes.sizeof(cls)
-    for i, (name, _) in enumerate(leaves):
+    size = re.search(r"\.param \.align \d+ \.b8 probe_0_param_0\[(\d+)\]", ptx)
+    assert size, "no parameter size in the PTX"
+    offsets = []
+    for i, member in enumerate(members):
         load = re.search(rf"ld\.param\.\w+\s+%\w+, \[probe_{i}_param_0(?:\+(\d+))?\]", ptx)
-        assert load, f"no load of {name} in the PTX"
-        assert int(load[1] or 0) == _params.field_offset(cls, name), name
+        assert load, f"no load of {member} in the PTX"
+        offsets.append(int(load[1] or 0))
+    return int(size[1]), offsets
+
+
+@pytest.mark.parametrize("struct,header", [("Params", "params.cuh"), ("DecodeParams", "decode/decode_params.cuh"),
+                                           ("MergeParams", "decode/decode_params.cuh"),
+                                           ("Sm90Params", "sm90/fwd_params.cuh"),
+                                           ("Sm90BackwardParams", "sm90/bwd_params.cuh")])
+def test_params_layout_matches_the_cuda_struct(struct, header):
+    """cuflash._params' structs must lay out exactly like their CUDA structs."""
+    from cuflash import _params
+    cls = getattr(_params, struct)
+    leaves = list(_leaves(cls))
+    size, offsets = struct_layout(header, struct, [member for _, member in leaves])
+    assert size == ctypes.sizeof(cls)
+    for (name, _), offset in zip(leaves, offsets):
+        assert offset == _params.field_offset(cls, name), name
 
 
 def test_cubin_is_the_whole_elf_file():

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from cuflash.cpu import attention_forward
 from cuflash.reference import attention_lowp, attention_reference, round_to
-from .strategies import (NO_INVALID_ARITHMETIC, Shape, assert_close, attention_shapes, blocks, cpu_path_draws,
-                         random_qkv, seeds)
+from .strategies import (NO_INVALID_ARITHMETIC, Shape, assert_close, assert_nan_row, attention_shapes, blocks,
+                         cpu_path_draws, random_qkv, seeds)
 
 pytestmark = NO_INVALID_ARITHMETIC  # (strategies.py)
 
@@ -141,10 +141,6 @@ def test_nan_in_one_query_row_reaches_only_that_row(shape, block_q, block_k, see
     out, lse = _forward(q, k, v, shape, block_q=block_q, block_k=block_k)
     out_ref, lse_ref = attention_reference(q, k, v, causal=shape.causal)
 
-    nan_rows = np.zeros(out.shape[:-1], dtype=bool)
-    nan_rows[b, i, h] = True
-    assert np.isnan(out).all(axis=-1).tolist() == nan_rows.tolist()
-    assert not np.isnan(out[~nan_rows]).any()
-    assert np.isnan(lse).tolist() == nan_rows.transpose(0, 2, 1).tolist()
+    assert_nan_row(out, lse, (b, i, h))
     assert_close(out, out_ref, atol=1e-5 * _scale_of(out_ref), name="out")
     assert_close(lse, lse_ref, atol=1e-5 * _scale_of(lse_ref), name="lse")

@@ -20,7 +20,8 @@ from cuflash.reference import (
     round_to,
 )
 from .strategies import (NO_INVALID_ARITHMETIC, Shape, VarlenShape, assert_close, attention_shapes, blocks,
-                         cpu_path_draws, random_dout, random_qkv, reference_options, rounding_floor, scales, seeds)
+                         cpu_path_draws, finite_difference, random_dout, random_qkv, reference_options, rounding_floor,
+                         scales, seeds)
 
 pytestmark = NO_INVALID_ARITHMETIC  # (strategies.py)
 
@@ -61,20 +62,6 @@ def _backward(dout, q, k, v, shape, softmax_scale=None, **blocks):
     return grads, lse
 
 
-def _finite_difference(f, x, step=1e-6):
-    """Central differences of the scalar f() in every element of x, which f reads in place."""
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        saved = x[index]
-        x[index] = saved + step
-        above = f()
-        x[index] = saved - step
-        below = f()
-        x[index] = saved
-        grad[index] = (above - below) / (2 * step)
-    return grad
-
-
 # --- the float64 oracle ------------------------------------------------------------------
 
 
@@ -100,7 +87,7 @@ def test_reference_gradients_match_finite_differences(shape, softmax_scale):
 
     for name, grad, x in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         assert grad.dtype == np.float64 and grad.shape == x.shape
-        assert_close(grad, _finite_difference(loss, x), atol=1e-7, rtol=1e-6, name=name)
+        assert_close(grad, finite_difference(loss, x), atol=1e-7, rtol=1e-6, name=name)
     if shape.causal and shape.seqlen_q > shape.seqlen_k:
         assert np.all(dq[:, : shape.seqlen_q - shape.seqlen_k] == 0)
 
@@ -411,7 +398,7 @@ def test_reference_lse_gradients_match_finite_differences(shape, options):
         return float((dout * out).sum() + (np.where(seen, dlse, 0) * np.where(seen, lse, 0)).sum())
 
     for name, grad, x in (("dq", grads[0], q), ("dk", grads[1], k), ("dv", grads[2], v)):
-        assert_close(grad, _finite_difference(loss, x), atol=1e-7, rtol=1e-6, name=name)
+        assert_close(grad, finite_difference(loss, x), atol=1e-7, rtol=1e-6, name=name)
 
 
 @settings(deadline=None, max_examples=100)

@@ -15,10 +15,10 @@ from cuflash.reference import (attention_lowp, attention_lowp_backward, attentio
                                attention_lowp_varlen_backward, attention_reference, attention_reference_backward,
                                attention_reference_varlen, attention_reference_varlen_backward, attention_textbook,
                                attention_textbook_backward, normalized_window, round_to)
-from .test_cpu_backward import GRAD_TOL, _data, _finite_difference, _max_finite, _scale_of
+from .test_cpu_backward import GRAD_TOL, _data, _max_finite, _scale_of
 from .strategies import (NO_INVALID_ARITHMETIC, Shape, Variant, VarlenShape, assert_close, attention_shapes,
-                         blocked_draws, cpu_path_draws, random_qkv, rounding_floor, scales, seeds, seqlens, variants,
-                         varlen_shapes, window_sizes)
+                         blocked_draws, cpu_path_draws, finite_difference, random_qkv, rounding_floor, scales, seeds,
+                         seqlens, variants, varlen_shapes, window_sizes)
 
 pytestmark = NO_INVALID_ARITHMETIC  # (strategies.py)
 
@@ -238,7 +238,7 @@ def test_reference_gradients_match_finite_differences(shape, variant):
         return float((dout * out).sum())
 
     for name, grad, x in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        assert_close(grad, _finite_difference(loss, x), atol=1e-7, rtol=1e-6, name=name)
+        assert_close(grad, finite_difference(loss, x), atol=1e-7, rtol=1e-6, name=name)
 
 
 def test_reference_backward_takes_d_from_the_given_out():

@@ -19,7 +19,7 @@ from cuflash import _options, cpu, mod
 from cuflash.mod import derivative, to_cuda, to_numpy, trace
 from cuflash.reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
                                attention_reference_varlen_backward)
-from .strategies import NO_INVALID_ARITHMETIC, assert_close, assert_lse_close
+from .strategies import NO_INVALID_ARITHMETIC, assert_close, assert_lse_close, finite_difference
 
 pytestmark = NO_INVALID_ARITHMETIC  # (strategies.py)
 
@@ -522,19 +522,6 @@ def test_masks_and_biases_from_tensors(case, nheads_kv):
             assert_close(g, w, atol=1e-5, name=f"cpu {name}")
 
 
-def _finite_difference(loss, x, step=1e-6):
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        saved = x[index]
-        x[index] = saved + step
-        above = loss()
-        x[index] = saved - step
-        below = loss()
-        x[index] = saved
-        grad[index] = (above - below) / (2 * step)
-    return grad
-
-
 @pytest.mark.parametrize("options", [
     dict(score_mod=lambda s, b, h, i, j, t: mod.where(s > 0, s * mod.sigmoid(s), s / 2) + t[h, i],
          mask_mod=lambda b, h, i, j, t: (j <= i) | (t[h, j] > 0.5)),
@@ -556,7 +543,7 @@ def test_oracle_gradients_match_finite_differences(options):
 
     grads = attention_reference_backward(dout, q, k, v, dlse=dlse, **options)
     for name, x, g in zip(("dq", "dk", "dv"), (q, k, v), grads):
-        assert_close(g, _finite_difference(loss, x), atol=1e-6, name=name)
+        assert_close(g, finite_difference(loss, x), atol=1e-6, name=name)
 
 
 def test_a_fully_masked_row_gives_zero_and_infinite_lse():

@@ -3,7 +3,6 @@ kind compile for sm_80 and sm_90 with no spills, their argument lays out as the 
 the planner sends calls with mods to the mma.sync family (a Hopper GPU included) and keys
 their kernels by the functions' text, and every error is raised before any launch."""
 import ctypes
-import re
 
 import ml_dtypes
 import numpy as np
@@ -12,6 +11,8 @@ import pytest
 import cuflash
 from cuflash import _arrays, _compile, _kernels, _params, _plan, api, mod
 from cuflash.mod import TensorSpec, index_ranges, kernel_source, trace
+
+from .test_compile import struct_layout
 
 SPECS = (TensorSpec(0, None, (4, 33), "float32"), TensorSpec(1, None, (2, 300), "int64"),
          TensorSpec(2, None, (4,), "bfloat16"), TensorSpec(3, None, (2, 300), "bool"),
@@ -54,24 +55,10 @@ def test_mod_params_layout_matches_the_cuda_struct():
               "tensors[1].ptr": base + tensor,
               "tensors[2].stride[3]": base + 2 * tensor + _params.ModTensor.stride.offset + 24,
               "tensors[7].size[2]": base + 7 * tensor + _params.ModTensor.size.offset + 8}
-    probes = [f'extern "C" __global__ void probe_{i}(const cuflash::ModParams p, long long* out) '
-              f'{{ out[0] = (long long)p.{member}; }}' for i, member in enumerate(fields)]
-    nvrtc = _compile._nvrtc()
-    headers = {n: t for n, t in _compile._sources().items() if n.endswith(".cuh")}
-    prog = nvrtc.createProgram('#include "mods.cuh"\n' + "\n".join(probes) + "\n", "layout.cu",
-                               list(headers.values()), [n.encode() for n in headers])
-    try:
-        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_80", "--std=c++17"])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    size = re.search(r"\.param \.align \d+ \.b8 probe_0_param_0\[(\d+)\]", ptx)
-    assert size and int(size[1]) == ctypes.sizeof(_params.ModParams)
+    size, offsets = struct_layout("mods.cuh", "ModParams", list(fields))
+    assert size == ctypes.sizeof(_params.ModParams)
     assert base == ctypes.sizeof(_params.Params)
-    for i, (member, offset) in enumerate(fields.items()):
-        load = re.search(rf"ld\.param\.\w+\s+%\w+, \[probe_{i}_param_0(?:\+(\d+))?\]", ptx)
-        assert load and int(load[1] or 0) == offset, member
+    assert dict(zip(fields, offsets)) == fields
 
 
 def _on_the_gpu(x, name="q", device=0):

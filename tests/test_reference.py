@@ -11,7 +11,8 @@ from cuflash.reference import (
     attention_textbook,
     round_to,
 )
-from .strategies import NO_INVALID_ARITHMETIC, Shape, assert_close, attention_shapes, random_qkv, scales, seeds
+from .strategies import (NO_INVALID_ARITHMETIC, Shape, assert_close, assert_nan_row, attention_shapes, random_qkv,
+                         scales, seeds)
 
 pytestmark = NO_INVALID_ARITHMETIC  # (strategies.py)
 
@@ -101,11 +102,7 @@ def test_nan_in_one_query_row_reaches_only_that_row(shape, seed, data):
 
     out, lse = attention_reference(q, k, v, causal=shape.causal)
 
-    nan_rows = np.zeros(out.shape[:-1], dtype=bool)
-    nan_rows[b, i, h] = True
-    assert np.isnan(out).all(axis=-1).tolist() == nan_rows.tolist()
-    assert not np.isnan(out[~nan_rows]).any()
-    assert np.isnan(lse).tolist() == nan_rows.transpose(0, 2, 1).tolist()
+    assert_nan_row(out, lse, (b, i, h))
 
 
 @settings(deadline=None, max_examples=30)

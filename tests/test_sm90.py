@@ -15,6 +15,7 @@ from cuflash._params import Sm90Params
 
 from .conftest import hopper
 from .rule import check_attention, check_output, lowp_error, tile_marked
+from .strategies import record_calls
 
 
 def _compiled_sample(kernel) -> bool:
@@ -262,14 +263,7 @@ def test_tensor_maps_are_encoded_once_per_array(monkeypatch):
 def paths(monkeypatch):
     """run(portable, fn): fn() on the sm_90a path (asserting that every forward it plans
     takes it) or on the mma.sync kernels, with fresh plans either way."""
-    planned = []
-    real = _plan.forward
-
-    def forward(*args, **kwargs):
-        planned.append(real(*args, **kwargs))
-        return planned[-1]
-
-    monkeypatch.setattr(_plan, "forward", forward)
+    planned = record_calls(monkeypatch, _plan, "forward")
 
     def forget_plans():
         _kernels._launchers.clear()

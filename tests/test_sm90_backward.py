@@ -14,7 +14,8 @@ from cuflash import _kernels, _options, _plan, api
 from cuflash._params import Sm90BackwardParams
 
 from .conftest import hopper
-from .strategies import Shape, VarlenShape, attention_shapes, random_dout, random_qkv, window_sizes
+from .strategies import (Shape, VarlenShape, attention_shapes, random_dout, random_qkv, record_calls,
+                         window_sizes)
 from .test_gpu_backward import check_gradients, packed_inputs
 from .test_gpu_forward import cupy_dtype, poisoned_allocations
 from .test_plan import dense, info, no_compiler  # noqa: F401 (a fixture)
@@ -62,14 +63,7 @@ def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
 @pytest.fixture
 def sm90_plans(monkeypatch):
     """Every backward planned inside is checked to take the sm_90a kernel (plans made afresh)."""
-    planned = []
-    real = _plan.backward
-
-    def backward(*args, **kwargs):
-        planned.append(real(*args, **kwargs))
-        return planned[-1]
-
-    monkeypatch.setattr(_plan, "backward", backward)
+    planned = record_calls(monkeypatch, _plan, "backward")
     monkeypatch.setattr(api, "_warm", {})
     monkeypatch.setattr(_kernels, "_launchers", {})
     monkeypatch.setenv("CUFLASH_PORTABLE", "0")
