@@ -241,8 +241,12 @@ def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, determi
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     framework = _arrays.Framework(q)
     dq, dk, dv = grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
-    work = {name: framework.empty(shape, dtype)
-            for name, (shape, dtype) in _plan.backward_workspace(q.shape, deterministic, options.extras).items()}
+    workspace = warm and warm.workspace
+    if not workspace:  # (the same for every call of a signature: q's shape, deterministic, options)
+        workspace = _plan.backward_workspace(q.shape, deterministic, options.extras)
+        if warm:
+            warm.workspace = workspace
+    work = {name: framework.empty(shape, dtype) for name, (shape, dtype) in workspace.items()}
     dq_accum, dlse = work.get("dq_accum"), arrays.get("dlse")
     launcher = warm and warm.launcher
     if not launcher:
@@ -285,12 +289,12 @@ def _mod_options(score_mod, mask_mod, mod_tensors) -> dict:
 # seeds vary), and so are packed sequences (their cu_seqlens): they make no key.
 class _Warm:
     """A call signature that passed the checks: its options and, once it has run on
-    the GPU, its launcher, its arrays' library and device, and (forward) its outputs'
-    shapes and dtype."""
-    __slots__ = ("options", "launcher", "calls", "device", "outputs")
+    the GPU, its launcher, its arrays' library and device, (forward) its outputs'
+    shapes and dtype, and (backward) its scratch buffers' shapes and dtypes."""
+    __slots__ = ("options", "launcher", "calls", "device", "outputs", "workspace")
 
     def __init__(self, options: Options):
-        self.options, self.launcher, self.outputs = options, None, None
+        self.options, self.launcher, self.outputs, self.workspace = options, None, None, None
 
 
 _warm: dict = {}

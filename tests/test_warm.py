@@ -1,10 +1,15 @@
 """Warm-call keys (cuflash/_warm.py) on the CPU: a stand-in array type whose library
 reads a signature, as CuPy's and torch's do on the GPU, so that what makes two calls one
 signature (and what does not) is checked everywhere."""
+import functools
+import os
+import sys
+
 import numpy as np
 import pytest
 
-from cuflash import _arrays, _kernels, _warm, api, kvcache
+import cuflash
+from cuflash import _arrays, _compile, _device, _driver, _kernels, _warm, api, kvcache
 
 
 class StandIn:
@@ -106,3 +111,158 @@ def test_a_warm_kv_cache_call_launches_the_pointers_in_decode_pointers_order(giv
     address = {name: 1000 + i for i, name in enumerate(kvcache._ARRAY_ARGUMENTS)}
     pointers = [0, *[1000 + i for i in warm.present], 7, 8, 9, 10]
     assert warm.order(pointers) == _kernels.decode_pointers({n: address[n] for n in given}, 7, 8, 9, 10)
+
+
+# -- what a warm call enters, on a stand-in GPU ----------------------------------------------
+
+class DeviceArray:
+    """A CUDA array as cuflash sees one (its library's signature, pointer and allocation
+    below); no memory behind it."""
+    _next = 1 << 20
+
+    def __init__(self, shape, dtype="float16"):
+        self.shape, self.dtype = tuple(shape), dtype
+        self.strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        self.ptr, DeviceArray._next = DeviceArray._next, DeviceArray._next + (1 << 20)
+
+
+class DeviceCalls:
+    """The stand-in library's calls (as _arrays._CuPyCalls'), its launches counted."""
+
+    def __init__(self):
+        self.launches = 0
+
+    @staticmethod
+    def signature(x):
+        return 0, x.shape, x.strides, x.dtype, x.ptr % 16 == 0
+
+    @staticmethod
+    def pointer(x):
+        return x.ptr
+
+    @staticmethod
+    def stream(device):
+        return 7
+
+    @staticmethod
+    def empty(shape, dtype, device, zeros=False):
+        return DeviceArray(shape, dtype)
+
+    @staticmethod
+    def dtype(name):
+        return name
+
+    def launch(self, function, x, y, z, bx, by, bz, shared, stream, arguments, extra):
+        assert stream == 7
+        self.launches += 1
+
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch):
+    """cuflash's calls on DeviceArrays run as on an A100 (mma.sync kernels): planned, their
+    kernels 'loaded' (never compiled) and launched into DeviceCalls.launches. Warm tables
+    start empty."""
+    calls = DeviceCalls()
+    real_inspect = _arrays.inspect
+
+    def inspect(x, name):
+        if not isinstance(x, DeviceArray):
+            return real_inspect(x, name)
+        return _arrays.ArrayInfo(x, "cupy", x.ptr, x.shape, x.strides, x.dtype, 0)
+
+    monkeypatch.setattr(_arrays, "inspect", inspect)
+    monkeypatch.setitem(_arrays._LIBRARIES, DeviceArray, calls)
+    monkeypatch.setattr(_arrays, "_cupy_calls", lambda: calls)
+    monkeypatch.setattr(_device, "facts", lambda device: _device.Device("A100", (8, 0), 163 * 1024, 108, 12080))
+    monkeypatch.setattr(_compile, "load_kernel", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(_driver, "primary_context", lambda device: 5)
+    monkeypatch.setattr(_driver, "resident_blocks", lambda *args: 2)
+    monkeypatch.setattr(_driver, "launcher", lambda: (calls.launch, lambda: 5))
+    monkeypatch.setattr(_driver, "zero_words", lambda *args: None)
+    monkeypatch.setattr(api, "_warm", {})
+    monkeypatch.setattr(_kernels, "_launchers", {})
+    monkeypatch.setattr(_kernels, "_function", functools.cache(_kernels._function.__wrapped__))
+    monkeypatch.setattr(_kernels, "_resident_ctas", functools.cache(_kernels._resident_ctas.__wrapped__))
+    return calls
+
+
+COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
+
+
+def entered(call, *args, **kwargs) -> list[str]:
+    """The names (module.function) of the cuflash functions call(*args, **kwargs) enters, in
+    order, one per call."""
+    package = os.path.dirname(cuflash.__file__) + os.sep
+    names = []
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        # (a comprehension is a frame of its own before Python 3.12: counted with its function)
+        if event == "call" and code.co_filename.startswith(package) and code.co_name not in COMPREHENSIONS:
+            module = frame.f_globals.get("__name__", "?").removeprefix("cuflash.")
+            names.append(f"{module}.{code.co_qualname}")
+
+    sys.setprofile(profile)
+    try:
+        call(*args, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+# A warm call enters none of these: the checks, the planner, the compiler, the device's facts
+# and the launcher's binding all ran on its signature's first call. (_options.has_mods reads
+# whether a call has mods, which decides whether it has a key.)
+WARM_TOO = ("_options.has_mods",)
+COLD_ONLY = ("_options.", "_plan.", "_compile.", "_device.", "_kernels.forward_launcher",
+             "_kernels.backward_launcher", "_kernels.Launcher.__init__", "_kernels.Launcher._bind", "api._Warm",
+             "api._inspect", "_arrays.Framework")
+
+
+def shape(batch=2, seqlen=300, nheads=4, d=64):
+    return batch, seqlen, nheads, d
+
+
+def test_a_warm_forward_enters_only_the_key_the_lookup_and_the_launch(stand_in_gpu):
+    """The second call of a signature (other arrays of the same layout) describes no array,
+    checks and plans nothing and launches the first call's kernels: the functions it enters
+    are this list, and a change that adds one to the warm path changes it."""
+    def arrays():
+        return [DeviceArray(shape()) for _ in "qkv"]
+
+    cold = entered(cuflash.attention, *arrays(), causal=True, return_lse=True)
+    assert "_plan.forward" in cold and "_options.check_qkv" in cold and "_kernels.forward_launcher" in cold
+    launches = stand_in_gpu.launches
+    assert launches >= 1
+    warm = entered(cuflash.attention, *arrays(), causal=True, return_lse=True)
+    assert stand_in_gpu.launches == 2 * launches  # the same kernels again
+    assert not [name for name in warm if name.startswith(COLD_ONLY) and name not in WARM_TOO], warm
+    assert warm == ["api.attention", "_options.has_mods", "api.warm_forward", "api._key", "_warm.key",
+                    "_arrays.signature", "_arrays.signature", "_arrays.signature", "api._lookup", "_warm.lookup",
+                    "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
+
+
+def test_a_warm_backward_enters_no_check_plan_or_compile(stand_in_gpu):
+    """A warm backward describes its arrays (api._inspect: it has no path that skips that,
+    as the forward has) and allocates its results and scratch, but checks, plans and binds
+    nothing: the functions it enters are this list."""
+    def arrays():  # dout, q, k, v, out, lse
+        return [DeviceArray(shape()) for _ in range(5)] + [DeviceArray((2, 4, 300), "float32")]
+
+    cold = entered(cuflash.attention_backward, *arrays(), causal=True)
+    for name in ("_plan.backward", "_plan.mma_sync.backward_workspace", "_options.check_outputs",
+                 "_kernels.backward_launcher"):
+        assert name in cold, (name, cold)
+    launches = stand_in_gpu.launches
+    assert launches >= 2  # (the preprocess, then the backward's kernels)
+    warm = entered(cuflash.attention_backward, *arrays(), causal=True)
+    assert stand_in_gpu.launches == 2 * launches
+    described = ("api._inspect", "_arrays.Framework")
+    assert not [name for name in warm
+                if name.startswith(COLD_ONLY) and not name.startswith(described) and name not in WARM_TOO], warm
+    empty = ["_arrays.Framework.empty", "_arrays.contiguous_strides"]
+    assert warm == ["api.attention_backward", "api._inspect", "_options.has_mods", "api._key", "_warm.key",
+                    *["_arrays.signature"] * 6, "api._lookup", "_warm.lookup", "api._backward_gpu",
+                    "_arrays.Framework.__init__", *empty * 5,  # dq, dk, dv, D, dQ's accumulator
+                    "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps",
+                    *["_arrays.Framework.finish"] * 3]
