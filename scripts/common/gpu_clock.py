@@ -1,6 +1,8 @@
 """The SM clock against the GPU's global timer, for timelines whose trace points stamp
 clock64() (scripts/sm90/sm90_timeline.py, scripts/decode/decode_timeline.py): imported
 from the repository root (PYTHONPATH=.), not run."""
+import contextlib
+
 import cupy
 
 CALIBRATE = r"""
@@ -24,3 +26,18 @@ def cycles_per_ns() -> float:
     kernel((1,), (1,), (out,))
     cycles, ns = out.get()
     return float(cycles) / float(ns)
+
+
+@contextlib.contextmanager
+def stamping(source: str, patched, words: int):
+    """(trace, rate) for the calls inside: a zeroed int64 trace of ``words`` on the GPU, into
+    which the kernels of ``source`` (a file under cuflash/cuda, rewritten by
+    patched(text, trace address)) stamp, and the SM clock's ticks per ns (printed)."""
+    import torch
+
+    from cuflash import experiment
+    trace = torch.zeros(words, dtype=torch.int64, device="cuda")
+    rate = cycles_per_ns()
+    print(f"SM clock at rest {rate:.3f} GHz (clock64 per globaltimer ns)")
+    with experiment.override(patches={source: lambda text: patched(text, trace.data_ptr())}):
+        yield trace, rate

@@ -26,9 +26,8 @@ import statistics
 import torch
 
 import cuflash.torch
-from cuflash import experiment
 from cuflash.bench import decode as bench_decode
-from scripts.common.gpu_clock import cycles_per_ns
+from scripts.common.gpu_clock import stamping
 
 SLOTS = 48
 POINTS = {"seq": 2, "q issued": 40, "loop": 41, "issued": 3, "q ready": 4, "part": 5, "cluster": 6,
@@ -129,10 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cells", default="1x4096,16x4096")
     args = parser.parse_args()
-    trace = torch.zeros(SLOTS * (1 << 16), dtype=torch.int64, device="cuda")
-    rate = cycles_per_ns()
-    print(f"SM clock {rate:.3f} GHz (clock64 per globaltimer ns)")
-    with experiment.override(patches={"decode/split_kv.cu": lambda text: patched(text, trace.data_ptr())}):
+    with stamping("decode/split_kv.cu", patched, SLOTS * (1 << 16)) as (trace, rate):
         for cell in args.cells.split(","):
             batch, length = map(int, cell.split("x"))
             caches, _, _ = bench_decode.cycled_caches(torch, batch, length, 8, 128)

@@ -24,8 +24,7 @@ import statistics
 import torch
 
 import cuflash
-from cuflash import experiment
-from scripts.common.gpu_clock import cycles_per_ns
+from scripts.common.gpu_clock import stamping
 
 SLOTS = 16
 # The record of tile t: SLOTS 64-bit words.
@@ -145,10 +144,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", default="128c2048,128n8192,128c8192,64c2048")
     args = parser.parse_args()
-    trace = torch.zeros(SLOTS * (1 << 18), dtype=torch.int64, device="cuda")
-    rate = cycles_per_ns()
-    print(f"SM clock at rest {rate:.3f} GHz (clock64 per globaltimer ns; each CTA's stamps go at its own rate)")
-    with experiment.override(patches={"sm90/fwd.cu": lambda text: patched(text, trace.data_ptr())}):
+    with stamping("sm90/fwd.cu", patched, SLOTS * (1 << 18)) as (trace, rate):
+        print("(each CTA's stamps go at its own rate)")
         for call in args.calls.split(","):
             d, causal = int(call.split("c")[0].split("n")[0]), "c" in call
             seqlen = int(call.replace("c", "n").split("n")[1])
