@@ -1,6 +1,7 @@
 """Warm-call keys (cuflash/_warm.py) on the CPU: a stand-in array type whose library
 reads a signature, as CuPy's and torch's do on the GPU, so that what makes two calls one
-signature (and what does not) is checked everywhere."""
+signature (and what does not) is checked everywhere; and, on a stand-in GPU, the functions
+a warm call enters, counted: none of the checks, the planner, the compiler or the binding."""
 import functools
 import os
 import sys
@@ -266,3 +267,22 @@ def test_a_warm_backward_enters_no_check_plan_or_compile(stand_in_gpu):
                     "_arrays.Framework.__init__", *empty * 5,  # dq, dk, dv, D, dQ's accumulator
                     "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps",
                     *["_arrays.Framework.finish"] * 3]
+
+
+def test_a_warm_kv_cache_call_enters_no_check_plan_or_compile(stand_in_gpu):
+    """A warm KV-cache call (decode: host time is most of a step) checks, describes and
+    plans nothing: the functions it enters are this list."""
+    k_cache, v_cache = DeviceArray((2, 256, 2, 64)), DeviceArray((2, 256, 2, 64))
+    call = functools.partial(cuflash.attention_with_kvcache, k_cache=k_cache, v_cache=v_cache, cache_seqlens=200,
+                             causal=True, return_lse=True)
+    cold = entered(call, DeviceArray((2, 1, 4, 64)))
+    for name in ("_plan.decoding.decode", "_options.kvcache", "_kernels.decode_launcher"):
+        assert name in cold, (name, cold)
+    launches = stand_in_gpu.launches
+    assert launches >= 1
+    warm = entered(call, DeviceArray((2, 1, 4, 64)))
+    assert stand_in_gpu.launches == 2 * launches
+    assert not [name for name in warm if name.startswith(COLD_ONLY) and name not in WARM_TOO], warm
+    assert warm == ["kvcache.attention_with_kvcache", "_options.has_mods", "kvcache._attention_with_kvcache",
+                    "kvcache._key", "_warm.key", *["_arrays.signature"] * 3, "_warm.lookup", "kvcache._decode_warm",
+                    "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
