@@ -8,7 +8,6 @@ against a dense computation written out here; every tracing error, naming the fu
 the CUDA printer's text through NVRTC."""
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -852,6 +851,7 @@ def test_without_mods_nothing_changes():
 
 def _kernels_source():
     """Every operation, type and tensor dtype in one score_mod, its derivative and a mask_mod."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (NumPy bfloat16)")
     tensors = (np.zeros((2, 5), np.int64), np.zeros((3, 7), np.float32), np.zeros((), np.float64),
                np.zeros(4, bool), np.zeros(3, np.int32), np.zeros(2, np.float16), np.zeros(2, ml_dtypes.bfloat16))
 
