@@ -14,12 +14,14 @@ softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. Wha
   differentiable, where flash-attn ignores its gradient: gradients reach q, k and v through
   it as well as through out (a row that sees no key has softmax_lse +inf and ignores its
   gradient), so partial attentions can be merged by their LSE and trained through.
-  S_dmask is the dropout keep mask, bool (batch, nheads, seqlen_q, seqlen_k) on q's device
-  (True = kept), regenerated from the call's seed by ``cuflash._philox`` (exactly the mask
-  the kernel applied), or None without dropout. flash-attn returns scaled probabilities whose sign
-  encodes the mask, padded to multiples of 128; like flash-attn's, this is for tests only.
-  Varlen: (batch, nheads, max_seqlen_q, max_seqlen_k), of which sequence b uses
-  [:seqlen_q_b, :seqlen_k_b].
+  S_dmask is flash-attn's (for tests only, as there): with dropout, (batch, nheads,
+  seqlen_q, seqlen_k rounded up to 128) in q's dtype, the unnormalised probabilities of
+  each block of ``_get_block_size_n()`` keys, exp(s - m) with m the row's largest score
+  in that block and the blocks after it (flash-attn visits the blocks last to first),
+  negative (sign bit set) where the kernel dropped the probability: the keep mask is
+  regenerated from the call's seed by ``cuflash._philox``, the scores recomputed in fp32.
+  Masked positions hold 0; None without dropout. Varlen: (batch, nheads, max_seqlen_q,
+  max_seqlen_k rounded up), of which sequence b uses [:seqlen_q_b, :seqlen_k_b].
 - Dropout seeds come from torch's default generator of q's device (its seed and its Philox
   offset, which each call advances), so ``torch.manual_seed`` reproduces a run; the backward
   reuses the forward's seed (see ``cuflash.torch``).
@@ -39,6 +41,9 @@ flash-attn 2.8's internal functions ``_flash_attn_forward``, ``_flash_attn_backw
 return its values, over the same custom ops (see each one for what differs).
 """
 import contextlib
+import math
+
+import numpy as np
 
 from . import _options, _philox
 from . import torch as cuflash_torch
@@ -67,8 +72,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     softmax_scale defaults to 1 / sqrt(headdim); deterministic makes the backward bitwise
     reproducible. Returns out (batch, seqlen_q, nheads, headdim) or, with
     return_attn_probs, (out, softmax_lse, S_dmask) where softmax_lse is float32 (batch,
-    nheads, seqlen_q), differentiable, and S_dmask the dropout keep mask (None without
-    dropout).
+    nheads, seqlen_q), differentiable, and S_dmask flash-attn's probabilities with the
+    dropped ones negative (see the module's notes; None without dropout).
     """
     q, k, v = _unit_stride(q, k, v)
     window_size = _window(window_size)
@@ -78,8 +83,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         dropout_p=dropout_p, seed=None))
     if not return_attn_probs:
         return out
-    batch, seqlen_q, nheads, _ = q.shape
-    return out, softmax_lse, _keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, k.shape[1], q)
+    return out, softmax_lse, _attention_probs(rng_state, q, k, None, dropout_p, softmax_scale, causal, window_size,
+                                              softcap, alibi_slopes)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -123,9 +128,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=None))
     if not return_attn_probs:
         return out
-    batch = cu_seqlens_q.shape[0] - 1
-    mask = _keep_mask(rng_state, dropout_p, batch, q.shape[1], max_seqlen_q, max_seqlen_k, q)
-    return out, softmax_lse, mask
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return out, softmax_lse, _attention_probs(rng_state, q, k, varlen, dropout_p, softmax_scale, causal, window_size,
+                                              softcap, alibi_slopes)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -179,8 +184,8 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     autograd (callers wrap it in their own autograd.Function). softmax_lse is float32
     (batch, nheads, seqlen_q); rng_state the dropout's int64 [seed, offset] on the CPU,
     which ``_flash_attn_backward`` takes to regenerate the forward's mask; S_dmask, with
-    return_softmax, the dropout keep mask as ``flash_attn_func`` returns it (None without
-    dropout), else an empty tensor as flash-attn's."""
+    return_softmax, flash_attn_func's (None without dropout), else an empty tensor as
+    flash-attn's."""
     q, k, v = _unit_stride(q, k, v)
     _options.check_bool("return_softmax", return_softmax)
     args = cuflash_torch._op_options(
@@ -188,8 +193,9 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
         deterministic=False, window_size=_window((window_size_left, window_size_right)), softcap=softcap,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=None)
     out, softmax_lse, rng_state = _op(cuflash_torch.attention_forward, cuflash_torch._attention_forward)(q, k, v, *args)
-    batch, seqlen_q, nheads, _ = q.shape
-    s_dmask = _s_dmask(return_softmax, rng_state, dropout_p, batch, nheads, seqlen_q, k.shape[1], q)
+    window_size = _window((window_size_left, window_size_right))
+    s_dmask = q.new_empty((0,)) if not return_softmax else _attention_probs(
+        rng_state, q, k, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     return out, softmax_lse, s_dmask, rng_state
 
 
@@ -243,8 +249,9 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         dropout_p=dropout_p, seed=None)
     out, softmax_lse, rng_state = _op(cuflash_torch.attention_varlen_forward, cuflash_torch._attention_varlen_forward)(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args)
-    s_dmask = _s_dmask(return_softmax, rng_state, dropout_p, cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q,
-                       max_seqlen_k, q)
+    s_dmask = q.new_empty((0,)) if not return_softmax else _attention_probs(
+        rng_state, q, k, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes)
     return out, softmax_lse, s_dmask, rng_state
 
 
@@ -273,14 +280,6 @@ def _op(op, function):
     """The custom op while torch.compile traces (an opaque node), else the function it runs:
     eager calls skip the op's dispatch, as cuflash.torch's autograd wrappers do."""
     return op if cuflash_torch.torch.compiler.is_compiling() else function
-
-
-def _s_dmask(return_softmax, rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k, q):
-    """The internal forwards' S_dmask: flash_attn_func's keep mask with return_softmax, else
-    flash-attn's empty tensor."""
-    if not return_softmax:
-        return q.new_empty((0,))
-    return _keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k, q)
 
 
 def _gradient_targets(**tensors) -> list:
@@ -371,6 +370,63 @@ def _unit_stride(*tensors):
     # (anything else goes on to the checks, which say what a tensor must be)
     return [x.contiguous() if isinstance(x, cuflash_torch.torch.Tensor) and x.stride(-1) != 1 else x
             for x in tensors]
+
+
+# Keys a block of S_dmask: flash-attn's tests read the blocks' maxima with this function.
+_S_DMASK_BLOCK = 128
+
+
+def _get_block_size_n(device=None, head_dim=None, is_dropout=None, is_causal=None) -> int:
+    """The keys of one block of S_dmask (flash-attn's name; its tests call it to undo the
+    blocks' scaling). cuflash's blocks do not depend on the arguments."""
+    return _S_DMASK_BLOCK
+
+
+# flash-attn's tests import this flag of its ROCm build; cuflash is never that build.
+USE_TRITON_ROCM = False
+
+
+def _attention_probs(rng_state, q, k, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """S_dmask as flash-attn returns it (the module's notes), or None without dropout:
+    computed in fp32 from q and k, sequence by sequence, on q's device."""
+    torch = cuflash_torch.torch
+    if not dropout_p > 0:
+        return None
+    from .reference import _visible
+    d, nheads, nheads_k = q.shape[-1], q.shape[-2], k.shape[-2]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if varlen is None:
+        batch, rows, cols = q.shape[0], q.shape[1], k.shape[1]
+        sequences = [(q[b], k[b]) for b in range(batch)]
+    else:
+        cu_q, cu_k = (c.tolist() for c in varlen[:2])
+        batch, rows, cols = len(cu_q) - 1, varlen[2], varlen[3]
+        sequences = [(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]]) for b in range(batch)]
+    keep = _keep_mask(rng_state, dropout_p, batch, nheads, rows, cols, q)
+    block = _S_DMASK_BLOCK
+    padded_cols = -(-cols // block) * block
+    probs = torch.zeros((batch, nheads, -(-rows // block) * block, padded_cols), dtype=q.dtype, device=q.device)
+    slopes = None if alibi_slopes is None else alibi_slopes.float().reshape(-1, nheads).expand(batch, nheads)
+    for b, (qb, kb) in enumerate(sequences):
+        sq, sk = qb.shape[0], kb.shape[0]
+        if not sq or not sk:
+            continue
+        kb = kb.float().repeat_interleave(nheads // nheads_k, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qb.float(), kb) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        diagonal = torch.arange(sk, device=q.device)[None, :] - torch.arange(sq, device=q.device)[:, None] - (sk - sq)
+        if slopes is not None:
+            s = s - slopes[b][:, None, None].to(q.device) * diagonal.abs()
+        visible = torch.from_numpy(_visible(np, sq, sk, causal, window_size)).to(q.device)
+        s = s.masked_fill(~visible, -math.inf)
+        # the row's maximum over this block and every block after it
+        blocks = torch.nn.functional.pad(s, (0, padded_cols - sk), value=-math.inf).unflatten(-1, (-1, block))
+        later = blocks.amax(-1).flip(-1).cummax(-1).values.flip(-1)
+        m = later.repeat_interleave(block, dim=-1)[..., :sk]
+        p = torch.where(visible, torch.exp(s - m.masked_fill(m == -math.inf, 0.0)), 0.0)
+        probs[b, :, :sq, :sk] = torch.where(keep[b, :, :sq, :sk], p, -p).to(q.dtype)
+    return probs
 
 
 def _keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k, like):

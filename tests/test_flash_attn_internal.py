@@ -54,6 +54,11 @@ def _nan_like(x):
     return torch.full_like(x, float("nan"))  # in-place results must overwrite every element
 
 
+def kept(s_dmask, seqlen_q, seqlen_k):
+    """The keep mask S_dmask encodes: a dropped probability is negative (its sign bit set)."""
+    return ~torch.signbit(s_dmask[..., :seqlen_q, :seqlen_k])
+
+
 # --- the dense pair ----------------------------------------------------------------------------
 
 
@@ -70,7 +75,7 @@ def test_forward_and_backward_are_the_oracle(data, shape):
     options = _flash_options(variant, shape.causal)
     out, lse, s_dmask, rng_state = _flash_attn_forward(q, k, v, p, *options, True)
     assert (s_dmask is None) == (p == 0)
-    keep = None if s_dmask is None else s_dmask.numpy()
+    keep = None if s_dmask is None else kept(s_dmask, shape.seqlen_q, shape.seqlen_k).numpy()
     arrays = [x.numpy() for x in (q, k, v)]
     ref = dict(causal=shape.causal, **variant.reference_options(keep))
     want_out, want_lse = attention_reference(*arrays, **ref)
@@ -118,7 +123,7 @@ def test_the_internal_functions_are_flash_attn_func():
     assert rng_state.dtype == torch.int64 and rng_state.shape == (2,)
     assert not torch.equal(mask, other_mask) and not torch.equal(rng_state, other_state)
     seed, offset = cuflash.torch._from_rng_state(rng_state)
-    assert torch.equal(mask, torch.from_numpy(_philox.keep_mask(seed, offset, 2, 4, 17, 21, 0.4)))
+    assert torch.equal(kept(mask, 17, 21), torch.from_numpy(_philox.keep_mask(seed, offset, 2, 4, 17, 21, 0.4)))
 
     torch.manual_seed(7)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -182,7 +187,7 @@ def test_varlen_forward_and_backward_are_the_oracle(data, shape):
     options = _flash_options(variant, shape.causal)
     out, lse, s_dmask, rng_state = _flash_attn_varlen_forward(q, k, v, *packing, p, *options, return_softmax=True,
                                                               zero_tensors=zero_tensors)
-    keep = None if s_dmask is None else [s_dmask[b:b + 1, :, :sq, :sk].numpy()
+    keep = None if s_dmask is None else [kept(s_dmask[b:b + 1], sq, sk).numpy()
                                          for b, (sq, sk) in enumerate(zip(shape.seqlens_q, shape.seqlens_k))]
     arrays = [x.numpy() for x in (q, k, v, cu_q, cu_k)]
     ref = dict(causal=shape.causal, **variant.reference_options(keep))
@@ -407,3 +412,62 @@ def test_the_block_table_bound_is_skipped_under_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, want, rtol=0, atol=0)
+
+
+# --- S_dmask: flash-attn's probabilities ---------------------------------------------------------
+
+
+def _decoded_probabilities(s_dmask, q, k, lse, scale, causal, window_size, softcap, slopes):
+    """S_dmask undone as flash-attn's tests undo theirs: block j of _get_block_size_n() keys
+    times exp(m_j - lse), m_j the row's largest score in that block and the ones after it;
+    and the probabilities of the float64 scores, both (nheads, seqlen_q, seqlen_k)."""
+    from cuflash.flash_attn_interface import _get_block_size_n
+    from cuflash.reference import _visible
+    sq, sk, nheads = q.shape[0], k.shape[0], q.shape[1]
+    kr = np.repeat(k.double().numpy(), nheads // k.shape[1], axis=1)
+    s = np.einsum("qhd,khd->hqk", q.double().numpy(), kr) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    if slopes is not None:
+        offset = np.arange(sk)[None, :] - np.arange(sq)[:, None] - (sk - sq)
+        s = s - slopes.numpy()[:, None, None] * np.abs(offset)
+    s = np.where(_visible(np, sq, sk, causal, window_size), s, -np.inf)
+    block = _get_block_size_n(q.device, q.shape[-1], True, causal)
+    decoded = np.abs(s_dmask[:, :sq, :sk].double().numpy())
+    lse = lse.double().numpy()[:, :, None]
+    for start in range(0, sk, block):
+        m = s[:, :, start:].max(axis=-1, keepdims=True)
+        decoded[:, :, start:start + block] *= np.exp(np.where(np.isinf(m), -np.inf, m - lse))
+    return decoded, np.exp(s - lse)
+
+
+@pytest.mark.parametrize("causal,window_size,softcap,alibi", [
+    (False, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, True), (False, (40, 7), 0.0, False),
+    (True, (-1, -1), 5.0, False)])
+def test_s_dmask_holds_flash_attn_probabilities_and_the_keep_mask(causal, window_size, softcap, alibi):
+    """flash-attn's tests read S_dmask's sign as the keep mask and scale its blocks back into
+    the probabilities: both hold, dense (several key blocks, sq != sk) and packed."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = _randn(g, 2, 150, 4, 16, dtype=torch.float16), _randn(g, 2, 300, 2, 16, dtype=torch.float16), \
+        _randn(g, 2, 300, 2, 16, dtype=torch.float16)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None
+    options = (0.25, causal, *window_size, softcap, slopes)
+    out, lse, s_dmask, rng_state = _flash_attn_forward(q, k, v, 0.3, *options, True)
+    assert s_dmask.shape == (2, 4, 256, 384) and s_dmask.dtype == q.dtype
+    seed, offset = cuflash.torch._from_rng_state(rng_state)
+    assert torch.equal(kept(s_dmask, 150, 300), torch.from_numpy(_philox.keep_mask(seed, offset, 2, 4, 150, 300, 0.3)))
+    for b in range(2):
+        decoded, want = _decoded_probabilities(s_dmask[b], q[b], k[b], lse[b], 0.25, causal, window_size, softcap,
+                                               slopes)
+        assert_close(decoded, want, atol=2e-3, name="probabilities")
+
+    cu = torch.tensor([0, 120, 300], dtype=torch.int32), torch.tensor([0, 250, 600], dtype=torch.int32)
+    qp, kp, vp = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    out, lse, s_dmask, rng_state = _flash_attn_varlen_forward(qp, kp, vp, *cu, 180, 350, 0.3, 0.25, causal,
+                                                              *window_size, softcap, slopes, True)
+    assert s_dmask.shape == (2, 4, 256, 384)
+    for b in range(2):
+        rows, keys = slice(*cu[0][b:b + 2].tolist()), slice(*cu[1][b:b + 2].tolist())
+        decoded, want = _decoded_probabilities(s_dmask[b], qp[rows], kp[keys], lse[:, rows], 0.25, causal,
+                                               window_size, softcap, slopes)
+        assert_close(decoded, want, atol=2e-3, name="probabilities")

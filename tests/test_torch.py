@@ -385,16 +385,18 @@ def test_flash_attn_func_return_conventions():
 
 
 def test_flash_attn_func_dropout_mask_seeds_and_backward():
-    """return_attn_probs gives the keep mask the call used (about 1 - p of it kept); the
-    backward reuses the forward's mask; torch.manual_seed reproduces a call."""
+    """return_attn_probs gives flash-attn's S_dmask, whose sign bits are the keep mask the call
+    used (about 1 - p of it kept); the backward reuses the forward's mask; torch.manual_seed
+    reproduces a call."""
     shape = Shape(2, 40, 50, 4, 2, 16, True)
     q, k, v, dout = make_inputs(shape, torch.float64, "cpu")
     torch.manual_seed(0)
     out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
-    assert s_dmask.dtype == torch.bool and s_dmask.shape == (2, 4, 40, 50)
-    assert abs(s_dmask.double().mean().item() - 0.7) < 0.02
+    assert s_dmask.dtype == q.dtype and s_dmask.shape == (2, 4, 128, 128)
+    keep = ~torch.signbit(s_dmask[..., :40, :50])
+    assert abs(keep.double().mean().item() - 0.7) < 0.02
     arrays = [x.detach().numpy() for x in (q, k, v)]
-    ref_options = dict(causal=True, dropout_p=0.3, dropout_keep=s_dmask.numpy())
+    ref_options = dict(causal=True, dropout_p=0.3, dropout_keep=keep.numpy())
     _close(out, attention_reference(*arrays, **ref_options)[0], "out")
     grads = torch.autograd.grad(out, (q, k, v), dout)
     for grad, ref, name in zip(grads, attention_reference_backward(dout.numpy(), *arrays, **ref_options),
@@ -434,8 +436,9 @@ def test_flash_attn_varlen_functions():
     cu_q, cu_k = torch.from_numpy(shape.cu_seqlens_q), torch.from_numpy(shape.cu_seqlens_k)
     options = dict(dropout_p=0.2, causal=True, window_size=(5, -1), softcap=2.0, alibi_slopes=_SLOPES[2])
     out, lse, s_dmask = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 19, 11, return_attn_probs=True, **options)
-    assert lse.shape == (4, 29) and s_dmask.shape == (4, 4, 19, 11) and s_dmask.dtype == torch.bool
-    keep = [s_dmask[b:b + 1, :, :sq, :sk].numpy() for b, (sq, sk) in enumerate(zip(shape.seqlens_q, shape.seqlens_k))]
+    assert lse.shape == (4, 29) and s_dmask.shape == (4, 4, 128, 128) and s_dmask.dtype == q.dtype
+    keep = [~torch.signbit(s_dmask[b:b + 1, :, :sq, :sk]).numpy()
+            for b, (sq, sk) in enumerate(zip(shape.seqlens_q, shape.seqlens_k))]
     arrays = [x.detach().numpy() for x in (q, k, v)]
     ref_options = reference_options(options, keep, causal=False)
     ref_options["causal"] = True
