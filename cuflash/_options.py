@@ -256,6 +256,31 @@ def make_options(q: ArrayInfo, k: ArrayInfo, causal, softmax_scale, window_size,
     return options._replace(alibi=alibi(alibi_slopes, q, q.shape[0] if batch is None else batch))
 
 
+# Ring attention's shard layouts: shard i holds rows [i L, (i + 1) L) of the sequence, or
+# chunks i and 2n - 1 - i of its 2n chunks (zigzag: every shard's causal work equal).
+RING_LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_ring_shard(q, k, v, causal, softmax_scale, layout, return_lse, holder: str) -> float:
+    """Ring attention's arguments (q, k, v: ArrayInfo of one shard, (batch, seqlen_local,
+    heads, headdim)), for cuflash.torch's and cuflash.jax's rings; returns the softmax
+    scale. ``holder`` names a shard's owner in messages ("rank", "device")."""
+    if layout not in RING_LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, RING_LAYOUTS))}, got {layout!r}")
+    check_bool("return_lse", return_lse)
+    check_qkv(q, k, v, packed=False)
+    seqlen = q.shape[1]
+    if k.shape[1] != seqlen:
+        raise ValueError(f"k and v must hold as many tokens as q (one shard of one sequence), got seqlen_local "
+                         f"{k.shape[1]} and {seqlen}")
+    if seqlen == 0:
+        raise ValueError(f"seqlen_local must be positive, got shape {tuple(q.shape)}")
+    if layout == "zigzag" and seqlen % 2:
+        raise ValueError(f"seqlen_local must be even with layout='zigzag' (two equal chunks a {holder}), "
+                         f"got seqlen_local {seqlen}")
+    return scalar_options(q.shape[-1], seqlen, causal=causal, softmax_scale=softmax_scale).scale
+
+
 def scalar_options(head_dim: int, seqlen_k: int, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                    softcap=0.0, dropout_p=0.0, seed=None, rng_offset=0, backward: bool = False) -> Options:
     """``make_options`` of every argument but the arrays (alibi stays None, and seed 0

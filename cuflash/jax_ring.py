@@ -46,7 +46,6 @@ from .jax import _varying, _vma  # (the callbacks' results typed varying over th
 
 __all__ = ["ring_attention"]
 
-LAYOUTS = ("contiguous", "zigzag")
 
 
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, softmax_scale: float | None = None,
@@ -74,23 +73,11 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, softmax_scale: f
 
 def _check(q, k, v, causal, softmax_scale, layout, return_lse) -> float:
     """Every argument checked while tracing; returns the softmax scale."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    _options.check_bool("return_lse", return_lse)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, jax.Array):
             raise TypeError(f"{name} must be a JAX array, got {type(x).__module__}.{type(x).__qualname__}")
-    _options.check_qkv(*(glue._describe(x, q) for x in (q, k, v)), packed=False)
-    seqlen = q.shape[1]
-    if k.shape[1] != seqlen:
-        raise ValueError(f"k and v must hold as many tokens as q (one shard of one sequence), got seqlen_local "
-                         f"{k.shape[1]} and {seqlen}")
-    if seqlen == 0:
-        raise ValueError(f"seqlen_local must be positive, got shape {tuple(q.shape)}")
-    if layout == "zigzag" and seqlen % 2:
-        raise ValueError(f"seqlen_local must be even with layout='zigzag' (two equal chunks a device), "
-                         f"got seqlen_local {seqlen}")
-    return _options.scalar_options(q.shape[-1], seqlen, causal=causal, softmax_scale=softmax_scale).scale
+    return _options.check_ring_shard(*(glue._describe(x, q) for x in (q, k, v)), causal, softmax_scale, layout,
+                                     return_lse, "device")
 
 
 def _axis_size(axis_name) -> int:

@@ -37,7 +37,6 @@ from . import torch as glue
 
 __all__ = ["ring_attention"]
 
-LAYOUTS = ("contiguous", "zigzag")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = False,
@@ -67,24 +66,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
 def _check(q, k, v, causal, softmax_scale, layout, return_lse) -> float:
     """Every argument checked before any transfer (a rank that raises after posting one
     would leave its neighbours waiting); returns the softmax scale."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    _options.check_bool("return_lse", return_lse)
     tensors = dict(q=q, k=k, v=v)
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__qualname__}")
-    _options.check_qkv(*(glue._describe(t) for t in tensors.values()), packed=False)
-    seqlen = q.shape[1]
-    if k.shape[1] != seqlen:
-        raise ValueError(f"k and v must hold as many tokens as q (one shard of one sequence), got seqlen_local "
-                         f"{k.shape[1]} and {seqlen}")
-    if seqlen == 0:
-        raise ValueError(f"seqlen_local must be positive, got shape {tuple(q.shape)}")
-    if layout == "zigzag" and seqlen % 2:
-        raise ValueError(f"seqlen_local must be even with layout='zigzag' (two equal chunks a rank), "
-                         f"got seqlen_local {seqlen}")
-    return _options.scalar_options(q.shape[-1], seqlen, causal=causal, softmax_scale=softmax_scale).scale
+    return _options.check_ring_shard(*(glue._describe(t) for t in tensors.values()), causal, softmax_scale, layout,
+                                     return_lse, "rank")
 
 
 class _Ring:
