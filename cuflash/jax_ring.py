@@ -47,7 +47,6 @@ from .jax import _varying, _vma  # (the callbacks' results typed varying over th
 __all__ = ["ring_attention"]
 
 
-
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, softmax_scale: float | None = None,
                    layout: str = "zigzag", return_lse: bool = False):
     """Attention over a sequence sharded across the devices of the mesh axis ``axis_name``;

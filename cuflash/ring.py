@@ -38,7 +38,6 @@ from . import torch as glue
 __all__ = ["ring_attention"]
 
 
-
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = False,
                    softmax_scale: Optional[float] = None, layout: str = "zigzag", return_lse: bool = False):
     """Attention over a sequence sharded across the ranks of ``group`` (default: the
