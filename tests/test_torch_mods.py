@@ -16,32 +16,9 @@ from cuflash import mod  # noqa: E402
 from cuflash.reference import (attention_reference, attention_reference_backward,  # noqa: E402
                                attention_reference_varlen, attention_reference_varlen_backward)
 
+from .mod_cases import (BATCH, CASES, HEADDIM, NHEADS, NHEADS_KV, RADIUS, SEQLEN_K,  # noqa: E402
+                        SEQLEN_Q, relative_bias, softcap)
 from .strategies import assert_close  # noqa: E402
-
-RADIUS = 4  # the relative bias's buckets: distances -RADIUS .. RADIUS
-
-
-def relative_bias(score, b, h, q_idx, kv_idx, bias):
-    return score + bias[h, mod.minimum(mod.maximum(q_idx - kv_idx, -RADIUS), RADIUS) + RADIUS]
-
-
-def same_document(b, h, q_idx, kv_idx, doc_q, doc_k):
-    return doc_q[b, q_idx] == doc_k[b, kv_idx]
-
-
-def softcap(score, b, h, q_idx, kv_idx):
-    return 2.0 * mod.tanh(score / 2.0)
-
-
-def biased_documents(score, b, h, q_idx, kv_idx, bias, doc_q, doc_k):
-    return relative_bias(score, b, h, q_idx, kv_idx, bias)
-
-
-def documents_beside_a_bias(b, h, q_idx, kv_idx, bias, doc_q, doc_k):
-    return same_document(b, h, q_idx, kv_idx, doc_q, doc_k)
-
-
-BATCH, SEQLEN_Q, SEQLEN_K, NHEADS, NHEADS_KV, HEADDIM = 2, 13, 17, 4, 2, 8
 
 
 def _tensors(case: str, rng, batch: int, seqlen_q: int, seqlen_k: int) -> tuple:
@@ -50,15 +27,6 @@ def _tensors(case: str, rng, batch: int, seqlen_q: int, seqlen_k: int) -> tuple:
     docs = (np.sort(rng.integers(0, 3, (batch, seqlen_q)), axis=1).astype(np.int32),
             np.sort(rng.integers(0, 3, (batch, seqlen_k)), axis=1).astype(np.int64))
     return {"bias": (bias,), "document": docs, "softcap": (), "both": (bias, *docs)}[case]
-
-
-# case: (score_mod, mask_mod, built-in options)
-CASES = {
-    "bias": (relative_bias, None, {"causal": True}),
-    "document": (None, same_document, {}),
-    "softcap": (softcap, None, {"window_size": (5, 3)}),
-    "both": (biased_documents, documents_beside_a_bias, {"softcap": 3.0}),
-}
 
 
 def _inputs(rng, q_shape, kv_shape):
