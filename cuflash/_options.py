@@ -261,6 +261,17 @@ def make_options(q: ArrayInfo, k: ArrayInfo, causal, softmax_scale, window_size,
 RING_LAYOUTS = ("contiguous", "zigzag")
 
 
+class RingBlock(NamedTuple):
+    """What a ring step computes: the local query rows against these key rows of the block
+    held, causal or not."""
+    queries: slice
+    keys: slice
+    causal: bool
+
+
+RING_ALL = slice(None)  # every row
+
+
 def check_ring_shard(q, k, v, causal, softmax_scale, layout, return_lse, holder: str) -> float:
     """Ring attention's arguments (q, k, v: ArrayInfo of one shard, (batch, seqlen_local,
     heads, headdim)), for cuflash.torch's and cuflash.jax's rings; returns the softmax

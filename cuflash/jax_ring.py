@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _options
+from ._options import RING_ALL, RingBlock
 from . import jax as glue
 from .jax import _varying, _vma  # (the callbacks' results typed varying over the mesh axes)
 
@@ -102,33 +103,22 @@ class _Ring(NamedTuple):
         return jax.lax.ppermute(arrays, self.axis_name, [(i, (i + 1) % self.size) for i in range(self.size)])
 
 
-class _Block(NamedTuple):
-    """What a ring step computes: the local query rows against these key rows of the block
-    held, causal or not."""
-    queries: slice
-    keys: slice
-    causal: bool
-
-
-_ALL = slice(None)
-
-
 def _visit(ring: _Ring, step: int, seqlen: int, compute, state):
     """``state`` after ``step``: ``compute(state, block)`` for the visible part of the block
     held, the one this device's (traced) index selects; unchanged where none is."""
     if not ring.causal:
-        return compute(state, _Block(_ALL, _ALL, False))
+        return compute(state, RingBlock(RING_ALL, RING_ALL, False))
     if step == 0:  # the device's own block: local order is global order, so plain causal
-        return compute(state, _Block(_ALL, _ALL, True))
+        return compute(state, RingBlock(RING_ALL, RING_ALL, True))
     # The block held comes from device (index - step) mod size, which precedes this one iff index >= step.
     earlier = jax.lax.axis_index(ring.axis_name) >= step
     if ring.layout == "contiguous":
-        return jax.lax.cond(earlier, lambda s: compute(s, _Block(_ALL, _ALL, False)), lambda s: s, state)
+        return jax.lax.cond(earlier, lambda s: compute(s, RingBlock(RING_ALL, RING_ALL, False)), lambda s: s, state)
     half = seqlen // 2
     # From an earlier device its early chunk precedes both of ours (its late chunk follows
     # both); from a later one, both its chunks precede only our late chunk.
-    return jax.lax.cond(earlier, lambda s: compute(s, _Block(_ALL, slice(0, half), False)),
-                        lambda s: compute(s, _Block(slice(half, None), _ALL, False)), state)
+    return jax.lax.cond(earlier, lambda s: compute(s, RingBlock(RING_ALL, slice(0, half), False)),
+                        lambda s: compute(s, RingBlock(slice(half, None), RING_ALL, False)), state)
 
 
 def _accumulator(dtype):
@@ -160,7 +150,7 @@ def _forward(q, k, v, ring: _Ring):
         return tuple(_varying(x, ring.axes) for x in glue.attention(q, k, v, causal=causal, softmax_scale=ring.scale,
                                                                 return_lse=True))
 
-    def attend(kv, state, block: _Block):
+    def attend(kv, state, block: RingBlock):
         out, lse = state
         kb, vb = (x[:, block.keys] for x in kv)
         part, part_lse = attention(q[:, block.queries], kb, vb, block.causal)
@@ -186,7 +176,7 @@ def _backward(dout, dlse, q, k, v, out, lse, ring: _Ring):
     and LSE; dK/dV accumulate in float32 as they travel behind K/V back to their owner."""
     acc = _accumulator(q.dtype)
 
-    def differentiate(kv, state, block: _Block):
+    def differentiate(kv, state, block: RingBlock):
         dq, dk, dv = state
         rows, keys = block.queries, block.keys
         kb, vb = (x[:, keys] for x in kv)

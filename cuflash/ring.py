@@ -27,12 +27,13 @@ Importing this module imports torch; it is reached through ``cuflash.torch``.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _options
+from ._options import RING_ALL, RingBlock
 from . import torch as glue
 
 __all__ = ["ring_attention"]
@@ -108,29 +109,18 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
-class _Block(NamedTuple):
-    """What a ring step computes: the local query rows against these key rows of the block
-    held, causal or not."""
-    queries: slice
-    keys: slice
-    causal: bool
-
-
-_ALL = slice(None)
-
-
-def _block(rank: int, source: int, seqlen: int, layout: str, causal: bool) -> Optional[_Block]:
+def _block(rank: int, source: int, seqlen: int, layout: str, causal: bool) -> Optional[RingBlock]:
     """The visible part of ``source``'s block to ``rank``'s queries; None where none is."""
     if not causal:
-        return _Block(_ALL, _ALL, False)
+        return RingBlock(RING_ALL, RING_ALL, False)
     if source == rank:  # local order is global order within a rank: the diagonal is plain causal
-        return _Block(_ALL, _ALL, True)
+        return RingBlock(RING_ALL, RING_ALL, True)
     if layout == "contiguous":
-        return _Block(_ALL, _ALL, False) if source < rank else None
+        return RingBlock(RING_ALL, RING_ALL, False) if source < rank else None
     half = seqlen // 2
     if source < rank:  # its early chunk precedes both of ours, its late chunk follows both
-        return _Block(_ALL, slice(0, half), False)
-    return _Block(slice(half, None), _ALL, False)  # only our late chunk follows its two
+        return RingBlock(RING_ALL, slice(0, half), False)
+    return RingBlock(slice(half, None), RING_ALL, False)  # only our late chunk follows its two
 
 
 class _RingAttention(torch.autograd.Function):
