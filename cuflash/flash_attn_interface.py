@@ -442,5 +442,9 @@ def _keep_mask(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k, like):
         with cupy.cuda.Device(like.device.index):
             mask = _philox.keep_mask(seed, rng_offset, batch, nheads, seqlen_q, seqlen_k, dropout_p, xp=cupy)
             # bytes through DLPack (every version takes uint8), then bool
-            return torch.from_dlpack(mask.view(cupy.uint8)).bool()
+            keep = torch.from_dlpack(mask.view(cupy.uint8)).bool()
+            del mask
+            # CuPy's pool would keep the Philox intermediates (uint32, 4x the mask) from torch's allocator.
+            cupy.get_default_memory_pool().free_all_blocks()
+            return keep
     return torch.from_numpy(_philox.keep_mask(seed, rng_offset, batch, nheads, seqlen_q, seqlen_k, dropout_p))

@@ -4,6 +4,11 @@ import os
 # JAX must not take most of the GPU's memory up front: CuPy and torch share it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# pytest -n: one BLAS thread per worker; workers times cores spinning threads slow the float64 oracle many times over.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
+
 import pytest
 
 # CUFLASH_REQUIRE_GPU: "1" fails the gpu and hopper tests where no GPU answers, "hopper" also

@@ -17,6 +17,7 @@ caught when pytest exits 1 (a test failed), survived when it exits 0; anything e
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
 import shutil
@@ -147,6 +148,7 @@ def main() -> int:
     parser.add_argument("--only", help="comma-separated mutant names")
     parser.add_argument("--tests", help="a pytest selection for every mutant, in place of each one's own")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a mutant's run may take")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (each in its own copy)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if args.family in ("all", m.family)]
@@ -163,10 +165,12 @@ def main() -> int:
     print("| mutant | file | bug | verdict | time | first failing test |")
     print("|---|---|---|---|---|---|")
     survived = False
-    for m in chosen:
-        verdict, seconds, detail = run(m, args.tests or m.tests, args.timeout)
-        survived |= verdict == "SURVIVED"
-        print(f"| {m.name} | cuflash/{m.file} | {m.what} | {verdict} | {seconds:.0f} s | {detail} |", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        runs = [pool.submit(run, m, args.tests or m.tests, args.timeout) for m in chosen]
+        for m, done in zip(chosen, runs):
+            verdict, seconds, detail = done.result()
+            survived |= verdict == "SURVIVED"
+            print(f"| {m.name} | cuflash/{m.file} | {m.what} | {verdict} | {seconds:.0f} s | {detail} |", flush=True)
     return 1 if survived else 0
 
 
