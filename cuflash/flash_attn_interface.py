@@ -38,7 +38,9 @@ softcap, ALiBi, deterministic backward) passed through to ``cuflash.torch``. Wha
 
 flash-attn 2.8's internal functions ``_flash_attn_forward``, ``_flash_attn_backward``,
 ``_flash_attn_varlen_forward`` and ``_flash_attn_varlen_backward`` take its parameters and
-return its values, over the same custom ops (see each one for what differs).
+return its values, over the same custom ops (see each one for what differs;
+``_flash_attn_varlen_forward`` takes ``seqused_k`` with ``block_table`` only, and its newer
+``num_splits`` as flash-attn's varlen call does: 0 or 1).
 """
 import contextlib
 import math
@@ -220,19 +222,31 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                                alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
-                               seqused_k=None, zero_tensors=False):
+                               seqused_k=None, zero_tensors=False, num_splits=0):
     """flash-attn 2.8's ``_flash_attn_varlen_forward``: ``_flash_attn_forward`` of packed
     sequences (as ``flash_attn_varlen_func``), softmax_lse float32 (nheads, total_q). With
     block_table, k and v are page pools (the paged ``flash_attn_varlen_func``: no dropout,
-    S_dmask None, rng_state zeros). leftpad_k and seqused_k must be None (cuflash's varlen
-    call has neither); zero_tensors changes nothing, since every row of out belongs to a
-    sequence and is written."""
+    S_dmask None, rng_state zeros), and ``seqused_k`` int32 (batch,), when given, is each
+    sequence's number of keys in its pages (in place of cu_seqlens_k's differences).
+    leftpad_k must be None, and seqused_k without block_table (cuflash's contiguous varlen
+    call takes every key of cu_seqlens_k's ranges). ``num_splits`` 0 or 1, as flash-attn's
+    varlen call takes it (the split count stays the planner's); more raises RuntimeError.
+    zero_tensors changes nothing, since every row of out belongs to a sequence and is
+    written."""
     _options.check_bool("return_softmax", return_softmax)
     _options.check_bool("zero_tensors", zero_tensors)
-    for name, x in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
-        if x is not None:
-            raise ValueError(f"{name} must be None: cuflash's varlen call takes every key of a sequence "
-                             f"(cu_seqlens_k), got {type(x).__qualname__}")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise TypeError(f"num_splits must be a non-negative int, got {num_splits!r}")
+    if num_splits > 1:
+        raise RuntimeError(f"num_splits > 1 is not supported by the varlen call (expected 0 or 1), got {num_splits}")
+    if leftpad_k is not None:
+        raise ValueError("leftpad_k must be None: cuflash's varlen call takes every key of a sequence "
+                         f"(cu_seqlens_k), got {type(leftpad_k).__qualname__}")
+    if seqused_k is not None:
+        if block_table is None:
+            raise ValueError("seqused_k must be None without block_table: cuflash's contiguous varlen call takes "
+                             f"every key of a sequence (cu_seqlens_k), got {type(seqused_k).__qualname__}")
+        cu_seqlens_k = _cu_seqlens_of(seqused_k, cu_seqlens_k)
     window_size = _window((window_size_left, window_size_right))
     if block_table is not None:
         with cuflash_torch.torch.no_grad():  # (these functions carry no autograd: inputs requiring grad are fine)
@@ -324,6 +338,21 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
         return _PagedVarlen.apply(q, k, v, run)
     return run()
+
+
+def _cu_seqlens_of(seqused_k, cu_seqlens_k):
+    """cu_seqlens_k of the paged call whose sequence b holds seqused_k[b] keys: 0 then the
+    running sums, on the device, without reading the lengths (graph capture)."""
+    torch = cuflash_torch.torch
+    if not isinstance(seqused_k, torch.Tensor):
+        raise TypeError(f"seqused_k must be None or a torch.Tensor, got {type(seqused_k).__qualname__}")
+    batch = cu_seqlens_k.shape[0] - 1 if isinstance(cu_seqlens_k, torch.Tensor) and cu_seqlens_k.ndim == 1 else None
+    if seqused_k.dtype != torch.int32 or seqused_k.ndim != 1 or seqused_k.shape[0] != batch:
+        raise ValueError(f"seqused_k must be int32 of shape ({batch},) (one length a sequence of cu_seqlens_k), "
+                         f"got {seqused_k.dtype} of shape {tuple(seqused_k.shape)}")
+    if seqused_k.device != cu_seqlens_k.device:
+        raise ValueError(f"seqused_k must be on cu_seqlens_k's device {cu_seqlens_k.device}, got {seqused_k.device}")
+    return torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
 
 
 class _PagedVarlen(cuflash_torch.torch.autograd.Function):

@@ -214,6 +214,11 @@ def test_varlen_arguments_cuflash_lacks_are_refused():
             _flash_attn_varlen_forward(*args, **{name: torch.zeros(1, dtype=torch.int32)})
     with pytest.raises(TypeError, match="zero_tensors must be a bool"):
         _flash_attn_varlen_forward(*args, zero_tensors=1)
+    with pytest.raises(RuntimeError, match="num_splits > 1 is not supported"):
+        _flash_attn_varlen_forward(*args, num_splits=2)
+    for splits in (-1, 1.0, True):
+        with pytest.raises(TypeError, match="num_splits must be a non-negative int"):
+            _flash_attn_varlen_forward(*args, num_splits=splits)
 
 
 # --- the paged varlen call ---------------------------------------------------------------------
@@ -245,6 +250,30 @@ def test_the_internal_paged_varlen_forward():
     assert s_dmask is None and torch.equal(rng_state, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="dropout_p must be 0 with block_table"):
         _flash_attn_varlen_forward(q, k_pages, v_pages, cu_q, cu_k, 5, 11, 0.1, None, True, block_table=table)
+
+
+def test_the_paged_varlen_forward_takes_seqused_k_and_num_splits():
+    """flash-attn's paged varlen call with seqused_k (each sequence's keys in its pages)
+    equals the call with cu_seqlens_k of those lengths; num_splits 0 and 1 equal the
+    default, more is refused."""
+    q, k_pages, v_pages, table, cu_q, cu_k, k, v = _paged_case()
+    used = torch.tensor([5, 0, 9], dtype=torch.int32)  # fewer keys than cu_k's ranges (6, 0, 11)
+    cu_used = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
+    want, want_lse, _, _ = _flash_attn_varlen_forward(q, k_pages, v_pages, cu_q, cu_used, 5, 11, 0.0, None, True,
+                                                      block_table=table)
+    for splits in (0, 1):
+        out, lse, _, _ = _flash_attn_varlen_forward(q, k_pages, v_pages, cu_q, cu_k, 5, 11, 0.0, None, True,
+                                                    block_table=table, seqused_k=used, num_splits=splits)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    with pytest.raises(RuntimeError, match="num_splits > 1 is not supported"):
+        _flash_attn_varlen_forward(q, k_pages, v_pages, cu_q, cu_k, 5, 11, 0.0, None, True, block_table=table,
+                                   seqused_k=used, num_splits=2)
+    for bad, match in ((used.long(), "seqused_k must be int32 of shape \\(3,\\)"),
+                       (used[:2], "seqused_k must be int32 of shape \\(3,\\)"),
+                       (used.tolist(), "seqused_k must be None or a torch.Tensor")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            _flash_attn_varlen_forward(q, k_pages, v_pages, cu_q, cu_k, 5, 11, 0.0, None, True, block_table=table,
+                                       seqused_k=bad)
 
 
 def _check_paged_varlen_func_trains_forward_only(device):
