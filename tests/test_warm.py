@@ -175,15 +175,12 @@ def stand_in_gpu(monkeypatch):
     monkeypatch.setitem(_arrays._LIBRARIES, DeviceArray, calls)
     monkeypatch.setattr(_arrays, "_cupy_calls", lambda: calls)
     monkeypatch.setattr(_device, "facts", lambda device: _device.Device("A100", (8, 0), 163 * 1024, 108, 12080))
-    monkeypatch.setattr(_compile, "load_kernel", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(_compile, "load_kernel", lambda kernel, device: _compile.Loaded(1, 2))
     monkeypatch.setattr(_driver, "primary_context", lambda device: 5)
-    monkeypatch.setattr(_driver, "resident_blocks", lambda *args: 2)
     monkeypatch.setattr(_driver, "launcher", lambda: (calls.launch, lambda: 5))
     monkeypatch.setattr(_driver, "zero_words", lambda *args: None)
     monkeypatch.setattr(api, "_warm", {})
     monkeypatch.setattr(_kernels, "_launchers", {})
-    monkeypatch.setattr(_kernels, "_function", functools.cache(_kernels._function.__wrapped__))
-    monkeypatch.setattr(_kernels, "_resident_ctas", functools.cache(_kernels._resident_ctas.__wrapped__))
     return calls
 
 

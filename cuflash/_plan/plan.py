@@ -11,13 +11,13 @@ from .._params import ArrayView, ModParams, Params, field_offset
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
+    from .._device import Device
     from .._options import Options, Varlen
     from .variants import Variant
 
 
 class Step(NamedTuple):
     """One kernel launch: the variant, its grid, its int arguments after the Params, the
-    (head, batch) pairs its tile-major grid groups (``_kernels.tile_group``; 0: none), the
     field of the plan's struct that is its argument ("": the whole struct), the CTAs of
     a thread block cluster along x (1: no clusters), and whether it is launched as a
     programmatic dependent of the step before (``dependent``, sm_90: it may start as that
@@ -25,7 +25,6 @@ class Step(NamedTuple):
     kernel: Variant
     grid: tuple[int, int, int]
     args: tuple[int, ...] = ()
-    grouped_heads: int = 0
     argument: str = ""
     cluster: int = 1
     dependent: bool = False
@@ -69,6 +68,17 @@ def group_size(pairs: int, most: int) -> int:
     size: a short last group would run its long tiles alone."""
     groups = -(-pairs // max(1, most))
     return -(-pairs // groups)
+
+
+def tile_group(kernel: Variant, pairs: int, device: Device) -> int:
+    """(head, batch) pairs per group of the tile-major order of banded grids (GridTile in
+    cuda/common.cuh) of ``pairs`` pairs: at most a quarter of the CTAs resident at once, so
+    that a head's CTAs run together and keep the rows they share in L2, in groups of equal
+    size (a small last group ran its long tiles alone: forward d 224 causal 2k was 10.7%
+    slower with 72 pairs in groups of 66 and 6; docs/tuning.md, "Tile-major causal grids").
+    The resident CTAs depend on the compiled kernel's registers: the device's
+    ``resident_ctas`` reads them as the kernel is loaded."""
+    return group_size(pairs, device.multiprocessors * device.resident_ctas(kernel) // 4)
 
 
 def view(a: ArrayInfo | None) -> ArrayView:
