@@ -20,7 +20,6 @@ import threading
 from . import _compile, _device, _driver, _plan, _warm
 from ._arrays import ArrayInfo
 from ._options import KVCache, Options, Varlen
-from ._params import field_offset
 
 # Tests set this to a callable(pointers, stream) to see every launch's array
 # pointers and stream (zero-copy and stream-order checks).
@@ -185,9 +184,10 @@ class Launcher:
         self._pointer_words = tuple(offset // 8 for offset in offsets)
         self.context = _driver.primary_context(device)
         self._steps = [(_compile.load_kernel(s.kernel, device).function, s.grid, s.kernel.threads, s.kernel.shared_bytes,
-                        field_offset(plan.struct, s.argument) if s.argument else 0,
+                        _plan.field_offset(plan.struct, s.argument) if s.argument else 0,
                         tuple(map(ctypes.c_int, s.args)), s.cluster, s.dependent) for s in plan.steps]
-        self._maps = [(field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m) for m in plan.maps]
+        self._maps = [(_plan.field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m)
+                      for m in plan.maps]
         self._mapped = None  # the pointers self.params' maps were encoded for
         # The counters the steps count on from 0: (pointer index, 4-byte words) each.
         self._zeroed = tuple((plan.pointers.index(name), math.prod(shape))

@@ -71,6 +71,13 @@ def test_the_planner_imports_no_compiler_driver_or_framework():
     assert not [m for m in imports if m != "__init__" and m in reaches(m)], "an import circle"
 
 
+def test_the_checks_take_what_the_planner_plans():
+    """The checks (_options) come before the planner and import none of it: their head dims
+    and GPU dtypes are the planner's."""
+    assert _options.MAX_HEAD_DIM == _plan.MAX_HEAD_DIM
+    assert set(_options.GPU_DTYPES) == set(_plan.DTYPES)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_forward_plan(no_compiler, causal):
     q, k, v = dense(3, 1000, 777, 8, 2, 128)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from . import decoding, mma_sync, sm90
 from .decoding import DECODE_POINTERS, MERGE_POINTERS, decode, decode_splits, merge
 from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, PREPROCESS_ROWS, backward_workspace
-from .plan import (Plan, Step, TensorMapSpec, dropout_threshold, group_size, pointer_offsets, scale_log2, tile_group,
-                   vectorizable)
+from .plan import (Plan, Step, TensorMapSpec, dropout_threshold, field_offset, group_size, pointer_offsets, scale_log2,
+                   tile_group, vectorizable)
 from .sm90 import (SM90_BACKWARD_TILES, SM90_BANDED_EXTRAS_TILES, SM90_BANDED_TILES, SM90_HEAD_DIMS,
                    SM90_SECTION_BYTES, SM90_SECTION_ROWS, SM90_SHORT_CAUSAL_ROWS, SM90_SHORT_CAUSAL_TILES,
                    SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS, SM90_TILES, Sm90Backward,

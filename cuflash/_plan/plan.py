@@ -1,13 +1,13 @@
 """What every plan is made of: the launch steps, the tensor maps the launcher encodes, the
 plan itself, and the kernels' Params of a call (shapes, strides, options) with its array
-pointers left for the launcher to fill in."""
+pointers left for the launcher to fill in, at the offsets ``field_offset`` finds."""
 from __future__ import annotations
 
 import ctypes
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from .._params import ArrayView, ModParams, Params, field_offset
+from .._params import ArrayView, ModParams, Params
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
@@ -155,3 +155,15 @@ def tensor_map(name: str, a: ArrayInfo, varlen: Varlen | None, rows: int) -> Ten
 def pointer_offsets(struct: type, names: tuple[str, ...]) -> tuple[int, ...]:
     """Where each named pointer lies in the struct (an ArrayView's pointer is its first field)."""
     return tuple(field_offset(struct, name) for name in names)
+
+
+def field_offset(struct: type, name: str) -> int:
+    """Byte offset of a field, or of a nested one ("merge.out"; an ArrayView's pointer
+    is its first field)."""
+    offset = 0
+    for part in name.split("."):
+        offset += getattr(struct, part).offset
+        # (a subclass's _fields_ hold only its own fields: ModParams' base's are in Params)
+        struct = next(dict(c.__dict__["_fields_"])[part] for c in struct.__mro__
+                      if part in dict(c.__dict__.get("_fields_", ())))
+    return offset
