@@ -6,7 +6,8 @@ clusters and programmatic dependent launch), the last three off where the enviro
 CUFLASH_PORTABLE is set (to anything but 0: every call on the kernels other GPUs run, for
 comparisons and bug reports; read at each call of ``facts``, so that plans made afresh
 follow it); and the CTAs of a compiled kernel one multiprocessor holds at once, which
-the compile layer reads as it loads the kernel (``_kernels.device``)."""
+the compile layer reads as it loads the kernel (``_kernels.device_facts`` gives plans
+the facts with it)."""
 from __future__ import annotations
 
 import functools
@@ -21,6 +22,7 @@ def _one(kernel) -> int:
 
 
 class Device(NamedTuple):
+    """A GPU as the planner takes it: what the driver tells, and what follows for the kernels."""
     name: str
     capability: tuple[int, int]
     shared_limit: int  # opt-in dynamic shared memory per block, bytes

