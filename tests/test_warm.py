@@ -319,3 +319,14 @@ def test_a_cold_forward_takes_a_short_path(stand_in_gpu):
     assert len(visits) - 1 <= 20, visits
     # (the context the launcher binds in, the launch's calls)
     assert len(stand_in_gpu.driver) <= 2, stand_in_gpu.driver
+
+
+def test_a_cold_backward_takes_a_short_path(stand_in_gpu):
+    """The same of attention_backward's first call of a signature (its workspace and its
+    plan's three kernels)."""
+    arrays = [DeviceArray(shape()) for _ in range(5)] + [DeviceArray((2, 4, 300), "float32")]
+    cold = entered(cuflash.attention_backward, *arrays, causal=True)
+    modules, visits = path(cold)
+    assert modules <= {"api", "_options", "_warm", "_arrays", "_plan", "_kernels"}, visits
+    assert len(visits) - 1 <= 29, visits
+    assert len(stand_in_gpu.driver) <= 2, stand_in_gpu.driver
