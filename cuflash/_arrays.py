@@ -25,6 +25,7 @@ class ArrayInfo(NamedTuple):
 
     @property
     def where(self) -> str:
+        """The device as messages name it (checks compare ``device``)."""
         return "cpu" if self.device is None else f"cuda:{self.device}"
 
 

@@ -303,14 +303,24 @@ def device_arch(device_id: int) -> str:
     return device.arch
 
 
+class Loaded(NamedTuple):
+    """A kernel loaded on a device: its CUfunction handle and the CTAs of it one
+    multiprocessor holds at once (at least 1; its registers, shared memory and threads
+    decide, which only the compiled kernel knows)."""
+    function: int
+    resident_ctas: int
+
+
 @functools.cache
-def load_kernel(source: str, instance: str, device_id: int, shared_bytes: int, arch: str = "",
-                clustered: bool = False, prelude: str = "") -> int:
-    """The CUfunction handle of ``instance`` on ``device_id``, compiled on first
-    use (for ``arch``, or the device's own, with ``prelude`` in front of the source) and
-    allowed ``shared_bytes`` of dynamic shared memory (and, ``clustered``, clusters of up
-    to 16 CTAs)."""
+def load_kernel(kernel, device_id: int) -> Loaded:
+    """``kernel`` (a variant of cuflash._plan: its source, template instance, arch, threads
+    and dynamic shared memory, its mods) loaded on ``device_id``: compiled on first use (for
+    its arch, or the device's own), allowed its dynamic shared memory (and, for a clustered
+    kind, clusters of up to 16 CTAs), and its residency read once, with the load."""
     from . import _driver
     with _lock:
-        compiled = compile_kernel(source, instance, arch or device_arch(device_id), prelude=prelude)
-        return _driver.load_function(compiled.cubin, compiled.lowered_name, device_id, shared_bytes, clustered)
+        compiled = compile_kernel(kernel.source, kernel.instance, kernel.arch or device_arch(device_id),
+                                  prelude=getattr(kernel, "mods", ""))
+        function = _driver.load_function(compiled.cubin, compiled.lowered_name, device_id, kernel.shared_bytes,
+                                         getattr(kernel, "clustered", False))
+        return Loaded(function, max(1, _driver.resident_blocks(function, kernel.threads, kernel.shared_bytes)))

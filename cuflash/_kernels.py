@@ -1,8 +1,8 @@
 """Launch the CUDA kernels on buffers that already exist.
 
-A plan (``_plan``: variants, grids, Params) is bound here to the compiled kernels of one
-device, the one place where kernels are compiled or loaded from the cache
-(``_compile.load_kernel``), and launched through the driver (``_driver``).
+A plan (``_plan``: variants, grids, Params), made for a device's facts (``device_facts``), is
+bound here as it is to the kernels the compile layer loads (``_compile.load_kernel``) and
+launched through the driver (``_driver``).
 
 Every buffer is an ``ArrayInfo`` (pointer, shape, strides in elements, dtype,
 device); options are an ``Options`` (validated by ``_options``). The framework glue
@@ -14,14 +14,12 @@ with a ``Varlen`` describing the sequences.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import threading
 
 from . import _compile, _device, _driver, _plan, _warm
 from ._arrays import ArrayInfo
 from ._options import KVCache, Options, Varlen
-from ._params import field_offset
 
 # Tests set this to a callable(pointers, stream) to see every launch's array
 # pointers and stream (zero-copy and stream-order checks).
@@ -49,29 +47,17 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: Array
 
 def forward_launcher(q, k, v, out, options: Options, varlen: Varlen | None) -> Launcher:
     """The forward of this call signature, ready to launch with (stream, q, k, v, out, lse pointers)."""
-    return Launcher(_plan.forward(q, k, v, out, options, varlen, shared_limit(q.device), sm90a(q.device),
-                                  multiprocessors(q.device)), q.device)
+    return Launcher(_plan.forward(q, k, v, out, options, varlen, device_facts(q.device)), q.device)
 
 
-# The device's facts the planner takes (cuflash/_device.py, read once per device).
-def sm90a(device: int) -> bool:
-    return _device.facts(device).sm90a
+def device_facts(device: int) -> _device.Device:
+    """The facts of ``device`` that plans are made for (``_device.facts``), with the CTAs of
+    a kernel one multiprocessor holds as the compile layer reads them when it loads the
+    kernel (``_compile.load_kernel``)."""
+    def resident_ctas(kernel) -> int:
+        return _compile.load_kernel(kernel, device).resident_ctas
 
-
-def clusters(device: int) -> bool:
-    return _device.facts(device).clusters
-
-
-def dependent_launches(device: int) -> bool:
-    return _device.facts(device).dependent_launches
-
-
-def shared_limit(device: int) -> int:
-    return _device.facts(device).shared_limit
-
-
-def multiprocessors(device: int) -> int:
-    return _device.facts(device).multiprocessors
+    return _device.facts(device)._replace(resident_ctas=resident_ctas)
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
@@ -96,8 +82,7 @@ def backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options: Options
     """The backward of this call signature, ready to launch with (stream, dout, q, k, v,
     out, lse, dlse, dq, dk, dv, delta, dq_accum pointers). (dlse, like every pointer, is
     given at launch: the plan is the same with or without it.)"""
-    plan = _plan.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, shared_limit(q.device),
-                          sm90a(q.device))
+    plan = _plan.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, device_facts(q.device))
     return Launcher(plan, q.device)
 
 
@@ -110,13 +95,13 @@ def decode_launcher(arrays: dict, out: ArrayInfo, cache: KVCache, options: Optio
     key = _decode_key(arrays, out, cache, options) if varlen is None else None
     launcher = _warm.lookup(_launchers, key)
     if launcher is None:
-        def plan(clustered: bool) -> _plan.Plan:
+        def plan(device: _device.Device) -> _plan.Plan:
             return _plan.decode(q, arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"), out,
-                                cache, options, shared_limit(q.device), multiprocessors(q.device), varlen, clustered,
-                                dependent_launches(q.device))
-        chosen = plan(clusters(q.device))
+                                cache, options, device, varlen)
+        facts = device_facts(q.device)
+        chosen = plan(facts)
         if not all(_one_wave_of_clusters(step, q.device) for step in chosen.steps):
-            chosen = plan(False)
+            chosen = plan(facts._replace(clusters=False))
         launcher = _remember(key, Launcher(chosen, q.device))
     return launcher
 
@@ -128,7 +113,7 @@ def _one_wave_of_clusters(step: _plan.Step, device: int) -> bool:
     short of multiprocessors for a cluster of large CTAs can still hold fewer.)"""
     if step.cluster == 1:
         return True
-    launch = _driver.LaunchEx(_function(step.kernel, device), step.grid, step.kernel.threads,
+    launch = _driver.LaunchEx(_compile.load_kernel(step.kernel, device).function, step.grid, step.kernel.threads,
                               step.kernel.shared_bytes, step.cluster)
     with _driver.in_context(device):
         return launch.resident_clusters() * step.cluster >= math.prod(step.grid)
@@ -198,13 +183,11 @@ class Launcher:
         assert all(offset % 8 == 0 for offset in offsets), "pointers lie at multiples of 8 bytes"
         self._pointer_words = tuple(offset // 8 for offset in offsets)
         self.context = _driver.primary_context(device)
-        for step in plan.steps:
-            if step.grouped_heads:
-                self.params.tile_group = tile_group(step.kernel, step.grouped_heads, device)
-        self._steps = [(_function(s.kernel, device), s.grid, s.kernel.threads, s.kernel.shared_bytes,
-                        field_offset(plan.struct, s.argument) if s.argument else 0,
+        self._steps = [(_compile.load_kernel(s.kernel, device).function, s.grid, s.kernel.threads, s.kernel.shared_bytes,
+                        _plan.field_offset(plan.struct, s.argument) if s.argument else 0,
                         tuple(map(ctypes.c_int, s.args)), s.cluster, s.dependent) for s in plan.steps]
-        self._maps = [(field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m) for m in plan.maps]
+        self._maps = [(_plan.field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m)
+                      for m in plan.maps]
         self._mapped = None  # the pointers self.params' maps were encoded for
         # The counters the steps count on from 0: (pointer index, 4-byte words) each.
         self._zeroed = tuple((plan.pointers.index(name), math.prod(shape))
@@ -277,25 +260,3 @@ class Launcher:
             else:
                 extended.launch(stream, argument_array)
 
-
-def tile_group(kernel: _plan.Kernel, heads: int, device: int) -> int:
-    """(head, batch) pairs per group of the tile-major order of banded grids (GridTile in
-    cuda/common.cuh): at most a quarter of the CTAs resident at once, so that a head's
-    CTAs run together and keep the rows they share in L2, in groups of equal size (a
-    small last group ran its long tiles alone: forward d 224 causal 2k was 10.7% slower
-    with 72 pairs in groups of 66 and 6; docs/tuning.md, "Tile-major causal grids").
-    The resident CTAs depend on the compiled kernel's registers: this is the one number
-    of a launch that the plan cannot know."""
-    return _plan.group_size(heads, multiprocessors(device) * _resident_ctas(kernel, device) // 4)
-
-
-@functools.cache
-def _resident_ctas(kernel: _plan.Kernel, device: int) -> int:
-    return max(1, _driver.resident_blocks(_function(kernel, device), kernel.threads, kernel.shared_bytes))
-
-
-@functools.cache
-def _function(kernel, device: int) -> int:
-    clustered = isinstance(kernel, _plan.Kernel) and _plan.KINDS[kernel.kind].clustered
-    return _compile.load_kernel(kernel.source, kernel.instance, device, kernel.shared_bytes,
-                                kernel.arch, clustered, getattr(kernel, "mods", ""))

@@ -16,11 +16,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays, _plan
+from . import _arrays
 from ._arrays import ArrayInfo
 
 GPU_DTYPES = ("float16", "bfloat16")
 CPU_DTYPES = ("float16", "float32", "float64")
+# The largest head dim the kernels take: the planner's last head-dim bucket (the checks come
+# before the planner and import none of it; tests/test_plan.py holds the two equal).
+MAX_HEAD_DIM = 256
 
 
 class Options(NamedTuple):
@@ -81,7 +84,7 @@ def check_qkv(q, k, v, *, packed: bool, names: tuple[str, str, str] = ("q", "k",
             raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {a.shape}")
     if len({a.framework for a in arrays.values()}) > 1:
         raise TypeError(f"{together} must be the same kind of array, got {q.framework}, {k.framework}, {v.framework}")
-    if len({a.where for a in arrays.values()}) > 1:
+    if len({a.device for a in arrays.values()}) > 1:
         raise ValueError(f"{together} must be on one device, got {q.where}, {k.where}, {v.where}")
     if len({a.dtype for a in arrays.values()}) > 1:
         raise TypeError(f"{together} must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -97,8 +100,8 @@ def check_qkv(q, k, v, *, packed: bool, names: tuple[str, str, str] = ("q", "k",
     head_dim, nheads, nheads_kv = q.shape[-1], q.shape[-2], k.shape[-2]
     if k.shape[-1] != head_dim:
         raise ValueError(f"{kv} must have q's head dim {head_dim}, got {k.shape[-1]}")
-    if not 1 <= head_dim <= _plan.MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be in 1..{_plan.MAX_HEAD_DIM}, got {head_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
     if nheads_kv == 0 or nheads % nheads_kv:
         raise ValueError(f"q's nheads must be a multiple of {names[1]}/{names[2]}'s nheads, "
                          f"got {nheads} and {nheads_kv}")
@@ -119,7 +122,7 @@ def check_outputs(arrays: dict, lse_shape) -> None:
     q = arrays["q"]
     for name, shape, dtype in (("dout", q.shape, q.dtype), ("out", q.shape, q.dtype), ("lse", lse_shape, "float32")):
         a = arrays[name]
-        if a.framework != q.framework or a.where != q.where:
+        if a.framework != q.framework or a.device != q.device:
             raise TypeError(f"{name} must be the same kind of array on the same device as q "
                             f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
         if a.shape != tuple(shape):
@@ -138,7 +141,7 @@ def check_dlse(arrays: dict) -> None:
     dlse, lse, q = arrays.get("dlse"), arrays["lse"], arrays["q"]
     if dlse is None:
         return
-    if dlse.framework != q.framework or dlse.where != q.where:
+    if dlse.framework != q.framework or dlse.device != q.device:
         raise TypeError(f"dlse must be the same kind of array on the same device as q "
                         f"({q.framework} on {q.where}), got {dlse.framework} on {dlse.where}")
     if dlse.shape != lse.shape:
@@ -329,7 +332,7 @@ def alibi(alibi_slopes, q: ArrayInfo, batch: int) -> ArrayInfo:
     """alibi_slopes beside q: float32 (nheads,) or (batch, nheads), finite where its
     values can be read."""
     a = _arrays.inspect(alibi_slopes, "alibi_slopes")
-    if a.framework != q.framework or a.where != q.where:
+    if a.framework != q.framework or a.device != q.device:
         raise TypeError(f"alibi_slopes must be the same kind of array on the same device as q "
                         f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
     check_alibi_layout(a.shape, a.dtype, q.shape[-2], batch)
@@ -360,7 +363,7 @@ def varlen(q: ArrayInfo, k: ArrayInfo, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
         a = _arrays.inspect(cu, name)
-        if a.framework != q.framework or a.where != q.where:
+        if a.framework != q.framework or a.device != q.device:
             raise TypeError(f"{name} must be the same kind of array on the same device as q "
                             f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
         check_cu_seqlens(name, a.shape, a.dtype, None, total, max_len)
@@ -550,7 +553,7 @@ def paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_seqlens_q, cu_seql
 
 def check_beside(name: str, a: ArrayInfo, q: ArrayInfo) -> None:
     """``a`` is the same kind of array as q, on q's device."""
-    if a.framework != q.framework or a.where != q.where:
+    if a.framework != q.framework or a.device != q.device:
         raise TypeError(f"{name} must be the same kind of array on the same device as q "
                         f"({q.framework} on {q.where}), got {a.framework} on {a.where}")
 
@@ -688,7 +691,7 @@ def check_merge(outs: list[ArrayInfo], lses: list[ArrayInfo]) -> None:
     first = outs[0]
     for name, a in [*((f"outs[{i}]", a) for i, a in enumerate(outs)), *((f"lses[{i}]", a)
                                                                           for i, a in enumerate(lses))]:
-        if a.framework != first.framework or a.where != first.where:
+        if a.framework != first.framework or a.device != first.device:
             raise TypeError(f"{name} must be the same kind of array on the same device as outs[0] "
                             f"({first.framework} on {first.where}), got {a.framework} on {a.where}")
     if len(first.shape) != 4:

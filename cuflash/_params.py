@@ -133,14 +133,3 @@ class DecodeParams(_Struct):
         ("merge", MergeParams),
     ]
 
-
-def field_offset(struct: type, name: str) -> int:
-    """Byte offset of a field, or of a nested one ("merge.out"; an ArrayView's pointer
-    is its first field)."""
-    offset = 0
-    for part in name.split("."):
-        offset += getattr(struct, part).offset
-        # (a subclass's _fields_ hold only its own fields: ModParams' base's are in Params)
-        struct = next(dict(c.__dict__["_fields_"])[part] for c in struct.__mro__
-                      if part in dict(c.__dict__.get("_fields_", ())))
-    return offset

@@ -44,10 +44,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     """
     scalars = (causal, softmax_scale, window_size, softcap, dropout_p, seed, rng_offset, return_lse)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
-    if alibi_slopes is None and not mods:
-        result = warm_forward(q, k, v, scalars)
-        if result is not None:
-            return result
+    key = None if mods else _key((q, k, v), scalars, alibi_slopes)  # (the key does not see the mods)
+    warm = _warm_calls.lookup(_warm, key)
+    if warm is not None:
+        return _launch_warm(warm, q, k, v)
     arrays = _inspect(q=q, k=k, v=v)
     _options.check_qkv(*arrays.values(), packed=False)
     options = _options.make_options(arrays["q"], arrays["k"], causal, softmax_scale, window_size, softcap,
@@ -62,8 +62,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     else:
         warm = _Warm(options)
         out, lse = _forward_gpu(*arrays.values(), options, None, return_lse, warm)
-        if not mods:  # (the warm key does not see the mods)
-            _remember(_key((q, k, v), scalars, alibi_slopes), warm, arrays["q"])
+        _warm_calls.remember(_warm, key, warm)
     return (out, lse) if return_lse else out
 
 
@@ -160,7 +159,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                                       **_mod_options(score_mod, mask_mod, mod_tensors))
     grads = _backward_gpu(arrays, warm.options, None, deterministic, warm)
     if cold:
-        _remember(key, warm, qi)
+        _warm_calls.remember(_warm, key, warm)
     return grads
 
 
@@ -211,6 +210,7 @@ def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, return_lse: b
     work = [framework.empty(shape, dtype) for _, shape, dtype in launcher.plan.workspace]  # (stream-ordered)
     launcher(framework.stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr, *(w.ptr for w in work))
     if warm:
+        warm.calls, warm.device = framework.calls, q.device
         warm.outputs = (out.shape, framework.calls.dtype(out.dtype), None if lse is None else lse.shape)
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
 
@@ -221,8 +221,11 @@ def warm_forward(q, k, v, scalars: tuple):
     ``scalars``: (causal, softmax_scale, window_size, softcap, dropout_p, seed,
     rng_offset, return_lse) as the caller gave them."""
     warm = _lookup(_key((q, k, v), scalars, None))
-    if warm is None or warm.launcher is None:
-        return None
+    return None if warm is None else _launch_warm(warm, q, k, v)
+
+
+def _launch_warm(warm: _Warm, q, k, v):
+    """The forward of a warm signature on these arrays: out, or (out, lse)."""
     calls, device, (out_shape, dtype, lse_shape) = warm.calls, warm.device, warm.outputs
     pointer = calls.pointer
     out = calls.empty(out_shape, dtype, device)
@@ -289,8 +292,9 @@ def _mod_options(score_mod, mask_mod, mod_tensors) -> dict:
 # seeds vary), and so are packed sequences (their cu_seqlens): they make no key.
 class _Warm:
     """A call signature that passed the checks: its options and, once it has run on
-    the GPU, its launcher, its arrays' library and device, (forward) its outputs'
-    shapes and dtype, and (backward) its scratch buffers' shapes and dtypes."""
+    the GPU (the only calls kept), its launcher, (forward) its arrays' library and
+    device and its outputs' shapes and dtype, and (backward) its scratch buffers' shapes
+    and dtypes."""
     __slots__ = ("options", "launcher", "calls", "device", "outputs", "workspace")
 
     def __init__(self, options: Options):
@@ -311,13 +315,6 @@ def _key(arrays: tuple, scalars: tuple, alibi_slopes):
 
 def _lookup(key) -> _Warm | None:
     return _warm_calls.lookup(_warm, key)
-
-
-def _remember(key, warm: _Warm, q: _arrays.ArrayInfo) -> None:
-    """Keep a signature that ran on the GPU, with what its warm calls need."""
-    if key is not None and warm.launcher is not None:
-        warm.calls, warm.device = _arrays.library(q.obj), q.device
-        _warm_calls.remember(_warm, key, warm)
 
 
 def _inspect(**arrays) -> dict[str, _arrays.ArrayInfo]:

@@ -40,6 +40,7 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
              sm90_short_causal_tiles: dict[int, tuple] | None = None, sm90_section_bytes: int | None = None,
              sm90_section_rows: int | None = None,
              sm90_tail: Callable[[int, int, int], tuple[int, int]] | None = None,
+             tile_group: Callable[[object, int, object], int] | None = None, shared_limit: int | None = None,
              clusters: bool | None = None, dependent_launches: bool | None = None) -> Iterator[None]:
     """Plan, compile and launch the calls made inside the block with these values in place
     of the package's (None: the package's own).
@@ -60,6 +61,12 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
     sm90_tail: ``(tiles, key_tiles, multiprocessors) -> (tail_start, tail_ctas)``, in
         place of ``_plan.sm90_tail`` (e.g. ``lambda tiles, *_: (tiles, 0)``: the last wave
         left whole).
+    tile_group: ``(kernel, pairs, device) -> pairs a group`` of the tile-major order of
+        banded grids, in place of ``_plan.tile_group`` (e.g. ``lambda kernel, pairs, device:
+        min(3, pairs)``: groups of 3 (head, batch) pairs, the last one partial).
+    shared_limit: the opt-in shared memory per block, in bytes, the planner takes the device
+        to have (another arch's: ``_plan.shared_memory_limit("sm_86")``), so that the
+        tiles of a smaller device run here.
     clusters: False merges the KV-cache call's splits in the merge kernel, never in a
         thread block cluster (True: as the device allows, the package's way).
     dependent_launches: False launches a plan's kernels one after the other, never as
@@ -81,18 +88,18 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
             if entries:
                 undo.enter_context(_entries(table, {d: tuple(tile) for d, tile in entries.items()}))
         for name, value in (("SM90_SECTION_BYTES", sm90_section_bytes), ("SM90_SECTION_ROWS", sm90_section_rows),
-                            ("sm90_tail", sm90_tail)):
+                            ("sm90_tail", sm90_tail), ("tile_group", tile_group)):
             if value is not None:
                 undo.enter_context(_rebound(_plan, name, value))
-        for name, allowed in (("clusters", clusters), ("dependent_launches", dependent_launches)):
-            if allowed is False:
-                undo.enter_context(_rebound(_kernels, name, _never))
+        given = {name: False for name, allowed in (("clusters", clusters), ("dependent_launches", dependent_launches))
+                 if allowed is False}
+        if shared_limit is not None:
+            given["shared_limit"] = shared_limit
+        if given:  # (the device's facts as the planner takes them, these replaced)
+            facts = _kernels.device_facts
+            undo.enter_context(_rebound(_kernels, "device_facts", lambda device: facts(device)._replace(**given)))
         _forget_plans()
         yield
-
-
-def _never(device: int) -> bool:
-    return False
 
 
 def _forget_plans() -> None:
@@ -107,8 +114,6 @@ def _forget_kernels() -> None:
     """Forget the sources read and the kernels loaded from them."""
     _compile._sources.cache_clear()
     _compile.load_kernel.cache_clear()
-    _kernels._function.cache_clear()
-    _kernels._resident_ctas.cache_clear()
 
 
 @contextlib.contextmanager

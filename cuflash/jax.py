@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arrays, _kernels, _options, _plan, api, kvcache
+from . import _arrays, _device, _kernels, _options, _plan, api, kvcache
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -167,7 +167,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         # in the merge kernel, _kernels.decode_launcher)
         gpu_options = options._replace(alibi=None if alibi_slopes is None else _describe(optional["alibi_slopes"], q))
         plan = _plan.decode(*(described.get(n) for n in ("q", "k_cache", "v_cache", "k", "v")), described["q"],
-                            cache, gpu_options, _kernels.shared_limit(0), _kernels.multiprocessors(0))
+                            cache, gpu_options, _device.facts(0)._replace(clusters=False))
         workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in plan.workspace}
     call = buffer_callback(_KVCacheCallback(config), (*results, workspace), input_output_aliases={1: 2, 2: 3},
                            vmap_method="sequential")
@@ -200,7 +200,7 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if _platform(q) != "cpu":
         gpu_options = options._replace(alibi=None if alibi_slopes is None else _describe(inputs["alibi_slopes"], q))
         plan = _plan.decode(described["q"], described["k"], described["v"], None, None, described["q"], cache,
-                            gpu_options, _kernels.shared_limit(0), _kernels.multiprocessors(0), varlen)
+                            gpu_options, _device.facts(0)._replace(clusters=False), varlen)
         workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in plan.workspace}
     call = buffer_callback(_PagedVarlenCallback(config), (*results, workspace), vmap_method="sequential")
     out, lse, _ = call(q, k, v, *inputs.values())
@@ -546,7 +546,7 @@ def _forward(q, k, v, extras: dict, config: _Config):
         if config.varlen:
             varlen = _options.Varlen(described["cu_seqlens_q"], described["cu_seqlens_k"], *config.max_seqlens)
         plan = _plan.forward(described["q"], described["k"], described["v"], described["q"], options, varlen,
-                             _kernels.shared_limit(0), _kernels.sm90a(0), _kernels.multiprocessors(0))
+                             _device.facts(0))  # (for the workspace's shapes: no compiled kernel's facts)
         workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape, dtype in plan.workspace}
     call = buffer_callback(_ForwardCallback(config, tuple(workspace)), (*results, workspace),
                            vmap_method="sequential")

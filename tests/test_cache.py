@@ -166,15 +166,15 @@ def test_a_gpu_below_sm80_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(_driver, "attribute", lambda device, attr: gpu.get(attr, 0))
     monkeypatch.setattr(_driver, "name", lambda device: gpu["name"])
     monkeypatch.setattr(_driver, "version", lambda: 12090)
-    _device.facts.cache_clear()  # (the stand-in GPUs' facts, read afresh; the real ones after)
+    _device._read.cache_clear()  # (the stand-in GPUs' facts, read afresh; the real ones after)
     try:
         with pytest.raises(RuntimeError, match=r"this GPU, Tesla V100-SXM2-16GB, has 7\.0$"):
             _compile.device_arch(0)
-        _device.facts.cache_clear()
+        _device._read.cache_clear()
         gpu.update({"name": "NVIDIA B200", _driver.COMPUTE_CAPABILITY_MAJOR: 10, _driver.COMPUTE_CAPABILITY_MINOR: 0})
         assert _compile.device_arch(0) == "sm_100"
     finally:
-        _device.facts.cache_clear()
+        _device._read.cache_clear()
 
 
 def test_an_entry_of_another_nvrtc_is_loaded_and_refreshed_by_compile(monkeypatch, tmp_path):

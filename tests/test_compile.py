@@ -156,7 +156,7 @@ def test_params_layout_matches_the_cuda_struct(struct, header):
     size, offsets = struct_layout(header, struct, [member for _, member in leaves])
     assert size == ctypes.sizeof(cls)
     for (name, _), offset in zip(leaves, offsets):
-        assert offset == _params.field_offset(cls, name), name
+        assert offset == _plan.field_offset(cls, name), name
 
 
 def test_cubin_is_the_whole_elf_file():

@@ -5,14 +5,18 @@ import numpy as np
 import pytest
 
 from cuflash import _arrays, _compile, _kernels, _options, _plan, experiment
+from cuflash._params import Params
+
+from .test_device import gpus  # noqa: F401 (a fixture)
+from .test_plan import device
 
 
-def _forward_plan(q_shape, kv_shape, causal=False):
+def _forward_plan(q_shape, kv_shape, causal=False, sm90a=True):
     q, k, v = (_arrays.inspect(np.empty(s, np.float16), n) for n, s in (("q", q_shape), ("k", kv_shape),
                                                                           ("v", kv_shape)))
     options = _options.make_options(q, k, causal, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
     return _plan.forward(q, k, v, _arrays.inspect(np.empty(q_shape, np.float16), "out"), options, None,
-                         _plan.shared_memory_limit("sm_90a"), True, 132)
+                         device(_plan.shared_memory_limit("sm_90a"), 132, sm90a=sm90a, resident_ctas=lambda kernel: 2))
 
 
 def test_the_values_given_hold_inside_and_go_after():
@@ -29,15 +33,30 @@ def test_the_values_given_hold_inside_and_go_after():
     assert _plan.kernel("forward", "float16", 128, False, True, False, 10**6).tile != tile
 
 
-def test_an_error_inside_leaves_nothing_behind():
+def test_the_tile_groups_given_hold_inside():
+    """A causal mma.sync forward's (head, batch) pairs per tile-major group: the planner's
+    (a quarter of the resident CTAs: 132 x 2 / 4), or the function given."""
+    def groups():
+        return Params.from_buffer_copy(_forward_plan((2, 512, 48, 96), (2, 512, 48, 96), True, False).params).tile_group
+
+    assert groups() == 48  # (96 pairs in 2 groups of 66 at most)
+    with experiment.override(tile_group=lambda kernel, pairs, device: min(7, pairs)):
+        assert groups() == 7
+    assert groups() == 48
+
+
+def test_an_error_inside_leaves_nothing_behind(gpus):  # noqa: F811 (the fixture)
     sources = _compile.CUDA_DIR
     with pytest.raises(RuntimeError, match="inside"):
-        with experiment.override(patches={"fwd.cu": lambda text: text + "\n// patched\n"}, clusters=False):
+        with experiment.override(patches={"fwd.cu": lambda text: text + "\n// patched\n"}, clusters=False,
+                                 shared_limit=1024):
             assert _compile.CUDA_DIR != sources and "// patched" in _compile._sources()["fwd.cu"].decode()
-            assert not _kernels.clusters(0)
+            facts = _kernels.device_facts(0)
+            assert not facts.clusters and facts.dependent_launches and facts.shared_limit == 1024
             raise RuntimeError("inside")
     assert _compile.CUDA_DIR == sources and "// patched" not in _compile._sources()["fwd.cu"].decode()
-    assert _kernels.clusters is not None
+    facts = _kernels.device_facts(0)
+    assert facts.clusters and facts.shared_limit == 232448
 
 
 def test_unknown_names_are_refused():

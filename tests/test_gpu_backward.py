@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _kernels, _plan, api
+from cuflash import _device, _kernels, _plan, api, experiment
 from cuflash.reference import (attention_lowp_backward, attention_lowp_varlen_backward, attention_reference_backward,
                                attention_reference_varlen_backward)
 
@@ -126,7 +126,7 @@ def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_
     out, lse = cuflash.attention(q, q, q, softcap=softcap, return_lse=True)
     kinds = launched_kinds(monkeypatch)
     cuflash.attention_backward(q, q, q, q, out, lse, softcap=softcap, deterministic=deterministic)
-    sm90 = _kernels.sm90a(0) and 64 <= head_dim <= 128 and not softcap
+    sm90 = _device.facts(0).sm90a and 64 <= head_dim <= 128 and not softcap
     expected = (["backward_preprocess", "backward_sm90" if sm90 else "backward", "backward_convert_dq"] if one_pass
                 else ["backward_preprocess", "backward_dq", "backward_dkdv"])
     assert kinds == expected
@@ -137,10 +137,9 @@ def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_
 def test_the_tiles_of_smaller_devices(monkeypatch, arch, head_dim):
     """The tiles another arch's shared memory picks (one stage, smaller tiles, or the
     two-kernel backward where the one-pass kernel does not fit) run correctly here."""
-    monkeypatch.setattr(_kernels, "shared_limit", lambda device: _plan.shared_memory_limit(arch))
-    forget_warm_calls(monkeypatch)  # (launchers are cached per device, not per limit)
     shape = Shape(2, 333, 301, 4, 2, head_dim, True)
-    (dout, q, k, v), grads, _ = run_backward(shape, "bfloat16", head_dim, deterministic=False)
+    with experiment.override(shared_limit=_plan.shared_memory_limit(arch)):
+        (dout, q, k, v), grads, _ = run_backward(shape, "bfloat16", head_dim, deterministic=False)
     check_gradients(dout, q, k, v, grads, shape.causal)
 
 
@@ -183,21 +182,21 @@ def test_strided_and_unaligned_views(dtype, head_dim, aligned):
 
 
 @pytest.mark.parametrize("group", [None, 1, 3, 7])
-def test_tile_major_groups(monkeypatch, group):
+def test_tile_major_groups(group):
     """Causal grids run tile-major within groups of (head, batch) pairs (GridTile in
-    common.cuh, _kernels.tile_group): every CTA must still run once, the last group
+    common.cuh, _plan.tile_group): every CTA must still run once, the last group
     partial. None: the device's own group size, with more pairs (9 x 8) than a group
     holds on the H200 (33 backward, 66 forward)."""
     import cupy
     if group is not None:
-        monkeypatch.setattr(_kernels, "tile_group", lambda kernel, heads, device: min(group, heads))
         shape = Shape(5, 200 + group, 190, 4, 2, 64, True)  # 20 pairs forward, 10 backward
     else:
         shape = Shape(9, 130, 150, 8, 8, 128, True)
     rng = np.random.default_rng(7)
     q, k, v = random_qkv(shape, cupy_dtype("bfloat16"), rng, xp=cupy)
     dout = random_dout(shape, cupy_dtype("bfloat16"), rng, xp=cupy)
-    with poisoned_allocations():
+    groups = None if group is None else lambda kernel, pairs, device: min(group, pairs)
+    with poisoned_allocations(), experiment.override(tile_group=groups):
         out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
     check_against_reference(q, k, v, out, lse, causal=True)

@@ -61,8 +61,8 @@ def _tile_counters() -> int:
     """Scratch beside the arrays of a causal launch on the sm_90a forward (on a Hopper GPU,
     head dims 64 to 256 whose rows the copy engine reads): its tile counter (fwd.cu,
     Sm90Tiles)."""
-    from cuflash import _kernels
-    return int(_kernels.sm90a(0))
+    from cuflash import _device
+    return int(_device.facts(0).sm90a)
 
 
 @settings(deadline=None, max_examples=150,

@@ -142,19 +142,15 @@ def test_long_calls_match_the_oracle(call, dtype):
 
 
 @pytest.fixture(params=["cluster", "merge kernel"])
-def merge_step(request, monkeypatch):
+def merge_step(request):
     """Where a split call's parts merge: in the splits' thread block cluster (the default
     from sm_90) or in the merge kernel (before sm_90, and with CUFLASH_PORTABLE). The
-    planned calls are forgotten on both sides of the test."""
-    from cuflash import _device, _kernels, kvcache
+    planned calls are forgotten on both sides of the test (experiment.override)."""
+    from cuflash import _device, experiment
     if request.param == "cluster" and _device.facts(0).capability < (9, 0):
         pytest.skip("thread block clusters need compute capability 9.0")
-    monkeypatch.setattr(_kernels, "clusters", lambda device: request.param == "cluster")
-    for table in (_kernels._launchers, kvcache._warm):
-        table.clear()
-    yield request.param
-    for table in (_kernels._launchers, kvcache._warm):
-        table.clear()
+    with experiment.override(clusters=None if request.param == "cluster" else False):
+        yield request.param
 
 
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow,

@@ -12,6 +12,7 @@ from cuflash import _arrays, _compile, _kernels, _params, _plan, api, mod
 from cuflash.mod import TensorSpec, index_ranges, kernel_source, trace
 
 from .test_compile import struct_layout
+from .test_plan import device
 
 SPECS = (TensorSpec(0, None, (4, 33), "float32"), TensorSpec(1, None, (2, 300), "int64"),
          TensorSpec(2, None, (4,), "bfloat16"), TensorSpec(3, None, (2, 300), "bool"),
@@ -96,8 +97,8 @@ def test_mod_calls_plan_onto_the_mma_sync_kernels_keyed_by_their_text(fake_gpu):
     assert options.extras and options.mods.tensors == (bias,)
     q = _on_the_gpu(QKV[0])
     for sm90a in (False, True):  # (a Hopper GPU: the sm_90a kernels refuse mods)
-        forward = _plan.forward(q, q, q, q, options, None, 227 * 1024, sm90a, 132)
-        backward = _plan.backward(q, q, q, q, q, q, q, q, None, options, None, 227 * 1024, sm90a)
+        forward = _plan.forward(q, q, q, q, options, None, device(227 * 1024, 132, sm90a=sm90a))
+        backward = _plan.backward(q, q, q, q, q, q, q, q, None, options, None, device(227 * 1024, sm90a=sm90a))
         tiled = [s.kernel for s in forward.steps + backward.steps if isinstance(s.kernel, _plan.Kernel)]
         assert [k.kind for k in tiled] == ["forward", "backward_dq", "backward_dkdv"]
         assert all(k.mods == options.mods.source and "UserMods" in k.instance for k in tiled)
@@ -108,7 +109,7 @@ def test_mod_calls_plan_onto_the_mma_sync_kernels_keyed_by_their_text(fake_gpu):
         params = _params.ModParams.from_buffer_copy(forward.params)
         assert (params.tensors[0].ptr, list(params.tensors[0].size[:2]), list(params.tensors[0].stride[:2])) == \
             (4096, [4, 199], [199, 1])
-    plain = _plan.forward(q, q, q, q, options._replace(mods=None), None, 227 * 1024, False, 132)
+    plain = _plan.forward(q, q, q, q, options._replace(mods=None), None, device(227 * 1024, 132))
     assert plain.struct is _params.Params and plain.steps[0].kernel.mods == ""
     assert "UserMods" not in plain.steps[0].kernel.instance
     assert not _kernels._cacheable(options, None)  # (planned each call, as ALiBi)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _compile, _options, _plan
+from cuflash import _compile, _device, _options, _plan
 from cuflash._arrays import ArrayInfo, contiguous_strides
 from cuflash._params import DecodeParams, Params
 
@@ -13,6 +13,12 @@ from cuflash._params import DecodeParams, Params
 def info(shape, dtype="bfloat16", ptr=1 << 20) -> ArrayInfo:
     shape = tuple(shape)
     return ArrayInfo(None, "cupy", ptr, shape, contiguous_strides(shape), dtype, 0)
+
+
+def device(shared_limit=_plan.shared_memory_limit("sm_90"), multiprocessors=0, **flags) -> _device.Device:
+    """A device's facts as the planner takes them (sm90a, clusters, dependent_launches,
+    resident_ctas as given)."""
+    return _device.Device("stand-in", (9, 0), shared_limit, multiprocessors, 12090, **flags)
 
 
 def dense(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype="bfloat16"):
@@ -65,16 +71,24 @@ def test_the_planner_imports_no_compiler_driver_or_framework():
     assert not [m for m in imports if m != "__init__" and m in reaches(m)], "an import circle"
 
 
+def test_the_checks_take_what_the_planner_plans():
+    """The checks (_options) come before the planner and import none of it: their head dims
+    and GPU dtypes are the planner's."""
+    assert _options.MAX_HEAD_DIM == _plan.MAX_HEAD_DIM
+    assert set(_options.GPU_DTYPES) == set(_plan.DTYPES)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_forward_plan(no_compiler, causal):
     q, k, v = dense(3, 1000, 777, 8, 2, 128)
     options = _options.make_options(q, k, causal, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
-    plan = _plan.forward(q, k, v, info(q.shape), options, None, _plan.shared_memory_limit("sm_90"))
+    plan = _plan.forward(q, k, v, info(q.shape), options, None, device(multiprocessors=132))
     (step,) = plan.steps
     tile = _plan.KINDS["forward"].tiles[128][0]
     assert step.kernel == _plan.Kernel("forward", "bfloat16", 128, tile, causal, True, False)
-    assert step.grid == (-(-1000 // tile.block_m), 8, 3) and step.grouped_heads == 24
+    assert step.grid == (-(-1000 // tile.block_m), 8, 3)
     p = Params.from_buffer_copy(plan.params)
+    assert p.tile_group == 24  # (3 x 8 pairs, fewer than a quarter of 132 resident CTAs)
     assert (p.seqlen_q, p.seqlen_k, p.nheads, p.heads_per_kv, p.headdim) == (1000, 777, 8, 4, 128)
     assert (p.window_left, p.window_right) == ((-1, 0) if causal else (-1, -1))
     assert p.q.row_stride == 8 * 128 and p.k.batch_stride == 777 * 2 * 128
@@ -94,7 +108,7 @@ def test_a_backward_plan(no_compiler, head_dim, deterministic, softcap, kinds):
     work = _plan.backward_workspace(q.shape, deterministic, options.extras)
     accum = info(work["dq_accum"][0], "float32") if "dq_accum" in work else None
     plan = _plan.backward(info(q.shape), q, k, v, info(q.shape), info(q.shape), info(k.shape), info(v.shape), accum,
-                          options, None, _plan.shared_memory_limit("sm_90"))
+                          options, None, device(multiprocessors=132))
     assert [s.kernel.kind for s in plan.steps] == kinds
     assert (accum is not None) == (plan.pointers == _plan.BACKWARD_POINTERS)
 
@@ -106,7 +120,7 @@ def test_plans_fit_the_shared_memory_they_are_given(no_compiler):
     options = _options.make_options(q, k, False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
     for arch in ("sm_90", "sm_80", "sm_86"):
         limit = _plan.shared_memory_limit(arch)
-        (step,) = _plan.forward(q, k, v, info(q.shape), options, None, limit).steps
+        (step,) = _plan.forward(q, k, v, info(q.shape), options, None, device(limit)).steps
         assert step.kernel.shared_bytes <= limit
 
 
@@ -114,13 +128,13 @@ def test_unaligned_rows_plan_the_scalar_copies(no_compiler):
     q, k, v = dense(1, 64, 64, 2, 2, 64)
     options = _options.make_options(q, k, False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
     odd = q._replace(ptr=q.ptr + 2)
-    assert not _plan.forward(odd, k, v, info(q.shape), options, None, 10**6).steps[0].kernel.vectorized
+    assert not _plan.forward(odd, k, v, info(q.shape), options, None, device(10**6)).steps[0].kernel.vectorized
 
 
 def test_empty_calls_plan_no_launch(no_compiler):
     q, k, v = dense(0, 10, 10, 2, 2, 64)
     options = _options.make_options(q, k, False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
-    assert _plan.forward(q, k, v, info(q.shape), options, None, 10**6).steps == ()
+    assert _plan.forward(q, k, v, info(q.shape), options, None, device(10**6)).steps == ()
 
 
 def test_planned_shared_memory_is_the_kernels_own_layout():
@@ -163,8 +177,7 @@ def test_a_decode_plan(no_compiler, num_splits, batch, splits):
     cache = _options.kvcache(arrays, 1000, None, None, None, None, None, True, True, (-1, -1), num_splits)
     options = _options.make_options(q, k_cache, True, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False,
                                     seqlen_k=cache.capacity)
-    plan = _plan.decode(q, k_cache, v_cache, None, None, info(q.shape), cache, options,
-                        _plan.shared_memory_limit("sm_90"), 132)
+    plan = _plan.decode(q, k_cache, v_cache, None, None, info(q.shape), cache, options, device(multiprocessors=132))
     decode_step, *merge_steps = plan.steps
     assert decode_step.kernel.kind == ("decode_wide" if splits == 1 else "decode")
     assert decode_step.grid == (splits, 8, batch)
@@ -195,8 +208,7 @@ def test_a_paged_decode_plan_takes_the_wide_tile_where_pages_hold_whole_runs(no_
     cache = _options.kvcache(arrays, 1000, None, None, table, None, None, True, False, (-1, -1), 1)
     options = _options.make_options(q, pool, False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False,
                                     seqlen_k=cache.capacity)
-    plan = _plan.decode(q, pool, pool, None, None, info(q.shape), cache, options, _plan.shared_memory_limit("sm_90"),
-                        132)
+    plan = _plan.decode(q, pool, pool, None, None, info(q.shape), cache, options, device(multiprocessors=132))
     assert [step.kernel.kind for step in plan.steps] == [kind]
 
 
@@ -217,7 +229,7 @@ def test_a_decode_plan_on_a_gpu_with_clusters(no_compiler, num_splits, determini
     options = _options.make_options(q, k_cache, True, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False,
                                     seqlen_k=cache.capacity)
     plan = _plan.decode(q, k_cache, k_cache, None, None, info(q.shape), cache, options,
-                        _plan.shared_memory_limit("sm_90"), 132, clusters=True, dependent_launch=True)
+                        device(multiprocessors=132, clusters=True, dependent_launches=True))
     splits = num_splits or 16
     if clustered:
         (step,) = plan.steps
@@ -244,8 +256,7 @@ def test_a_deterministic_decode_plan_holds_every_sequence_s_parts(no_compiler, n
     cache = _options.kvcache(arrays, 1000, None, None, None, None, None, True, True, (-1, -1), num_splits, True)
     options = _options.make_options(q, k_cache, True, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False,
                                     seqlen_k=cache.capacity)
-    plan = _plan.decode(q, k_cache, k_cache, None, None, info(q.shape), cache, options,
-                        _plan.shared_memory_limit("sm_90"), 132)
+    plan = _plan.decode(q, k_cache, k_cache, None, None, info(q.shape), cache, options, device(multiprocessors=132))
     p = DecodeParams.from_buffer_copy(plan.params)
     assert (p.deterministic, p.num_splits, p.parts, p.max_parts, p.min_part_tiles) == (1, splits, parts, 16, 4)
     assert plan.steps[0].grid == (splits, 8, batch) and p.merge.count == parts
@@ -272,7 +283,7 @@ def test_a_decode_plan_of_no_query_plans_no_launch(no_compiler):
     cache = _options.KVCache(0, None, None, None, info((1, 1), "int32"), 16, 16, 0, None, None, True, 0)
     options = _options.make_options(info((1, 0, 8, 64)), pool, False, None, (-1, -1), 0.0, None, 0.0, None, 0,
                                     backward=False, seqlen_k=0)
-    plan = _plan.decode(q, pool, pool, None, None, q, cache, options, _plan.shared_memory_limit("sm_90"), 132,
+    plan = _plan.decode(q, pool, pool, None, None, q, cache, options, device(multiprocessors=132),
                         Varlen(cu, cu, 0, 0))
     assert plan.steps == () and plan.workspace == ()
 

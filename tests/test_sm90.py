@@ -10,12 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _arrays, _compile, _kernels, _options, _plan, _sass, api
+from cuflash import _arrays, _compile, _device, _kernels, _options, _plan, _sass, api
 from cuflash._params import Sm90Params
 
 from .conftest import hopper
 from .rule import check_attention, check_output, lowp_error, tile_marked
 from .strategies import record_calls
+from .test_plan import device
 
 
 def _compiled_sample(kernel) -> bool:
@@ -53,7 +54,7 @@ def _plan_of(q, k, v, sm90a=True, **options):
     made = _options.make_options(infos[0], infos[1], options.get("causal", False), None,
                                  options.get("window_size", (-1, -1)), 0.0, None, 0.0, None, 0, backward=False)
     out = _arrays.inspect(np.empty_like(q), "out")
-    return _plan.forward(*infos, out, made, None, _plan.shared_memory_limit("sm_90"), sm90a)
+    return _plan.forward(*infos, out, made, None, device(sm90a=sm90a))
 
 
 def test_the_planner_sends_the_sm90_forward_what_it_takes():
@@ -217,7 +218,7 @@ def test_the_plan_cuts_the_tail_of_unmasked_dense_calls():
     def plan(window=(-1, -1)):
         options = _options.make_options(infos[0], infos[1], False, None, window, 0.0, None, 0.0, None, 0,
                                         backward=False)
-        return _plan.forward(*infos, options, None, _plan.shared_memory_limit("sm_90"), True, 132)
+        return _plan.forward(*infos, options, None, device(multiprocessors=132, sm90a=True))
 
     cut, banded = plan(), plan((-1, 0))
     params = Sm90Params.from_buffer_copy(cut.params)
@@ -401,7 +402,7 @@ def test_a_banded_grid_takes_every_tile_once_from_its_counter(ctas, window_size)
     infos = [_arrays.inspect(x, name) for name, x in (("q", q), ("k", k), ("v", v), ("out", q))]
     options = _options.make_options(infos[0], infos[1], False, None, window_size, 0.0, None, 0.0, None, 0,
                                     backward=False)
-    plan = _plan.forward(*infos, options, None, _plan.shared_memory_limit("sm_90"), True, ctas)
+    plan = _plan.forward(*infos, options, None, device(multiprocessors=ctas, sm90a=True))
     assert plan.steps[0].grid[0] == min(ctas, 36) and plan.counters == ("tile_counter",)
     launcher = _kernels.Launcher(plan, 0)
     stream = cupy.cuda.get_current_stream().ptr
@@ -488,7 +489,7 @@ def test_a_cut_tail_matches_the_oracle_on_both_families(paths, head_dim, dtype, 
     with_extras = extras not in ("", "marked")
     kernel = _plan.Sm90Forward.of(dtype, next(d for d in _plan.SM90_HEAD_DIMS if d >= head_dim), False, with_extras)
     tiles = -(-seqlen_q // kernel.block_m) * heads * batch
-    assert _plan.sm90_tail(tiles, -(-seqlen_k // kernel.block_n), _kernels.multiprocessors(0))[1], "not cut"
+    assert _plan.sm90_tail(tiles, -(-seqlen_k // kernel.block_n), _device.facts(0).multiprocessors)[1], "not cut"
     rng = np.random.default_rng(seqlen_k + head_dim)
     if extras == "marked":
         q, k, v = tile_marked(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, cupy_dtype(dtype), rng, xp=cupy)

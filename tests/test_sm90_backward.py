@@ -18,7 +18,7 @@ from .strategies import (Shape, VarlenShape, attention_shapes, random_dout, rand
                          window_sizes)
 from .test_gpu_backward import check_gradients, packed_inputs
 from .test_gpu_forward import cupy_dtype, poisoned_allocations
-from .test_plan import dense, info, no_compiler  # noqa: F401 (a fixture)
+from .test_plan import dense, device, info, no_compiler  # noqa: F401 (a fixture)
 
 
 def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, causal=True, sm90a=True, ptr=1 << 20,
@@ -29,8 +29,7 @@ def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, causal=Tru
     work = _plan.backward_workspace(q.shape, deterministic, options.extras)
     accum = info(work["dq_accum"][0], "float32") if "dq_accum" in work else None
     return _plan.backward(info(q.shape, dtype), q, k, v, info(q.shape, dtype), info(q.shape, dtype),
-                          info(k.shape, dtype), info(v.shape, dtype), accum, options, None,
-                          _plan.shared_memory_limit("sm_90a"), sm90a)
+                          info(k.shape, dtype), info(v.shape, dtype), accum, options, None, device(sm90a=sm90a))
 
 
 @pytest.mark.parametrize("head_dim,kernel_head_dim", [(64, 64), (80, 128), (96, 128), (128, 128)])

@@ -1,8 +1,10 @@
 """Warm-call keys (cuflash/_warm.py) on the CPU: a stand-in array type whose library
 reads a signature, as CuPy's and torch's do on the GPU, so that what makes two calls one
 signature (and what does not) is checked everywhere; and, on a stand-in GPU, the functions
-a warm call enters, counted: none of the checks, the planner, the compiler or the binding."""
+a warm call enters, counted: none of the checks, the planner, the compiler or the binding;
+and the path of a cold call, from module to module, held short."""
 import functools
+import itertools
 import os
 import sys
 
@@ -128,10 +130,19 @@ class DeviceArray:
 
 
 class DeviceCalls:
-    """The stand-in library's calls (as _arrays._CuPyCalls'), its launches counted."""
+    """The stand-in library's calls (as _arrays._CuPyCalls'), its launches counted, and the
+    calls into the driver layer (``_driver``'s functions), by name."""
 
     def __init__(self):
         self.launches = 0
+        self.driver = []
+
+    def driver_call(self, name: str, result):
+        """A stand-in for ``_driver.<name>`` that returns ``result``, its calls recorded."""
+        def call(*args):
+            self.driver.append(name)
+            return result
+        return call
 
     @staticmethod
     def signature(x):
@@ -161,8 +172,9 @@ class DeviceCalls:
 @pytest.fixture
 def stand_in_gpu(monkeypatch):
     """cuflash's calls on DeviceArrays run as on an A100 (mma.sync kernels): planned, their
-    kernels 'loaded' (never compiled) and launched into DeviceCalls.launches. Warm tables
-    start empty."""
+    kernels 'loaded' (never compiled; the compile layer's, once a kernel and process, as the
+    device's facts are once a device: tests/test_device.py) and launched into
+    DeviceCalls.launches. Warm tables start empty."""
     calls = DeviceCalls()
     real_inspect = _arrays.inspect
 
@@ -175,15 +187,12 @@ def stand_in_gpu(monkeypatch):
     monkeypatch.setitem(_arrays._LIBRARIES, DeviceArray, calls)
     monkeypatch.setattr(_arrays, "_cupy_calls", lambda: calls)
     monkeypatch.setattr(_device, "facts", lambda device: _device.Device("A100", (8, 0), 163 * 1024, 108, 12080))
-    monkeypatch.setattr(_compile, "load_kernel", lambda *args, **kwargs: 1)
-    monkeypatch.setattr(_driver, "primary_context", lambda device: 5)
-    monkeypatch.setattr(_driver, "resident_blocks", lambda *args: 2)
-    monkeypatch.setattr(_driver, "launcher", lambda: (calls.launch, lambda: 5))
-    monkeypatch.setattr(_driver, "zero_words", lambda *args: None)
+    monkeypatch.setattr(_compile, "load_kernel", lambda kernel, device: _compile.Loaded(1, 2))
+    monkeypatch.setattr(_driver, "primary_context", calls.driver_call("primary_context", 5))
+    monkeypatch.setattr(_driver, "launcher", calls.driver_call("launcher", (calls.launch, lambda: 5)))
+    monkeypatch.setattr(_driver, "zero_words", calls.driver_call("zero_words", None))
     monkeypatch.setattr(api, "_warm", {})
     monkeypatch.setattr(_kernels, "_launchers", {})
-    monkeypatch.setattr(_kernels, "_function", functools.cache(_kernels._function.__wrapped__))
-    monkeypatch.setattr(_kernels, "_resident_ctas", functools.cache(_kernels._resident_ctas.__wrapped__))
     return calls
 
 
@@ -238,8 +247,8 @@ def test_a_warm_forward_enters_only_the_key_the_lookup_and_the_launch(stand_in_g
     warm = entered(cuflash.attention, *arrays(), causal=True, return_lse=True)
     assert stand_in_gpu.launches == 2 * launches  # the same kernels again
     assert not [name for name in warm if name.startswith(COLD_ONLY) and name not in WARM_TOO], warm
-    assert warm == ["api.attention", "_options.has_mods", "api.warm_forward", "api._key", "_warm.key",
-                    "_arrays.signature", "_arrays.signature", "_arrays.signature", "api._lookup", "_warm.lookup",
+    assert warm == ["api.attention", "_options.has_mods", "api._key", "_warm.key",
+                    "_arrays.signature", "_arrays.signature", "_arrays.signature", "_warm.lookup", "api._launch_warm",
                     "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
 
 
@@ -286,3 +295,38 @@ def test_a_warm_kv_cache_call_enters_no_check_plan_or_compile(stand_in_gpu):
     assert warm == ["kvcache.attention_with_kvcache", "_options.has_mods", "kvcache._attention_with_kvcache",
                     "kvcache._key", "_warm.key", *["_arrays.signature"] * 3, "_warm.lookup", "kvcache._decode_warm",
                     "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
+
+
+# -- the path of a cold call, on a stand-in GPU -----------------------------------------------
+
+def path(names: list[str]) -> tuple[set[str], list[str]]:
+    """The modules of the package that the functions ``names`` lie in (the planner's package
+    as one), and the order the path visits them in: one entry a visit."""
+    modules = [name.split(".")[0] for name in names]
+    return set(modules), [module for module, _ in itertools.groupby(modules)]
+
+
+def test_a_cold_forward_takes_a_short_path(stand_in_gpu):
+    """Following q from cuflash.attention on its signature's first call: it is checked
+    (_options), planned (_plan, the device's facts given as one value, the plan final as it
+    leaves), bound and launched (_kernels), its arrays described and allocated (_arrays),
+    and its signature looked up and kept (_warm). The modules it enters, the moves between
+    them and its calls into the driver layer are held at these counts at most: a change
+    that adds to them shows here."""
+    cold = entered(cuflash.attention, *[DeviceArray(shape()) for _ in "qkv"], causal=True, return_lse=True)
+    modules, visits = path(cold)
+    assert modules <= {"api", "_options", "_warm", "_arrays", "_plan", "_kernels"}, visits
+    assert len(visits) - 1 <= 20, visits
+    # (the context the launcher binds in, the launch's calls)
+    assert len(stand_in_gpu.driver) <= 2, stand_in_gpu.driver
+
+
+def test_a_cold_backward_takes_a_short_path(stand_in_gpu):
+    """The same of attention_backward's first call of a signature (its workspace and its
+    plan's three kernels)."""
+    arrays = [DeviceArray(shape()) for _ in range(5)] + [DeviceArray((2, 4, 300), "float32")]
+    cold = entered(cuflash.attention_backward, *arrays, causal=True)
+    modules, visits = path(cold)
+    assert modules <= {"api", "_options", "_warm", "_arrays", "_plan", "_kernels"}, visits
+    assert len(visits) - 1 <= 29, visits
+    assert len(stand_in_gpu.driver) <= 2, stand_in_gpu.driver

@@ -1,6 +1,8 @@
 """Which kernels a call launches: variant, tile shape, grid, shared memory and Params,
-from shapes, dtypes, options and the device's shared memory. Nothing here compiles or
-touches a GPU: ``_kernels`` binds a plan to compiled kernels and launches it.
+from shapes, dtypes, options and the device's facts (``_device.Device``, one value). A
+plan is final when it leaves the planner: ``_kernels`` binds it to compiled kernels and
+launches it as it is. Nothing here compiles or touches a GPU but through the device's
+``resident_ctas``, the one fact of a compiled kernel a plan takes (``tile_group``).
 
 One module a concern: ``variants`` (the catalog: every variant as a value with one
 interface, the tiled kinds' tile tables), ``plan`` (steps, tensor maps, plans and the
@@ -18,7 +20,8 @@ from typing import TYPE_CHECKING
 from . import decoding, mma_sync, sm90
 from .decoding import DECODE_POINTERS, MERGE_POINTERS, decode, decode_splits, merge
 from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, PREPROCESS_ROWS, backward_workspace
-from .plan import Plan, Step, TensorMapSpec, dropout_threshold, group_size, pointer_offsets, scale_log2, vectorizable
+from .plan import (Plan, Step, TensorMapSpec, dropout_threshold, field_offset, group_size, pointer_offsets, scale_log2,
+                   tile_group, vectorizable)
 from .sm90 import (SM90_BACKWARD_TILES, SM90_BANDED_EXTRAS_TILES, SM90_BANDED_TILES, SM90_HEAD_DIMS,
                    SM90_SECTION_BYTES, SM90_SECTION_ROWS, SM90_SHORT_CAUSAL_ROWS, SM90_SHORT_CAUSAL_TILES,
                    SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS, SM90_TILES, Sm90Backward,
@@ -29,30 +32,30 @@ from .variants import (DTYPES, ELEMENTWISE, HEAD_DIM_BUCKETS, KINDS, MAX_HEAD_DI
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
+    from .._device import Device
     from .._options import Options, Varlen
 
 
 def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options, varlen: Varlen | None,
-            shared_limit: int, sm90a: bool = False, multiprocessors: int = 0) -> Plan:
-    """out = attention(q, k, v) (and its LSE where the launch is given a pointer); with
-    ``sm90a`` (a compute capability 9.0 device) through the sm_90a forward where it
-    takes the call, on a persistent grid of a CTA per multiprocessor (with
-    ``multiprocessors`` 0, a CTA per tile)."""
-    if sm90a and sm90.takes(q, k, v, out, options, varlen):
-        return sm90.forward(q, k, v, out, options, varlen, multiprocessors)
-    return mma_sync.forward(q, k, v, out, options, varlen, shared_limit)
+            device: Device) -> Plan:
+    """out = attention(q, k, v) (and its LSE where the launch is given a pointer); on a
+    device with the sm_90a kernels through the sm_90a forward where it takes the call, on a
+    persistent grid of a CTA per multiprocessor (with ``multiprocessors`` 0, a CTA per tile)."""
+    if device.sm90a and sm90.takes(q, k, v, out, options, varlen):
+        return sm90.forward(q, k, v, out, options, varlen, device.multiprocessors)
+    return mma_sync.forward(q, k, v, out, options, varlen, device)
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
              dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo | None, options: Options, varlen: Varlen | None,
-             shared_limit: int, sm90a: bool = False) -> Plan:
+             device: Device) -> Plan:
     """dq, dk, dv: the one-pass kernel (dQ by atomics into ``dq_accum``) where it has a
-    tile, else the dQ pass and the dK/dV pass (bitwise reproducible); with ``sm90a`` (a
-    compute capability 9.0 device) the sm_90a backward where it takes the call."""
-    one_pass = dq_accum is not None and has_tile("backward", q.shape[-1], options.extras, shared_limit)
-    if sm90a and one_pass and sm90.backward_takes(dout, q, k, v, dq, dk, dv, options):
+    tile, else the dQ pass and the dK/dV pass (bitwise reproducible); on a device with the
+    sm_90a kernels the sm_90a backward where it takes the call."""
+    one_pass = dq_accum is not None and has_tile("backward", q.shape[-1], options.extras, device.shared_limit)
+    if device.sm90a and one_pass and sm90.backward_takes(dout, q, k, v, dq, dk, dv, options):
         return sm90.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen)
-    return mma_sync.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, shared_limit)
+    return mma_sync.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, device)
 
 
 def all_kernels(arch: str) -> list[Variant]:

@@ -10,6 +10,7 @@ from .variants import MAX_CLUSTER_SPLITS, Merge, copy_run_rows, has_tile, kernel
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
+    from .._device import Device
     from .._options import KVCache, Options, Varlen
     from .variants import Kernel
 
@@ -31,19 +32,19 @@ SPLIT_TILES_TWO_PER_SM = 8
 
 
 def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | None, v: ArrayInfo | None,
-           out: ArrayInfo, cache: KVCache, options: Options, shared_limit: int, multiprocessors: int,
-           varlen: Varlen | None = None, clusters: bool = False, dependent_launch: bool = False) -> Plan:
+           out: ArrayInfo, cache: KVCache, options: Options, device: Device, varlen: Varlen | None = None) -> Plan:
     """The KV-cache call: the split kernel, then, with more than one part of the keys, the
     merge of their results (the workspace's partial_o and partial_lse) into ``out``; or,
-    where the GPU has thread block ``clusters`` (sm_90), the splits of a row block merge in
-    their cluster. With ``dependent_launch`` (sm_90) the merge kernel is launched as a
-    programmatic dependent of the split kernel: it starts as the splits finish their keys
+    where the device takes thread block ``clusters`` (sm_90), the splits of a row block merge
+    in their cluster. Where it takes ``dependent_launches`` (sm_90) the merge kernel is
+    launched as a programmatic dependent of the split kernel: it starts as the splits finish their keys
     and reads nothing before the split kernel has ended. (The split kernel launched so
     after the kernel before it gained nothing: docs/tuning.md, "KV-cache decode".) The launch is given
     DECODE_POINTERS: the merge's parts and lses are the workspace, its out and out_lse the
     call's. With ``varlen``, the varlen call over a paged cache: q and out packed
     (total_q, nheads, d), sequence b's keys the first cu_seqlens_k[b + 1] - cu_seqlens_k[b]
     rows of its pages (cu_seqlens_q and cu_seqlens_k given at launch)."""
+    shared_limit, multiprocessors = device.shared_limit, device.multiprocessors
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = q.shape
         query_rows = batch * seqlen_q
@@ -102,7 +103,7 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
     # multiprocessors (tuning.md, "KV-cache decode"). A deterministic call merges in the
     # merge kernel's order whatever its splits.
     ctas = splits * row_blocks * nheads_k * batch
-    if clusters and not cache.deterministic and 1 < splits <= MAX_CLUSTER_SPLITS and ctas <= multiprocessors:
+    if device.clusters and not cache.deterministic and 1 < splits <= MAX_CLUSTER_SPLITS and ctas <= multiprocessors:
         clustered = kernel("decode_cluster", q.dtype, head_dim, options.local, vectorized, extras, shared_limit)
         return Plan(bytes(p), DECODE_POINTERS, (Step(clustered, grid, cluster=splits),), DecodeParams)
     steps = [Step(chosen, grid)]
@@ -122,7 +123,7 @@ def decode(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | 
         workspace = (("partial_o", (parts, query_rows, nheads, head_dim), "float32"),
                      ("partial_lse", (parts, nheads, query_rows), "float32"))
         steps.append(Step(Merge("float32", q.dtype), _merge_grid(query_rows * nheads), argument="merge",
-                          dependent=dependent_launch))
+                          dependent=device.dependent_launches))
     return Plan(bytes(p), DECODE_POINTERS, tuple(steps), DecodeParams, workspace)
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from .plan import Plan, Step, call_params, vectorizable, with_mods
+from .plan import Plan, Step, call_params, tile_group, vectorizable, with_mods
 from .variants import KINDS, Elementwise, Kernel, has_tile, head_dim_bucket, kernel
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
+    from .._device import Device
     from .._options import Options, Varlen
 
 FORWARD_POINTERS = ("q", "k", "v", "o", "lse")
@@ -19,13 +20,14 @@ PREPROCESS_ROWS = 4  # (row, head) tasks per thread of the backward's preprocess
 
 
 def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options, varlen: Varlen | None,
-            shared_limit: int) -> Plan:
+            device: Device) -> Plan:
     """out = attention(q, k, v) (and its LSE where the launch is given a pointer)."""
     p, batch = call_params(q, k, v, options, varlen, o=out)
-    tiled = _kernel("forward", q, options, vectorizable(q, k, v, out), shared_limit)
+    tiled = _kernel("forward", q, options, vectorizable(q, k, v, out), device.shared_limit)
     steps = ()
     if batch and p.seqlen_q and p.nheads:
-        steps = (Step(tiled, tiled.grid(p.seqlen_q, p.nheads, batch), (), batch * p.nheads),)
+        steps = (Step(tiled, tiled.grid(p.seqlen_q, p.nheads, batch)),)
+        p.tile_group = tile_group(tiled, batch * p.nheads, device)
     p, struct = with_mods(p, options)
     return Plan(bytes(p), FORWARD_POINTERS, steps, struct)
 
@@ -52,10 +54,12 @@ def backward_rows(p, batch: int, q: ArrayInfo, varlen: Varlen | None, accum_cols
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
              dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo | None, options: Options, varlen: Varlen | None,
-             shared_limit: int) -> Plan:
+             device: Device) -> Plan:
     """dq, dk, dv: the one-pass kernel (dQ by atomics into ``dq_accum``) where it has a
-    tile, else the dQ pass and the dK/dV pass (bitwise reproducible)."""
+    tile, else the dQ pass and the dK/dV pass (bitwise reproducible). The dQ pass and the
+    one-pass kernel run tile-major (``tile_group``); the dK/dV pass goes head by head."""
     p, batch = call_params(q, k, v, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
+    shared_limit = device.shared_limit
     vec = vectorizable(dout, q, k, v, dq, dk, dv)
     nheads_kv = k.shape[-2]
     one_pass = dq_accum is not None and has_tile("backward", p.headdim, options.extras, shared_limit)
@@ -67,11 +71,13 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
         steps.append(Step(Elementwise("backward_preprocess", q.dtype), rows.preprocess_grid, per_row))
         if not one_pass:
             tiled = _kernel("backward_dq", q, options, vec, shared_limit)
-            steps.append(Step(tiled, tiled.grid(p.seqlen_q, p.nheads, batch), (), batch * p.nheads))
+            steps.append(Step(tiled, tiled.grid(p.seqlen_q, p.nheads, batch)))
+            p.tile_group = tile_group(tiled, batch * p.nheads, device)
     if batch and p.seqlen_k and nheads_kv:
         tiled = _kernel("backward" if one_pass else "backward_dkdv", q, options, vec, shared_limit)
-        # (backward_dkdv goes head by head: no tile group)
-        steps.append(Step(tiled, tiled.grid(p.seqlen_k, nheads_kv, batch), (), batch * nheads_kv * one_pass))
+        steps.append(Step(tiled, tiled.grid(p.seqlen_k, nheads_kv, batch)))
+        if one_pass:
+            p.tile_group = tile_group(tiled, batch * nheads_kv, device)
     if tasks and one_pass:
         steps.append(Step(Elementwise("backward_convert_dq", q.dtype), rows.convert_grid, per_row))
     # dq_accum stays unset without the one-pass kernel: nothing reads it then.

@@ -1,23 +1,23 @@
 """What every plan is made of: the launch steps, the tensor maps the launcher encodes, the
 plan itself, and the kernels' Params of a call (shapes, strides, options) with its array
-pointers left for the launcher to fill in."""
+pointers left for the launcher to fill in, at the offsets ``field_offset`` finds."""
 from __future__ import annotations
 
 import ctypes
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from .._params import ArrayView, ModParams, Params, field_offset
+from .._params import ArrayView, ModParams, Params
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
+    from .._device import Device
     from .._options import Options, Varlen
     from .variants import Variant
 
 
 class Step(NamedTuple):
     """One kernel launch: the variant, its grid, its int arguments after the Params, the
-    (head, batch) pairs its tile-major grid groups (``_kernels.tile_group``; 0: none), the
     field of the plan's struct that is its argument ("": the whole struct), the CTAs of
     a thread block cluster along x (1: no clusters), and whether it is launched as a
     programmatic dependent of the step before (``dependent``, sm_90: it may start as that
@@ -25,7 +25,6 @@ class Step(NamedTuple):
     kernel: Variant
     grid: tuple[int, int, int]
     args: tuple[int, ...] = ()
-    grouped_heads: int = 0
     argument: str = ""
     cluster: int = 1
     dependent: bool = False
@@ -69,6 +68,17 @@ def group_size(pairs: int, most: int) -> int:
     size: a short last group would run its long tiles alone."""
     groups = -(-pairs // max(1, most))
     return -(-pairs // groups)
+
+
+def tile_group(kernel: Variant, pairs: int, device: Device) -> int:
+    """(head, batch) pairs per group of the tile-major order of banded grids (GridTile in
+    cuda/common.cuh) of ``pairs`` pairs: at most a quarter of the CTAs resident at once, so
+    that a head's CTAs run together and keep the rows they share in L2, in groups of equal
+    size (a small last group ran its long tiles alone: forward d 224 causal 2k was 10.7%
+    slower with 72 pairs in groups of 66 and 6; docs/tuning.md, "Tile-major causal grids").
+    The resident CTAs depend on the compiled kernel's registers: the device's
+    ``resident_ctas`` reads them as the kernel is loaded."""
+    return group_size(pairs, device.multiprocessors * device.resident_ctas(kernel) // 4)
 
 
 def view(a: ArrayInfo | None) -> ArrayView:
@@ -145,3 +155,15 @@ def tensor_map(name: str, a: ArrayInfo, varlen: Varlen | None, rows: int) -> Ten
 def pointer_offsets(struct: type, names: tuple[str, ...]) -> tuple[int, ...]:
     """Where each named pointer lies in the struct (an ArrayView's pointer is its first field)."""
     return tuple(field_offset(struct, name) for name in names)
+
+
+def field_offset(struct: type, name: str) -> int:
+    """Byte offset of a field, or of a nested one ("merge.out"; an ArrayView's pointer
+    is its first field)."""
+    offset = 0
+    for part in name.split("."):
+        offset += getattr(struct, part).offset
+        # (a subclass's _fields_ hold only its own fields: ModParams' base's are in Params)
+        struct = next(dict(c.__dict__["_fields_"])[part] for c in struct.__mro__
+                      if part in dict(c.__dict__.get("_fields_", ())))
+    return offset

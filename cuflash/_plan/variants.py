@@ -11,7 +11,9 @@ from typing import Callable, NamedTuple, Protocol
 class Variant(Protocol):
     """What the launcher and the compile sweep need of a variant: ``source`` (a file of
     ``cuda/``), ``instance`` (the template instance, by name), ``arch`` (the arch it needs;
-    "": the device's own), ``threads`` (a CTA's) and ``shared_bytes`` (dynamic shared memory)."""
+    "": the device's own), ``threads`` (a CTA's) and ``shared_bytes`` (dynamic shared memory);
+    where they apply, ``mods`` (CUDA text compiled in front of the source) and ``clustered``
+    (launched in thread block clusters)."""
     source: str
     instance: str
     arch: str
@@ -223,6 +225,10 @@ class Kernel(NamedTuple):
     @property
     def shared_bytes(self) -> int:
         return KINDS[self.kind].shared_bytes(self.tile, self.head_dim)
+
+    @property
+    def clustered(self) -> bool:
+        return KINDS[self.kind].clustered
 
     @property
     def shared_layout(self) -> str:

@@ -37,8 +37,9 @@ def forward_call(q, k, v, out, causal: bool, sm90a: bool, tile=None, persistent=
                              sm90_short_causal_tiles=tiled(_plan.SM90_SHORT_CAUSAL_TILES),
                              sm90_section_bytes=section_bytes,
                              sm90_tail=None if cut else lambda tiles, key_tiles, multiprocessors: (tiles, 0)):
-        plan = _plan.forward(*infos, options, None, _kernels.shared_limit(q.device.index), sm90a,
-                             _kernels.multiprocessors(q.device.index) if persistent else 0)
+        facts = _kernels.device_facts(q.device.index)
+        plan = _plan.forward(*infos, options, None,
+                             facts._replace(sm90a=sm90a, multiprocessors=facts.multiprocessors if persistent else 0))
     assert (plan.struct.__name__ == "Sm90Params") == sm90a, "the sm_90a forward does not take this call"
     launcher = _kernels.Launcher(plan, q.device.index)
     work = [torch.empty(shape, dtype=getattr(torch, dtype), device=q.device) for _, shape, dtype in plan.workspace]
