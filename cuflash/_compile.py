@@ -303,24 +303,24 @@ def device_arch(device_id: int) -> str:
     return device.arch
 
 
-class Loaded(NamedTuple):
-    """A kernel loaded on a device: its CUfunction handle and the CTAs of it one
-    multiprocessor holds at once (at least 1; its registers, shared memory and threads
-    decide, which only the compiled kernel knows)."""
-    function: int
-    resident_ctas: int
-
-
 @functools.cache
-def load_kernel(kernel, device_id: int) -> Loaded:
-    """``kernel`` (a variant of cuflash._plan: its source, template instance, arch, threads
-    and dynamic shared memory, its mods) loaded on ``device_id``: compiled on first use (for
-    its arch, or the device's own), allowed its dynamic shared memory (and, for a clustered
-    kind, clusters of up to 16 CTAs), and its residency read once, with the load."""
+def load_kernel(kernel, device_id: int) -> int:
+    """The CUfunction handle of ``kernel`` (a variant of cuflash._plan: its source, template
+    instance, arch, threads and dynamic shared memory, its mods) on ``device_id``: compiled
+    on first use (for its arch, or the device's own), allowed its dynamic shared memory (and,
+    for a clustered kind, clusters of up to 16 CTAs)."""
     from . import _driver
     with _lock:
         compiled = compile_kernel(kernel.source, kernel.instance, kernel.arch or device_arch(device_id),
                                   prelude=getattr(kernel, "mods", ""))
-        function = _driver.load_function(compiled.cubin, compiled.lowered_name, device_id, kernel.shared_bytes,
-                                         getattr(kernel, "clustered", False))
-        return Loaded(function, max(1, _driver.resident_blocks(function, kernel.threads, kernel.shared_bytes)))
+        return _driver.load_function(compiled.cubin, compiled.lowered_name, device_id, kernel.shared_bytes,
+                                     getattr(kernel, "clustered", False))
+
+
+@functools.cache
+def resident_ctas(kernel, device_id: int) -> int:
+    """The CTAs of ``kernel`` one multiprocessor of ``device_id`` holds at once (at least 1:
+    its registers, shared memory and threads decide, which only the compiled kernel knows),
+    read once, for the plans that ask (``_plan.tile_group``)."""
+    from . import _driver
+    return max(1, _driver.resident_blocks(load_kernel(kernel, device_id), kernel.threads, kernel.shared_bytes))

@@ -55,7 +55,7 @@ def device_facts(device: int) -> _device.Device:
     a kernel one multiprocessor holds as the compile layer reads them when it loads the
     kernel (``_compile.load_kernel``)."""
     def resident_ctas(kernel) -> int:
-        return _compile.load_kernel(kernel, device).resident_ctas
+        return _compile.resident_ctas(kernel, device)
 
     return _device.facts(device)._replace(resident_ctas=resident_ctas)
 
@@ -113,7 +113,7 @@ def _one_wave_of_clusters(step: _plan.Step, device: int) -> bool:
     short of multiprocessors for a cluster of large CTAs can still hold fewer.)"""
     if step.cluster == 1:
         return True
-    launch = _driver.LaunchEx(_compile.load_kernel(step.kernel, device).function, step.grid, step.kernel.threads,
+    launch = _driver.LaunchEx(_compile.load_kernel(step.kernel, device), step.grid, step.kernel.threads,
                               step.kernel.shared_bytes, step.cluster)
     with _driver.in_context(device):
         return launch.resident_clusters() * step.cluster >= math.prod(step.grid)
@@ -183,7 +183,7 @@ class Launcher:
         assert all(offset % 8 == 0 for offset in offsets), "pointers lie at multiples of 8 bytes"
         self._pointer_words = tuple(offset // 8 for offset in offsets)
         self.context = _driver.primary_context(device)
-        self._steps = [(_compile.load_kernel(s.kernel, device).function, s.grid, s.kernel.threads, s.kernel.shared_bytes,
+        self._steps = [(_compile.load_kernel(s.kernel, device), s.grid, s.kernel.threads, s.kernel.shared_bytes,
                         _plan.field_offset(plan.struct, s.argument) if s.argument else 0,
                         tuple(map(ctypes.c_int, s.args)), s.cluster, s.dependent) for s in plan.steps]
         self._maps = [(_plan.field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m)

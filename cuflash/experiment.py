@@ -114,6 +114,7 @@ def _forget_kernels() -> None:
     """Forget the sources read and the kernels loaded from them."""
     _compile._sources.cache_clear()
     _compile.load_kernel.cache_clear()
+    _compile.resident_ctas.cache_clear()
 
 
 @contextlib.contextmanager

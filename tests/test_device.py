@@ -54,21 +54,23 @@ def test_what_follows_for_the_kernels(gpus, monkeypatch):
     assert _kernels.device_facts(0)[5:7] == (True, True)
 
 
-def test_the_resident_ctas_are_read_as_the_kernel_is_loaded(gpus, monkeypatch):
-    """The planner's one fact of a compiled kernel: the compile layer reads it when it
-    loads the kernel, once (no GPU: the compiler and the driver's load stand in)."""
+def test_the_resident_ctas_are_read_once_where_a_plan_asks(gpus, monkeypatch):
+    """The planner's one fact of a compiled kernel: read from the loaded kernel once, and
+    only for the plans that ask (no GPU: the compiler and the driver's load stand in)."""
     compiled = _compile.Compiled(b"cubin", "kernel", _compile.Resources(64, 0, 0, 0))
     loads, asked = [], []
     monkeypatch.setattr(_compile, "compile_kernel", lambda *args, **kwargs: compiled)
     monkeypatch.setattr(_driver, "load_function", lambda *args: loads.append(args) or 1000 + len(loads))
     monkeypatch.setattr(_driver, "resident_blocks", lambda *args: asked.append(args) or 3)
     _compile.load_kernel.cache_clear()
+    _compile.resident_ctas.cache_clear()
     try:
         kernel = _plan.kernel("forward", "bfloat16", 128, True, True, False, 232448)
+        assert _compile.load_kernel(kernel, 0) == 1001 and len(loads) == 1 and not asked
         resident_ctas = _kernels.device_facts(0).resident_ctas
         assert resident_ctas(kernel) == 3 and resident_ctas(kernel) == 3
-        assert _compile.load_kernel(kernel, 0) == (1001, 3) and len(loads) == len(asked) == 1
-        assert asked == [(1001, kernel.threads, kernel.shared_bytes)]
+        assert len(loads) == len(asked) == 1 and asked == [(1001, kernel.threads, kernel.shared_bytes)]
         assert _plan.tile_group(kernel, 200, _kernels.device_facts(0)) == 67  # (132 x 3 / 4 = 99 a group at most)
     finally:
         _compile.load_kernel.cache_clear()
+        _compile.resident_ctas.cache_clear()
