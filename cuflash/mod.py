@@ -1176,3 +1176,154 @@ def prepare(score_mod, mask_mod, mod_tensors=(), *, backward: bool = False) -> N
             raise TypeError(f"{name}: mod_tensors[{i}] must be a NumPy array (the NumPy path), got "
                             f"{type(t).__name__}")
     return NumpyModifiers(score, mask, tuple(mod_tensors), backward)
+
+
+# -- block masks ------------------------------------------------------------------------------------
+
+BLOCK_SIZE = 128  # query rows and keys of a block (cuda/mods.cuh, kBlockMaskSize)
+EMPTY, PARTIAL, FULL = 0, 1, 2  # a block's status: every position masked, some, none
+_EVALUATED_POSITIONS = 1 << 22  # positions create_block_mask evaluates at once (its memory: a few bytes each)
+
+
+class BlockMask:
+    """Which 128 x 128 blocks of (query, key) positions a ``mask_mod`` hides entirely, shows
+    entirely or cuts through, computed once (``create_block_mask``) and passed to every call
+    of those shapes (``cuflash.attention(..., block_mask=...)``): the kernels never load the
+    tiles of an empty block and skip mask_mod in a full one. Immutable.
+
+    ``mask_mod`` and ``mod_tensors``: the mask and its tensors, which a call with this block
+    mask uses (the mask's tree is ``tree``). ``statuses``: int8 (batch or 1, heads or 1,
+    ceil(seqlen_q / 128), ceil(seqlen_k / 128)) of EMPTY (0), PARTIAL (1) and FULL (2), a NumPy
+    or a CuPy array (where it was computed); a dimension is 1 where the mask does not depend
+    on b (or h), and the statuses broadcast over it. ``batch`` and ``heads``: the sizes it was
+    made for (None: any). The statuses are a snapshot of the mask over the mod tensors' values
+    at creation: make a new block mask after changing those values."""
+    __slots__ = ("mask_mod", "mod_tensors", "tree", "statuses", "batch", "heads", "seqlen_q", "seqlen_k")
+
+    def __init__(self, mask_mod, mod_tensors: tuple, tree: Traced, statuses, batch, heads, seqlen_q: int,
+                 seqlen_k: int):
+        for name, value in (("mask_mod", mask_mod), ("mod_tensors", tuple(mod_tensors)), ("tree", tree),
+                            ("statuses", statuses), ("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q),
+                            ("seqlen_k", seqlen_k)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a BlockMask is immutable: make a new one with create_block_mask")
+
+    @property
+    def shape(self) -> tuple:
+        """The statuses' shape."""
+        return tuple(self.statuses.shape)
+
+    def __repr__(self):
+        return (f"BlockMask({self.tree.name}, batch={self.batch}, heads={self.heads}, seqlen_q={self.seqlen_q}, "
+                f"seqlen_k={self.seqlen_k}, statuses {type(self.statuses).__module__.split('.')[0]} int8"
+                f"{list(self.shape)})")
+
+
+def _array_module(like):
+    """NumPy, or CuPy for a CuPy array."""
+    if like is None or isinstance(like, np.ndarray):
+        return np
+    if type(like).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    raise TypeError(f"like must be None, a NumPy array or a CuPy array (where the statuses are computed and kept), "
+                    f"got {type(like).__module__}.{type(like).__name__}")
+
+
+def _uses(tree: Traced, variable: str) -> bool:
+    seen, stack = set(), [tree.root]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "var" and node.value == variable:
+            return True
+        stack.extend(node.args)
+    return False
+
+
+def _size(name: str, value, *, optional: bool) -> int | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < 0 \
+            or (optional and value == 0) or value >= INT32_LIMIT:
+        what = "a positive integer or None (any: the mask must not depend on it)" if optional \
+            else "an integer in [0, 2**31)"
+        raise (TypeError if not isinstance(value, numbers.Integral) else ValueError)(
+            f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
+def create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, *, mod_tensors=(), like=None) -> BlockMask:
+    """The ``BlockMask`` of ``mask_mod(b, h, q_idx, kv_idx, *mod_tensors) -> bool`` over
+    ``batch`` x ``heads`` (query heads) x ``seqlen_q`` x ``seqlen_k`` positions, exact: the
+    mask is evaluated at every position (through its traced tree, chunk by chunk), and a
+    block is EMPTY where it hides every position of the block, FULL where it hides none,
+    PARTIAL otherwise. ``batch`` or ``heads`` None: any, for a mask that does not read b (or
+    h). ``like``: None or a NumPy array (computed with NumPy, statuses in a NumPy array: for
+    calls on NumPy arrays), or a CuPy array (computed on its GPU, with CuPy mod tensors:
+    for calls on CuPy arrays). Build it once and pass it to every call (every layer) of those
+    shapes and that mask."""
+    xp = _array_module(like)
+    batch, heads = _size("batch", batch, optional=True), _size("heads", heads, optional=True)
+    seqlen_q, seqlen_k = _size("seqlen_q", seqlen_q, optional=False), _size("seqlen_k", seqlen_k, optional=False)
+    if not isinstance(mod_tensors, (tuple, list)):
+        raise TypeError(f"mod_tensors must be a tuple of arrays (mask_mod's extra arguments), got "
+                        f"{type(mod_tensors).__name__}")
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function {_SIGNATURES['mask']}, got {mask_mod!r}")
+    for i, t in enumerate(mod_tensors):
+        if not isinstance(t, xp.ndarray):
+            raise TypeError(f"{describe(mask_mod, 'mask')}: mod_tensors[{i}] must be a {xp.__name__} array (like "
+                            f"{'is a CuPy array' if xp is not np else 'is None or a NumPy array'}), got "
+                            f"{type(t).__module__}.{type(t).__name__}")
+    specs = tuple(TensorSpec(i, None, tuple(int(n) for n in t.shape), t.dtype.name) for i, t in enumerate(mod_tensors))
+    tree = trace(mask_mod, "mask", specs)
+    for name, size, variable in (("batch", batch, "b"), ("heads", heads, "h")):
+        if size is None and _uses(tree, variable):
+            raise ValueError(f"{tree.name} reads {variable}: give create_block_mask its {name}, not None")
+    if xp is not np:
+        with xp.cuda.Device(like.device):
+            statuses = _statuses(tree, tuple(mod_tensors), xp, batch if _uses(tree, "b") else None,
+                                 heads if _uses(tree, "h") else None, seqlen_q, seqlen_k)
+    else:
+        statuses = _statuses(tree, tuple(mod_tensors), xp, batch if _uses(tree, "b") else None,
+                             heads if _uses(tree, "h") else None, seqlen_q, seqlen_k)
+    return BlockMask(mask_mod, tuple(mod_tensors), tree, statuses, batch, heads, seqlen_q, seqlen_k)
+
+
+def _statuses(tree: Traced, tensors: tuple, xp, batch, heads, seqlen_q: int, seqlen_k: int):
+    """The int8 statuses (batch or 1, heads or 1, query blocks, key blocks), the mask
+    evaluated over every position, a batch element, some heads and some query blocks at a time."""
+    evaluate = to_numpy(tree, xp)
+    batches, all_heads = batch or 1, heads or 1
+    query_blocks, key_blocks = -(-seqlen_q // BLOCK_SIZE), -(-seqlen_k // BLOCK_SIZE)
+    statuses = xp.empty((batches, all_heads, query_blocks, key_blocks), dtype=np.int8)
+    if not statuses.size:
+        return statuses
+    keys = key_blocks * BLOCK_SIZE
+    heads_at_once = max(1, min(all_heads, _EVALUATED_POSITIONS // (BLOCK_SIZE * keys)))
+    rows_at_once = max(1, _EVALUATED_POSITIONS // (heads_at_once * BLOCK_SIZE * keys)) * BLOCK_SIZE
+    # Positions a block holds (the last row and column of blocks may be cut short).
+    row_sizes = np.minimum(BLOCK_SIZE, seqlen_q - BLOCK_SIZE * np.arange(query_blocks))
+    col_sizes = np.minimum(BLOCK_SIZE, seqlen_k - BLOCK_SIZE * np.arange(key_blocks))
+    sizes = xp.asarray(row_sizes[:, None] * col_sizes[None, :])
+    kv_idx = xp.arange(seqlen_k).reshape(1, 1, 1, -1)
+    for b in range(batches):
+        for h0 in range(0, all_heads, heads_at_once):
+            h = xp.arange(h0, min(h0 + heads_at_once, all_heads)).reshape(1, -1, 1, 1)
+            for r0 in range(0, seqlen_q, rows_at_once):
+                r1 = min(r0 + rows_at_once, seqlen_q)
+                q_idx = xp.arange(r0, r1).reshape(1, 1, -1, 1)
+                shown = xp.asarray(evaluate(xp.asarray(b).reshape(1, 1, 1, 1), h, q_idx, kv_idx, *tensors))
+                blocks = -(-(r1 - r0) // BLOCK_SIZE)
+                padded = xp.zeros((h.shape[1], blocks * BLOCK_SIZE, keys), dtype=np.int32)
+                padded[:, :r1 - r0, :seqlen_k] = xp.broadcast_to(shown, (1, h.shape[1], r1 - r0, seqlen_k))[0]
+                counts = padded.reshape(h.shape[1], blocks, BLOCK_SIZE, key_blocks, BLOCK_SIZE).sum(axis=(2, 4))
+                full = sizes[r0 // BLOCK_SIZE:r0 // BLOCK_SIZE + blocks]
+                statuses[b, h0:h0 + h.shape[1], r0 // BLOCK_SIZE:r0 // BLOCK_SIZE + blocks] = \
+                    xp.where(counts == 0, EMPTY, xp.where(counts == full, FULL, PARTIAL)).astype(np.int8)
+    return statuses

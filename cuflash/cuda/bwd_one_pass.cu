@@ -187,8 +187,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       // P = dropout(exp(mod(S) - LSE));  dS = P (dropout(dP) - D) mod'(S)
       probabilities_and_gradients<false, kLocal, kExtras, Mods>(
           acc_s, acc_dp, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask,
-          mod, ModsAt<Mods>::of(p, batch, head).in_block(pairs.status(head, at.m_tile) == kBlockFull), dropout, dropping,
-          p.dropout_scale,
+          mod, ModsAt<Mods>::of(p, batch, head).in_block(pairs.status(head, at.m_tile) == kBlockFull), dropout,
+          dropping, p.dropout_scale,
           [=](int r, int) { return !kExtras || r < warp_rows ? step_lse[r] * kLog2e : kInf; },
           [=](int r, int) { return step_delta[r]; }, m0 + s_row0, n0 + s_key0, lane);
       // P, dS -> shared memory, for the products of every warp

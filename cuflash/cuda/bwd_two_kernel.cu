@@ -194,7 +194,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
       // P^T = dropout(exp(mod(S^T) - LSE));  dS^T = P^T (dropout(dP^T) - D) mod'(S^T)
       probabilities_and_gradients<true, kLocal, kExtras, Mods>(
           acc_s, acc_ds, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask, mod,
-          ModsAt<Mods>::of(p, batch, head).in_block(pairs.status(head, m0 / kBlockM) == kBlockFull), dropout, dropping, p.dropout_scale, [=](int c, int) { return step_lse[c]; },
+          ModsAt<Mods>::of(p, batch, head).in_block(pairs.status(head, m0 / kBlockM) == kBlockFull), dropout,
+          dropping, p.dropout_scale, [=](int c, int) { return step_lse[c]; },
           [=](int c, int) { return step_delta[c]; }, n0 + warp * 16, m0, lane);
       // dV_j += P^T dO;  dK_j += dS^T Q (scaled once at the end)
       mma_AB<T>(acc_dv, acc_s, do_tile, col0, lane);
