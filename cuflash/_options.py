@@ -209,7 +209,9 @@ def check_block_mask(block_mask, q: ArrayInfo, *, batch: int, seqlen_q: int, seq
             raise ValueError(f"block_mask was made for {name} {made}, this call has {given} "
                              f"(block_mask {block_mask.shape}: batch {block_mask.batch}, heads {block_mask.heads}, "
                              f"seqlen_q {block_mask.seqlen_q}, seqlen_k {block_mask.seqlen_k})")
-    statuses = _arrays.inspect(block_mask.statuses, "block_mask")
+    statuses = block_mask.statuses
+    if not isinstance(statuses, ArrayInfo):  # (front ends may describe their own)
+        statuses = _arrays.inspect(statuses, "block_mask")
     if statuses.framework != q.framework or statuses.where != q.where:
         raise TypeError(f"block_mask's statuses must be the same kind of array on the same device as q "
                         f"({q.framework} on {q.where}), got {statuses.framework} on {statuses.where}: make it "
