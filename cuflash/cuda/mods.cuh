@@ -115,6 +115,16 @@ struct ModsAt {
   // s[mt][nt][e] (mma C layout) of query row0 + its row, key col0 + its column.
   template <int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
+    if constexpr (kBlockSparse<Mods>) {  // score_mod, then mask_mod but in a full block (one test a tile)
+      for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int r, int c) {
+        s[mt][nt][e] = score(s[mt][nt][e], row0 + r, col0 + c);
+      });
+      if (whole) return;
+      for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int r, int c) {
+        if (!visible(row0 + r, col0 + c)) s[mt][nt][e] = -kInf;
+      });
+      return;
+    }
     for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int r, int c) {
       const float modified = score(s[mt][nt][e], row0 + r, col0 + c);
       s[mt][nt][e] = visible(row0 + r, col0 + c) ? modified : -kInf;
@@ -125,8 +135,9 @@ struct ModsAt {
 // The key tiles (kBlockN keys each) of one query tile's row of blocks: their statuses and
 // which of them a loop visits. Without a block mask nothing is read and every tile counts
 // as partial.
-// (The statuses' address is computed at each read, from the kernel's argument: a pointer
-// held through the loop cost the forward at d 128 its last registers, and it spilled.)
+// (The statuses' address is computed at each read from the kernel's argument, in the
+// constant bank: no pointer holds registers through the loop; at d 128 the forward with
+// mods has none to spare.)
 template <typename Mods, int kBlockN>
 struct KeyTiles {
   static_assert(kBlockMaskSize % kBlockN == 0, "a key tile lies in one block");
@@ -199,6 +210,7 @@ struct QueryTiles {
   }
   // (head, m_tile), or the first pair after it that is not empty; head == head_end where none.
   __device__ __forceinline__ int2 from(int head, int m_tile) const {
+    if (m_end <= m_begin) return make_int2(head_end, m_begin);  // (no query tile: m_begin may be past the end)
     while (head < head_end && status(head, m_tile) == kBlockEmpty) {
       m_tile = (m_tile / kPerBlock + 1) * kPerBlock;
       if (m_tile >= m_end) {
