@@ -1285,13 +1285,13 @@ def create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, *, mod_tensors
     for name, size, variable in (("batch", batch, "b"), ("heads", heads, "h")):
         if size is None and _uses(tree, variable):
             raise ValueError(f"{tree.name} reads {variable}: give create_block_mask its {name}, not None")
-    if xp is not np:
-        with xp.cuda.Device(like.device):
-            statuses = _statuses(tree, tuple(mod_tensors), xp, batch if _uses(tree, "b") else None,
-                                 heads if _uses(tree, "h") else None, seqlen_q, seqlen_k)
+    # (a dimension the mask does not read is evaluated once: the statuses broadcast over it)
+    shape = (batch if _uses(tree, "b") else None, heads if _uses(tree, "h") else None, seqlen_q, seqlen_k)
+    if xp is np:
+        statuses = _statuses(tree, tuple(mod_tensors), xp, *shape)
     else:
-        statuses = _statuses(tree, tuple(mod_tensors), xp, batch if _uses(tree, "b") else None,
-                             heads if _uses(tree, "h") else None, seqlen_q, seqlen_k)
+        with xp.cuda.Device(like.device.id):  # (like's GPU, whichever is current)
+            statuses = _statuses(tree, tuple(mod_tensors), xp, *shape)
     return BlockMask(mask_mod, tuple(mod_tensors), tree, statuses, batch, heads, seqlen_q, seqlen_k)
 
 
