@@ -99,10 +99,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
 
   // Q, and the first key tile's K (and V with two stages): one group
   load_tile<kBlockM, kThreads, kVec>(q_tile, q, p.q.row_stride, m0, seq.seqlen_q, p.headdim);
-  const int n_last = kSparse ? key_tiles.before(n_end, n_begin) : n_end - 1;  // the first tile visited
-  if (kSparse ? n_last >= n_begin : n_end > n_begin) {
-    issue_k(kSparse ? n_last : n_end - 1, 0);
-    if constexpr (kStages == 2) issue_v(kSparse ? n_last : n_end - 1, 0);
+  // The first tile visited is n_top - 1. (With a block mask the loop steps to n_next at
+  // its end: its control stays that of the kernels without one, which compile as before.)
+  const int n_top = kSparse ? key_tiles.before(n_end, n_begin) + 1 : n_end;
+  if (n_top > n_begin) {
+    issue_k(n_top - 1, 0);
+    if constexpr (kStages == 2) issue_v(n_top - 1, 0);
   }
   LoadPipeline::commit();
 
@@ -118,10 +120,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   // kStages == 1 (one buffer each, half the shared memory: two CTAs fit an SM where
   // two stages would not): V of tile n loads during S = Q K^T, K of tile n - 1 during
   // softmax and P V.
-  for (int i = 0, n = kSparse ? n_last : n_end - 1; n >= n_begin;
-       ++i, n = kSparse ? key_tiles.before(n, n_begin) : n - 1) {
+  for (int i = 0, n = n_top - 1; n >= n_begin; ++i, --n) {
     const int stage = i % kStages;
-    const int n_next = kSparse ? key_tiles.before(n, n_begin) : n - 1;  // the tile visited next
+    const int n_next = kSparse ? key_tiles.before(n, n_begin) : n;  // the tile visited next (sparse)
     const bool whole = kSparse && key_tiles.status(n) == kBlockFull;     // mask_mod shows all of it
     // K_n and V_n have landed. (Two stages: K_{n-1} and V_{n-1} go out first, into the
     // other stage, and stay in flight.)
@@ -177,6 +178,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
     // stage: its V load waits for the barrier at its top, which every warp reaches
     // after this P V.)
     if constexpr (kStages == 2) LoadPipeline::release();
+    if constexpr (kSparse) n = n_next + 1;  // (then --n)
   }
   // With no key tile to visit, other threads' Q copies may still be landing in
   // the rows the epilogue reuses: wait for them all before anyone writes there.
