@@ -51,9 +51,11 @@ class Options(NamedTuple):
 
 class DeviceMods(NamedTuple):
     """score_mod and mask_mod of a call on CUDA arrays: the CUDA text the kernels compile
-    with (``cuflash.mod.kernel_source``) and the mod tensors, in order."""
+    with (``cuflash.mod.kernel_source``), the mod tensors, in order, and the statuses of the
+    call's block mask (``cuflash.mod.BlockMask``), or None."""
     source: str
     tensors: tuple[ArrayInfo, ...]
+    blocks: ArrayInfo | None = None
 
 
 class Varlen(NamedTuple):
@@ -180,12 +182,59 @@ def check_mods(q: ArrayInfo, score_mod, mask_mod, mod_tensors) -> None:
         raise ValueError("mod_tensors are the extra arguments of score_mod and mask_mod: pass one of them too")
 
 
+def block_mask_mods(block_mask, mask_mod, mod_tensors) -> tuple:
+    """(mask_mod, mod_tensors) of a call with ``block_mask``, which carries both: the call
+    may pass its mask_mod (the same function) and its mod_tensors (the same arrays), or leave
+    them out."""
+    from .mod import BlockMask
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cuflash.mod.BlockMask (cuflash.mod.create_block_mask), got "
+                        f"{type(block_mask).__name__}")
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError(f"mask_mod must be block_mask's own ({block_mask.tree.name}), or None: block_mask carries "
+                         f"it; got another function")
+    if not isinstance(mod_tensors, (tuple, list)):
+        raise TypeError(f"mod_tensors must be a tuple of arrays, got {type(mod_tensors).__name__}")
+    if mod_tensors and (len(mod_tensors) != len(block_mask.mod_tensors)
+                        or any(a is not b for a, b in zip(mod_tensors, block_mask.mod_tensors))):
+        raise ValueError(f"mod_tensors must be block_mask's own {len(block_mask.mod_tensors)} arrays (the same "
+                         f"objects), or (): block_mask carries them")
+    return block_mask.mask_mod, block_mask.mod_tensors
+
+
+def check_block_mask(block_mask, q: ArrayInfo, *, batch: int, seqlen_q: int, seqlen_k: int) -> ArrayInfo:
+    """A block mask made for this dense call's shapes, its statuses beside q: returns them
+    described."""
+    nheads = q.shape[-2]
+    for name, made, given in (("batch", block_mask.batch, batch), ("heads", block_mask.heads, nheads),
+                              ("seqlen_q", block_mask.seqlen_q, seqlen_q), ("seqlen_k", block_mask.seqlen_k, seqlen_k)):
+        if made is not None and made != given:
+            raise ValueError(f"block_mask was made for {name} {made}, this call has {given} "
+                             f"(block_mask {block_mask.shape}: batch {block_mask.batch}, heads {block_mask.heads}, "
+                             f"seqlen_q {block_mask.seqlen_q}, seqlen_k {block_mask.seqlen_k})")
+    statuses = block_mask.statuses
+    if not isinstance(statuses, ArrayInfo):  # (front ends may describe their own)
+        statuses = _arrays.inspect(statuses, "block_mask")
+    if statuses.framework != q.framework or statuses.where != q.where:
+        raise TypeError(f"block_mask's statuses must be the same kind of array on the same device as q "
+                        f"({q.framework} on {q.where}), got {statuses.framework} on {statuses.where}: make it "
+                        f"with create_block_mask(..., like=q)")
+    blocks = (-(-seqlen_q // 128), -(-seqlen_k // 128))
+    if statuses.dtype != "int8" or len(statuses.shape) != 4 or statuses.shape[2:] != blocks \
+            or statuses.shape[0] not in (1, batch) or statuses.shape[1] not in (1, nheads) \
+            or (math.prod(statuses.shape) and statuses.strides[-1] != 1):
+        raise ValueError(f"block_mask's statuses must be int8 (1 or batch {batch}, 1 or heads {nheads}, "
+                         f"{blocks[0]}, {blocks[1]}) with contiguous rows, got {statuses.dtype} {statuses.shape}")
+    return statuses
+
+
 def device_mods(q: ArrayInfo, score_mod, mask_mod, mod_tensors, *, batch: int, seqlen_q: int,
-                seqlen_k: int) -> DeviceMods:
+                seqlen_k: int, blocks: ArrayInfo | None = None) -> DeviceMods:
     """The mods of a call on CUDA arrays (``check_mods`` passed): each mod tensor is an
     array of q's kind on q's device, of a dtype and rank the kernels take; the functions
     are traced over the tensors' shapes and dtypes, and their indices checked over the
-    call's positions (``cuflash.mod.index_ranges``: the NumPy path's IndexError, up front)."""
+    call's positions (``cuflash.mod.index_ranges``: the NumPy path's IndexError, up front).
+    ``blocks``: the statuses of the call's block mask (``check_block_mask``), or None."""
     from . import mod
     from ._params import MAX_MOD_DIMS, MAX_MOD_TENSORS
     if len(mod_tensors) > MAX_MOD_TENSORS:
@@ -212,7 +261,7 @@ def device_mods(q: ArrayInfo, score_mod, mask_mod, mod_tensors, *, batch: int, s
         for tree in (score, mask):
             if tree is not None:
                 mod.index_ranges(tree, domain)
-    return DeviceMods(mod.kernel_source(score, mask), tuple(infos))
+    return DeviceMods(mod.kernel_source(score, mask, blocks is not None), tuple(infos), blocks)
 
 
 def check_bool(name: str, value) -> None:

@@ -59,10 +59,18 @@ class ModTensor(ctypes.Structure):
     _fields_ = [("ptr", _ptr), ("stride", _i64 * MAX_MOD_DIMS), ("size", ctypes.c_int * MAX_MOD_DIMS)]
 
 
+class BlockMaskView(ctypes.Structure):
+    """``cuflash::BlockMaskView``: a block mask's int8 statuses (batch or 1, heads or 1,
+    query blocks, key blocks) and their strides in elements (0 where broadcast); null
+    without one."""
+    _fields_ = [("status", _ptr), ("batch_stride", _i64), ("head_stride", _i64), ("row_stride", _i64)]
+
+
 class ModParams(Params):
     """``cuflash::ModParams``: Params, then the mod tensors of a call with score_mod or
-    mask_mod (ctypes lays a subclass's fields after its base's, as C++ does a POD base)."""
-    _fields_ = [("tensors", ModTensor * MAX_MOD_TENSORS)]
+    mask_mod and its block mask (ctypes lays a subclass's fields after its base's, as C++
+    does a POD base)."""
+    _fields_ = [("tensors", ModTensor * MAX_MOD_TENSORS), ("blocks", BlockMaskView)]
 
 
 class TensorMap(ctypes.Structure):

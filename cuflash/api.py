@@ -25,12 +25,17 @@ _OPTIONS_DOC = """
     and the window. On CUDA arrays the traced functions are compiled into the mma.sync
     kernels (every GPU); indices into mod tensors are checked over the call's positions
     before any launch.
+    ``block_mask`` (dense calls): a ``cuflash.mod.BlockMask`` made for the call's shapes by
+    ``cuflash.mod.create_block_mask``, which carries mask_mod and mod_tensors (a call may pass
+    them too: the same function and arrays). The kernels skip the tiles of its empty
+    blocks and evaluate mask_mod only in its partial ones (a full block shows every key:
+    causal and the window still apply); the NumPy path applies the same rule.
 """
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, return_lse=False, score_mod=None,
-              mask_mod=None, mod_tensors=()):
+              mask_mod=None, mod_tensors=(), block_mask=None):
     """Exact softmax attention, softmax(scale * q k^T) v, as FlashAttention.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim)
@@ -43,6 +48,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     Both are differentiable: ``attention_backward`` takes the gradients of out and lse.
     """
     scalars = (causal, softmax_scale, window_size, softcap, dropout_p, seed, rng_offset, return_lse)
+    if block_mask is not None:
+        mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
     key = None if mods else _key((q, k, v), scalars, alibi_slopes)  # (the key does not see the mods)
     warm = _warm_calls.lookup(_warm, key)
@@ -54,11 +61,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                                     alibi_slopes, dropout_p, seed, rng_offset, backward=False)
     if mods:
         options = _with_mods(options, arrays["q"], score_mod, mask_mod, mod_tensors, arrays["q"].shape[0],
-                             arrays["q"].shape[1], arrays["k"].shape[1])
+                             arrays["q"].shape[1], arrays["k"].shape[1], block_mask)
     if arrays["q"].device is None:
         from . import cpu
         out, lse = cpu.attention_forward(q, k, v, **_cpu_options(options, alibi_slopes),
-                                         **_mod_options(score_mod, mask_mod, mod_tensors))
+                                         **_mod_options(score_mod, mask_mod, mod_tensors, block_mask))
     else:
         warm = _Warm(options)
         out, lse = _forward_gpu(*arrays.values(), options, None, return_lse, warm)
@@ -118,7 +125,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0,
-                       deterministic=False, dlse=None, score_mod=None, mask_mod=None, mod_tensors=()):
+                       deterministic=False, dlse=None, score_mod=None, mask_mod=None, mod_tensors=(), block_mask=None):
     """Gradients (dq, dk, dv) of ``attention`` given the upstream gradient ``dout``.
 
     ``out`` and ``lse`` are what ``attention(..., return_lse=True)`` returned for the
@@ -131,11 +138,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     query heads that share a KV head. dq is accumulated with fp32 atomics, so its
     last bits can differ between runs; ``deterministic=True`` computes it in a pass
     of its own instead (slower), and every gradient is bitwise reproducible. dk and
-    dv always are. score_mod, mask_mod and mod_tensors are the forward's; dS is multiplied
-    by d score_mod / d score (``cuflash.mod.derivative``).
+    dv always are. score_mod, mask_mod, mod_tensors and block_mask are the forward's; dS is
+    multiplied by d score_mod / d score (``cuflash.mod.derivative``).
     """
     arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
+    if block_mask is not None:
+        mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
     key = None if mods else _key(tuple(a.obj for a in arrays.values()), (causal, softmax_scale, window_size, softcap,
                                                                          dropout_p, seed, rng_offset, deterministic),
@@ -151,12 +160,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         _options.check_bool("deterministic", deterministic)
         if mods:
             options = _with_mods(options, qi, score_mod, mask_mod, mod_tensors, qi.shape[0], qi.shape[1],
-                                 ki.shape[1])
+                                 ki.shape[1], block_mask)
         warm = _Warm(options)
     if qi.device is None:
         from . import cpu
         return cpu.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **_cpu_options(warm.options, alibi_slopes),
-                                      **_mod_options(score_mod, mask_mod, mod_tensors))
+                                      **_mod_options(score_mod, mask_mod, mod_tensors, block_mask))
     grads = _backward_gpu(arrays, warm.options, None, deterministic, warm)
     if cold:
         _warm_calls.remember(_warm, key, warm)
@@ -269,21 +278,26 @@ def _cpu_options(options: Options, alibi_slopes) -> dict:
 
 
 def _with_mods(options: Options, q, score_mod, mask_mod, mod_tensors, batch: int, seqlen_q: int,
-               seqlen_k: int) -> Options:
+               seqlen_k: int, block_mask=None) -> Options:
     """The options of a call with mods: checked, and on CUDA arrays traced for the kernels
-    over the call's positions (batch elements or sequences, the longest lengths)."""
+    over the call's positions (batch elements or sequences, the longest lengths), with the
+    statuses of its block mask (a dense call's)."""
     _options.check_mods(q, score_mod, mask_mod, mod_tensors)
+    blocks = None
+    if block_mask is not None:
+        blocks = _options.check_block_mask(block_mask, q, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     if q.device is None:  # (the NumPy path traces them itself)
         return options
     return options._replace(mods=_options.device_mods(q, score_mod, mask_mod, tuple(mod_tensors), batch=batch,
-                                                      seqlen_q=seqlen_q, seqlen_k=seqlen_k))
+                                                      seqlen_q=seqlen_q, seqlen_k=seqlen_k, blocks=blocks))
 
 
-def _mod_options(score_mod, mask_mod, mod_tensors) -> dict:
+def _mod_options(score_mod, mask_mod, mod_tensors, block_mask=None) -> dict:
     """The NumPy path's programmable-attention arguments, where a call has them."""
     if not _options.has_mods(score_mod, mask_mod, mod_tensors):
         return {}
-    return dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=tuple(mod_tensors))
+    blocks = {} if block_mask is None else {"block_statuses": block_mask.statuses}
+    return dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=tuple(mod_tensors), **blocks)
 
 
 # -- warm calls (_warm) ----------------------------------------------------------------------

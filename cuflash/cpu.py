@@ -23,7 +23,9 @@ score_mod: S = score_mod(S, b, h, i, j, *mod_tensors); mask (the sliding window
 d score_mod / d S, their traced derivative. Dropout multiplies the tile of P by
 keep / (1 - p) before P V only (l and the LSE see the undropped P); the keep bits come from
 cuflash._philox, tile by tile, keyed by (seed, rng_offset, batch, head, row, col). Tiles
-wholly outside the window are never computed (a mask_mod skips none).
+wholly outside the window are never computed (a mask_mod skips none). A block mask's
+statuses (``cuflash.mod.BlockMask``) decide per 128 x 128 block: an empty block is masked, a
+full one shown without mask_mod, a partial one masked by mask_mod (the kernels' rule).
 
 The KV-cache call (``attention_with_kvcache``) appends to the caches in place, then runs
 this forward over each sequence's keys.
@@ -48,12 +50,14 @@ class _Variant:
 
     `batch_index` holds the global batch index of each batch element here (the ALiBi row, the
     dropout counter's batch and the b of score_mod and mask_mod); alibi is
-    (len(batch_index), nheads) or None; mods the call's cuflash.mod.NumpyModifiers or None.
+    (len(batch_index), nheads) or None; mods the call's cuflash.mod.NumpyModifiers or None;
+    blocks a block mask's int8 statuses (1 or batch, 1 or nheads, query blocks, key blocks)
+    or None.
     """
 
     def __init__(self, seqlen_q, seqlen_k, nheads, nheads_kv, acc_dtype, *, causal, scale,
                  window_size, softcap, alibi, dropout_p, seed, rng_offset, batch_index, window_limit=None,
-                 mods=None):
+                 mods=None, blocks=None):
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.nheads, self.nheads_kv = nheads, nheads_kv
         self.acc_dtype = acc_dtype
@@ -78,6 +82,11 @@ class _Variant:
             group = nheads // nheads_kv
             self.mod_batch = np.asarray(batch_index, dtype=np.int64).reshape(-1, 1, 1, 1, 1)
             self.mod_heads = np.arange(nheads).reshape(1, nheads_kv, group, 1, 1)
+        self.blocks = None
+        if blocks is not None:  # grouped like the scores: (1 or batch, 1 or nheads_kv, 1 or group, ...)
+            blocks = np.asarray(blocks)
+            heads = (nheads_kv, nheads // nheads_kv) if blocks.shape[1] == nheads else (1, 1)
+            self.blocks = blocks.reshape(blocks.shape[0], *heads, *blocks.shape[2:])
 
     def key_range(self, q_start, q_end):
         """[first, stop) of the keys any of the rows q_start .. q_end - 1 may see."""
@@ -123,6 +132,9 @@ class _Variant:
                 chain = mod_gradient if chain is None else chain * mod_gradient
             s = self.mods.score(s, *where)
             mask = self.mods.mask(*where, self.acc_dtype)
+            if self.blocks is not None:  # a block's status decides, but in partial blocks
+                status = self.blocks[..., rows[:, 0] // mod.BLOCK_SIZE, :][..., cols[0] // mod.BLOCK_SIZE]
+                mask = (status == mod.FULL) | ((status == mod.PARTIAL) & (True if mask is None else mask))
         # Only tiles crossing a window edge pay for the mask. It comes after scaling so that
         # a scale of 0 never meets -inf.
         clips_left = self.left >= 0 and k_start < q_end - 1 + self.diagonal - self.left
@@ -177,7 +189,7 @@ def _alibi_rows(alibi_slopes, batch_index, nheads):
 def attention_forward(
     q, k, v, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
     dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128, score_mod=None, mask_mod=None,
-    mod_tensors=(),
+    mod_tensors=(), block_statuses=None,
 ):
     """Exact attention of validated NumPy arrays: returns (out, lse).
 
@@ -190,16 +202,18 @@ def attention_forward(
     and dropout_p are flash-attn's (see the module docstring); dropout draws its keep mask
     from Philox keyed by `seed` (a 64-bit unsigned int, required when dropout_p > 0) and
     `rng_offset`. score_mod and mask_mod (with the NumPy arrays mod_tensors) are
-    cuflash.mod's, applied after ALiBi (see the module docstring).
+    cuflash.mod's, applied after ALiBi (see the module docstring); block_statuses a
+    cuflash.mod.BlockMask's statuses (with mask_mod), or None.
     """
     variant = _dense_variant(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                             rng_offset=rng_offset, mods=mod.prepare(score_mod, mask_mod, mod_tensors))
+                             rng_offset=rng_offset, mods=mod.prepare(score_mod, mask_mod, mod_tensors),
+                             blocks=block_statuses)
     return _forward(q, k, v, variant, block_q, block_k)
 
 
 def _dense_variant(q, k, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, seed,
-                   rng_offset, mods):
+                   rng_offset, mods, blocks=None):
     """The options of a dense (batch, seqlen, nheads, d) call, checked, as one _Variant."""
     _check_options(dropout_p, seed)
     batch, seqlen_q, nheads, _ = q.shape
@@ -209,7 +223,7 @@ def _dense_variant(q, k, *, causal, softmax_scale, window_size, softcap, alibi_s
         seqlen_q, seqlen_k, nheads, nheads_kv, _acc_dtype(q), causal=causal,
         scale=_scale(softmax_scale, q), window_size=window_size, softcap=softcap,
         alibi=_alibi_rows(alibi_slopes, batch_index, nheads), dropout_p=dropout_p, seed=seed,
-        rng_offset=rng_offset, batch_index=batch_index, mods=mods,
+        rng_offset=rng_offset, batch_index=batch_index, mods=mods, blocks=blocks,
     )
 
 
@@ -283,7 +297,7 @@ def _forward(q, k, v, variant, block_q, block_k):
 def attention_backward(
     dout, q, k, v, out, lse, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
     alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128,
-    dlse=None, score_mod=None, mask_mod=None, mod_tensors=(),
+    dlse=None, score_mod=None, mask_mod=None, mod_tensors=(), block_statuses=None,
 ):
     """Gradients of attention_forward's out and lse for validated NumPy arrays: returns
     (dq, dk, dv).
@@ -301,7 +315,7 @@ def attention_backward(
     variant = _dense_variant(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
                              rng_offset=rng_offset,
-                             mods=mod.prepare(score_mod, mask_mod, mod_tensors, backward=True))
+                             mods=mod.prepare(score_mod, mask_mod, mod_tensors, backward=True), blocks=block_statuses)
     return _backward(dout, q, k, v, out, lse, dlse, variant, block_q, block_k)
 
 

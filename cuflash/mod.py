@@ -12,7 +12,9 @@ printers: ``to_numpy`` (a vectorised NumPy evaluator: what the NumPy path and th
 run), ``to_cuda`` (a ``__device__`` function's text) and ``derivative`` (d score_mod /
 d score as another tree, for the backward). ``kernel_source`` is the CUDA text the mma.sync
 kernels of a call compile with; ``index_ranges`` checks a tree's indices over a call's
-positions before they run.
+positions before they run. ``create_block_mask`` evaluates a mask over every position once
+and keeps the status of each 128 x 128 block (``BlockMask``, FlexAttention's): the kernels
+skip the tiles of its empty blocks and the mask of its full ones.
 
 Types: ``float`` (32-bit on the GPU), ``int`` (index arithmetic; 32-bit on the GPU, so it
 must stay within int32) and ``bool``. int mixed with float becomes float, bool mixed with
@@ -32,8 +34,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["trace", "to_numpy", "to_cuda", "derivative", "Traced", "Node", "TensorSpec",
-           "exp", "log", "tanh", "abs", "sqrt", "sigmoid", "minimum", "maximum", "where"]
+__all__ = ["trace", "to_numpy", "to_cuda", "derivative", "Traced", "Node", "TensorSpec", "BlockMask",
+           "create_block_mask", "exp", "log", "tanh", "abs", "sqrt", "sigmoid", "minimum", "maximum", "where"]
 
 FLOAT, INT, BOOL = "float", "int", "bool"
 KINDS = ("score", "mask")
@@ -647,15 +649,16 @@ def trace(fn, kind: str = "score", mod_tensors=()) -> Traced:
 
 # -- the NumPy printer -----------------------------------------------------------------------------
 
-_NUMPY_UNARY = {"neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "tanh": np.tanh, "sqrt": np.sqrt,
-                "not": np.logical_not}
-_NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
-                 "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
-                 "ne": np.not_equal, "and": np.logical_and, "or": np.logical_or}
+# (by name: the functions of the array module the evaluator is given, NumPy's or CuPy's)
+_NUMPY_UNARY = {"neg": "negative", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt",
+                "not": "logical_not"}
+_NUMPY_BINARY = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "true_divide",
+                 "lt": "less", "le": "less_equal", "gt": "greater", "ge": "greater_equal", "eq": "equal",
+                 "ne": "not_equal", "and": "logical_and", "or": "logical_or"}
 
 
-def to_numpy(tree: Traced):
-    """A callable evaluating ``tree`` over NumPy arrays, vectorised:
+def to_numpy(tree: Traced, xp=np):
+    """A callable evaluating ``tree`` over NumPy arrays (or, with ``xp`` cupy, CuPy arrays), vectorised:
     ``f(score, b, h, q_idx, kv_idx, *mod_tensors, dtype=None)`` for a score tree,
     ``f(b, h, q_idx, kv_idx, *mod_tensors, dtype=None)`` for a mask tree. The index arguments
     are integer arrays (or ints) that broadcast together; floats are computed in ``dtype``
@@ -672,15 +675,15 @@ def to_numpy(tree: Traced):
             score = values.get("score")
             dtype = score.dtype if isinstance(score, np.ndarray) and score.dtype.kind == "f" else np.float64
         for v in variables:
-            values[v] = (np.asarray(values[v], dtype=dtype) if v == "score"
-                         else np.asarray(values[v]).astype(np.int64, copy=False))
+            values[v] = (xp.asarray(values[v], dtype=dtype) if v == "score"
+                         else xp.asarray(values[v]).astype(np.int64, copy=False))
         tensors = args[len(variables):]
         for spec, t in zip(tree.tensors, tensors):
-            if not isinstance(t, np.ndarray) or t.shape != spec.shape or t.dtype.name != spec.dtype:
+            if not isinstance(t, xp.ndarray) or t.shape != spec.shape or t.dtype.name != spec.dtype:
                 raise TypeError(f"{tree.name}: mod tensor {spec.label} was traced as {spec.dtype} {spec.shape}, got "
                                 f"{getattr(t, 'dtype', type(t).__name__)} {getattr(t, 'shape', '')}")
         with np.errstate(all="ignore"):  # IEEE results without warnings, as on the GPU
-            return _NumpyEvaluator(tree, values, tensors, np.dtype(dtype).type).value(tree.root)
+            return _NumpyEvaluator(tree, values, tensors, np.dtype(dtype).type, xp).value(tree.root)
 
     evaluate.__name__ = evaluate.__qualname__ = f"{tree.kind}_mod_numpy"
     evaluate.__doc__ = f"NumPy evaluation of {tree.name}: {tree.text}"
@@ -688,8 +691,8 @@ def to_numpy(tree: Traced):
 
 
 class _NumpyEvaluator:
-    def __init__(self, tree: Traced, values: dict, tensors: tuple, dtype):
-        self.tree, self.values, self.tensors, self.dtype = tree, values, tensors, dtype
+    def __init__(self, tree: Traced, values: dict, tensors: tuple, dtype, xp=np):
+        self.tree, self.values, self.tensors, self.dtype, self.xp = tree, values, tensors, dtype, xp
         self.memo = {}
 
     def value(self, node: Node):
@@ -699,7 +702,7 @@ class _NumpyEvaluator:
         return result
 
     def _compute(self, node: Node):
-        op, dtype = node.op, self.dtype
+        op, dtype, xp = node.op, self.dtype, self.xp
         if op == "var":
             return self.values[node.value]
         if op == "const":
@@ -708,32 +711,32 @@ class _NumpyEvaluator:
             return self._load(node)
         args = [self.value(a) for a in node.args]
         if op == "cast":
-            return np.asarray(args[0]).astype({FLOAT: dtype, INT: np.int64}[node.type])
+            return xp.asarray(args[0]).astype({FLOAT: dtype, INT: np.int64}[node.type])
         if op in _NUMPY_UNARY:
-            return _NUMPY_UNARY[op](args[0])
+            return getattr(xp, _NUMPY_UNARY[op])(args[0])
         if op == "sigmoid":
-            return dtype(1) / (dtype(1) + np.exp(-args[0]))
+            return dtype(1) / (dtype(1) + xp.exp(-args[0]))
         if op == "pow":
-            return args[0] * args[0] if node.value == 2 else np.power(args[0], dtype(node.value))
+            return args[0] * args[0] if node.value == 2 else xp.power(args[0], dtype(node.value))
         if op in _NUMPY_BINARY:
-            return _NUMPY_BINARY[op](*args)
+            return getattr(xp, _NUMPY_BINARY[op])(*args)
         if op in ("floordiv", "mod"):
-            if np.any(args[1] == 0):
+            if xp.any(xp.asarray(args[1]) == 0):
                 raise ZeroDivisionError(f"{self.tree.name}: integer {'//' if op == 'floordiv' else '%'} by zero "
                                         f"({node.args[1].text} is 0)")
-            return (np.floor_divide if op == "floordiv" else np.remainder)(*args)
+            return (xp.floor_divide if op == "floordiv" else xp.remainder)(*args)
         if op in ("min", "max"):
             if node.type == FLOAT:
-                return (np.fmin if op == "min" else np.fmax)(*args)
-            return (np.minimum if op == "min" else np.maximum)(*args)
+                return (xp.fmin if op == "min" else xp.fmax)(*args)
+            return (xp.minimum if op == "min" else xp.maximum)(*args)
         if op == "where":
-            return np.where(*args)
+            return xp.where(*args)
         raise AssertionError(f"unknown node {op}")
 
     def _load(self, node: Node):
         position = node.value[0]
         tensor, spec = self.tensors[position], self.tree.tensors[position]
-        indices = [np.asarray(self.value(a)) for a in node.args]
+        indices = [self.xp.asarray(self.value(a)) for a in node.args]
         # Checked before the gather: NumPy would wrap a negative index around silently.
         for axis, (index, size) in enumerate(zip(indices, tensor.shape)):
             if index.size and (index.min() < 0 or index.max() >= size):
@@ -741,8 +744,8 @@ class _NumpyEvaluator:
                                  f"must be in [0, {size}), got values from {int(index.min())} to {int(index.max())} "
                                  f"({node.args[axis].text})")
         gathered = tensor[tuple(indices)]
-        return np.asarray(gathered).astype({FLOAT: self.dtype, INT: np.int64, BOOL: np.bool_}[node.type],
-                                           copy=False)
+        return self.xp.asarray(gathered).astype({FLOAT: self.dtype, INT: np.int64, BOOL: np.bool_}[node.type],
+                                                copy=False)
 
 
 # -- the CUDA printer -------------------------------------------------------------------------------
@@ -883,15 +886,19 @@ MAX_KERNEL_TENSORS = 8  # mod tensors a kernel takes (cuda/mods.cuh, kMaxModTens
 MAX_KERNEL_DIMS = 4     # dimensions of each (ModTensor)
 
 
-def kernel_source(score: Traced | None, mask: Traced | None) -> str:
+def kernel_source(score: Traced | None, mask: Traced | None, blocks: bool = False) -> str:
     """The CUDA text the kernels of a call with mods compile with: score_mod, its derivative
     and mask_mod as device functions, and ``cuflash::UserMods``, the struct the kernels call
     them through (cuda/mods.cuh describes its interface; ``NoMods`` is the struct of the
-    kernels without mods). The text names each function's tree, so it keys the kernels'
-    cache: equal trees share their kernels, whatever the tensors' shapes."""
+    kernels without mods). ``blocks``: the call has a block mask (``BlockMask``), and the
+    kernels skip its empty tiles and its full tiles' mask_mod. The text names each
+    function's tree, so it keys the kernels' cache: equal trees share their kernels,
+    whatever the tensors' shapes."""
     trees = [t for t in (score, mask) if t is not None]
     if not trees:
         raise ValueError("kernel_source needs a score or a mask tree")
+    if blocks and mask is None:
+        raise ValueError("a block mask comes with its mask_mod's tree")
     specs = trees[0].tensors
     if len(specs) > MAX_KERNEL_TENSORS or any(len(t.shape) > MAX_KERNEL_DIMS for t in specs):
         raise ValueError(f"the kernels take at most {MAX_KERNEL_TENSORS} mod tensors of at most {MAX_KERNEL_DIMS} "
@@ -904,7 +911,7 @@ def kernel_source(score: Traced | None, mask: Traced | None) -> str:
         arguments += [f"t[{i}].size[{axis}]" for axis in axes]
     tail = "".join(f", {a}" for a in arguments)
     lines, members = [], [f"  static constexpr bool kScore = {str(score is not None).lower()}, "
-                          f"kMask = {str(mask is not None).lower()};"]
+                          f"kMask = {str(mask is not None).lower()}, kBlocks = {str(bool(blocks)).lower()};"]
     method = "  template <typename Tensor>\n  static __device__ __forceinline__ {} {}({}, const Tensor* t) {{ return {}({}{}); }}"
     score_args = "float score, int b, int h, int q_idx, int kv_idx"
     if score is not None:
@@ -1169,3 +1176,154 @@ def prepare(score_mod, mask_mod, mod_tensors=(), *, backward: bool = False) -> N
             raise TypeError(f"{name}: mod_tensors[{i}] must be a NumPy array (the NumPy path), got "
                             f"{type(t).__name__}")
     return NumpyModifiers(score, mask, tuple(mod_tensors), backward)
+
+
+# -- block masks ------------------------------------------------------------------------------------
+
+BLOCK_SIZE = 128  # query rows and keys of a block (cuda/mods.cuh, kBlockMaskSize)
+EMPTY, PARTIAL, FULL = 0, 1, 2  # a block's status: every position masked, some, none
+_EVALUATED_POSITIONS = 1 << 22  # positions create_block_mask evaluates at once (its memory: a few bytes each)
+
+
+class BlockMask:
+    """Which 128 x 128 blocks of (query, key) positions a ``mask_mod`` hides entirely, shows
+    entirely or cuts through, computed once (``create_block_mask``) and passed to every call
+    of those shapes (``cuflash.attention(..., block_mask=...)``): the kernels never load the
+    tiles of an empty block and skip mask_mod in a full one. Immutable.
+
+    ``mask_mod`` and ``mod_tensors``: the mask and its tensors, which a call with this block
+    mask uses (the mask's tree is ``tree``). ``statuses``: int8 (batch or 1, heads or 1,
+    ceil(seqlen_q / 128), ceil(seqlen_k / 128)) of EMPTY (0), PARTIAL (1) and FULL (2), a NumPy
+    or a CuPy array (where it was computed); a dimension is 1 where the mask does not depend
+    on b (or h), and the statuses broadcast over it. ``batch`` and ``heads``: the sizes it was
+    made for (None: any). The statuses are a snapshot of the mask over the mod tensors' values
+    at creation: make a new block mask after changing those values."""
+    __slots__ = ("mask_mod", "mod_tensors", "tree", "statuses", "batch", "heads", "seqlen_q", "seqlen_k")
+
+    def __init__(self, mask_mod, mod_tensors: tuple, tree: Traced, statuses, batch, heads, seqlen_q: int,
+                 seqlen_k: int):
+        for name, value in (("mask_mod", mask_mod), ("mod_tensors", tuple(mod_tensors)), ("tree", tree),
+                            ("statuses", statuses), ("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q),
+                            ("seqlen_k", seqlen_k)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a BlockMask is immutable: make a new one with create_block_mask")
+
+    @property
+    def shape(self) -> tuple:
+        """The statuses' shape."""
+        return tuple(self.statuses.shape)
+
+    def __repr__(self):
+        return (f"BlockMask({self.tree.name}, batch={self.batch}, heads={self.heads}, seqlen_q={self.seqlen_q}, "
+                f"seqlen_k={self.seqlen_k}, statuses {type(self.statuses).__module__.split('.')[0]} int8"
+                f"{list(self.shape)})")
+
+
+def _array_module(like):
+    """NumPy, or CuPy for a CuPy array."""
+    if like is None or isinstance(like, np.ndarray):
+        return np
+    if type(like).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    raise TypeError(f"like must be None, a NumPy array or a CuPy array (where the statuses are computed and kept), "
+                    f"got {type(like).__module__}.{type(like).__name__}")
+
+
+def _uses(tree: Traced, variable: str) -> bool:
+    seen, stack = set(), [tree.root]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "var" and node.value == variable:
+            return True
+        stack.extend(node.args)
+    return False
+
+
+def _size(name: str, value, *, optional: bool) -> int | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < 0 \
+            or (optional and value == 0) or value >= INT32_LIMIT:
+        what = "a positive integer or None (any: the mask must not depend on it)" if optional \
+            else "an integer in [0, 2**31)"
+        raise (TypeError if not isinstance(value, numbers.Integral) else ValueError)(
+            f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
+def create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, *, mod_tensors=(), like=None) -> BlockMask:
+    """The ``BlockMask`` of ``mask_mod(b, h, q_idx, kv_idx, *mod_tensors) -> bool`` over
+    ``batch`` x ``heads`` (query heads) x ``seqlen_q`` x ``seqlen_k`` positions, exact: the
+    mask is evaluated at every position (through its traced tree, chunk by chunk), and a
+    block is EMPTY where it hides every position of the block, FULL where it hides none,
+    PARTIAL otherwise. ``batch`` or ``heads`` None: any, for a mask that does not read b (or
+    h). ``like``: None or a NumPy array (computed with NumPy, statuses in a NumPy array: for
+    calls on NumPy arrays), or a CuPy array (computed on its GPU, with CuPy mod tensors:
+    for calls on CuPy arrays). Build it once and pass it to every call (every layer) of those
+    shapes and that mask."""
+    xp = _array_module(like)
+    batch, heads = _size("batch", batch, optional=True), _size("heads", heads, optional=True)
+    seqlen_q, seqlen_k = _size("seqlen_q", seqlen_q, optional=False), _size("seqlen_k", seqlen_k, optional=False)
+    if not isinstance(mod_tensors, (tuple, list)):
+        raise TypeError(f"mod_tensors must be a tuple of arrays (mask_mod's extra arguments), got "
+                        f"{type(mod_tensors).__name__}")
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function {_SIGNATURES['mask']}, got {mask_mod!r}")
+    for i, t in enumerate(mod_tensors):
+        if not isinstance(t, xp.ndarray):
+            raise TypeError(f"{describe(mask_mod, 'mask')}: mod_tensors[{i}] must be a {xp.__name__} array (like "
+                            f"{'is a CuPy array' if xp is not np else 'is None or a NumPy array'}), got "
+                            f"{type(t).__module__}.{type(t).__name__}")
+    specs = tuple(TensorSpec(i, None, tuple(int(n) for n in t.shape), t.dtype.name) for i, t in enumerate(mod_tensors))
+    tree = trace(mask_mod, "mask", specs)
+    for name, size, variable in (("batch", batch, "b"), ("heads", heads, "h")):
+        if size is None and _uses(tree, variable):
+            raise ValueError(f"{tree.name} reads {variable}: give create_block_mask its {name}, not None")
+    # (a dimension the mask does not read is evaluated once: the statuses broadcast over it)
+    shape = (batch if _uses(tree, "b") else None, heads if _uses(tree, "h") else None, seqlen_q, seqlen_k)
+    if xp is np:
+        statuses = _statuses(tree, tuple(mod_tensors), xp, *shape)
+    else:
+        with xp.cuda.Device(like.device.id):  # (like's GPU, whichever is current)
+            statuses = _statuses(tree, tuple(mod_tensors), xp, *shape)
+    return BlockMask(mask_mod, tuple(mod_tensors), tree, statuses, batch, heads, seqlen_q, seqlen_k)
+
+
+def _statuses(tree: Traced, tensors: tuple, xp, batch, heads, seqlen_q: int, seqlen_k: int):
+    """The int8 statuses (batch or 1, heads or 1, query blocks, key blocks), the mask
+    evaluated over every position, a batch element, some heads and some query blocks at a time."""
+    evaluate = to_numpy(tree, xp)
+    batches, all_heads = batch or 1, heads or 1
+    query_blocks, key_blocks = -(-seqlen_q // BLOCK_SIZE), -(-seqlen_k // BLOCK_SIZE)
+    statuses = xp.empty((batches, all_heads, query_blocks, key_blocks), dtype=np.int8)
+    if not statuses.size:
+        return statuses
+    keys = key_blocks * BLOCK_SIZE
+    heads_at_once = max(1, min(all_heads, _EVALUATED_POSITIONS // (BLOCK_SIZE * keys)))
+    rows_at_once = max(1, _EVALUATED_POSITIONS // (heads_at_once * BLOCK_SIZE * keys)) * BLOCK_SIZE
+    # Positions a block holds (the last row and column of blocks may be cut short).
+    row_sizes = np.minimum(BLOCK_SIZE, seqlen_q - BLOCK_SIZE * np.arange(query_blocks))
+    col_sizes = np.minimum(BLOCK_SIZE, seqlen_k - BLOCK_SIZE * np.arange(key_blocks))
+    sizes = xp.asarray(row_sizes[:, None] * col_sizes[None, :])
+    kv_idx = xp.arange(seqlen_k).reshape(1, 1, 1, -1)
+    for b in range(batches):
+        for h0 in range(0, all_heads, heads_at_once):
+            h = xp.arange(h0, min(h0 + heads_at_once, all_heads)).reshape(1, -1, 1, 1)
+            for r0 in range(0, seqlen_q, rows_at_once):
+                r1 = min(r0 + rows_at_once, seqlen_q)
+                q_idx = xp.arange(r0, r1).reshape(1, 1, -1, 1)
+                shown = xp.asarray(evaluate(xp.asarray(b).reshape(1, 1, 1, 1), h, q_idx, kv_idx, *tensors))
+                blocks = -(-(r1 - r0) // BLOCK_SIZE)
+                padded = xp.zeros((h.shape[1], blocks * BLOCK_SIZE, keys), dtype=np.int32)
+                padded[:, :r1 - r0, :seqlen_k] = xp.broadcast_to(shown, (1, h.shape[1], r1 - r0, seqlen_k))[0]
+                counts = padded.reshape(h.shape[1], blocks, BLOCK_SIZE, key_blocks, BLOCK_SIZE).sum(axis=(2, 4))
+                full = sizes[r0 // BLOCK_SIZE:r0 // BLOCK_SIZE + blocks]
+                statuses[b, h0:h0 + h.shape[1], r0 // BLOCK_SIZE:r0 // BLOCK_SIZE + blocks] = \
+                    xp.where(counts == 0, EMPTY, xp.where(counts == full, FULL, PARTIAL)).astype(np.int8)
+    return statuses

@@ -1,6 +1,6 @@
 """Programmable attention on the GPU: score_mod and mask_mod compiled into the mma.sync
-kernels, forward and backward, dense and varlen, against the float64 oracle
-(cuflash.reference with the same functions) by flash-attn's rule (tests/rule.py).
+kernels, forward and backward, dense and varlen, with and without a block mask, against the
+float64 oracle (cuflash.reference with the same functions) by flash-attn's rule (tests/rule.py).
 
 The low-precision yardstick is plain attention's (cuflash.reference.attention_lowp, with the
 call's built-in options but without the mods, which it does not take) on the same inputs: the
@@ -209,3 +209,133 @@ def test_plans_stay_on_the_mma_sync_kernels(monkeypatch):
     monkeypatch.setattr(_kernels.Launcher, "__init__", record)
     cuflash.attention(q, k, v, score_mod=softcap)
     assert [k.kind for k in launched] == ["forward"] and "cuflash::UserMods" in launched[0].instance
+
+
+# -- block masks (cuflash.mod.create_block_mask) ----------------------------------------------------
+
+def hidden_rows_and_keys(b, h, q_idx, kv_idx, diagonal):
+    """Query rows 128 .. 255 see nothing (a fully masked block row), keys 128 .. 255 are seen by
+    no one (a fully masked block column), the rest is causal."""
+    rows = (q_idx < 128) | (q_idx >= 256)
+    keys = (kv_idx < 128) | (kv_idx >= 256)
+    return rows & keys & (kv_idx <= q_idx + diagonal[()])
+
+
+def causal_mask(b, h, q_idx, kv_idx, diagonal):
+    return kv_idx <= q_idx + diagonal[()]
+
+
+def softcap_beside_tensors(s, b, h, q_idx, kv_idx, *mod_tensors):  # (the block mask's tensors are score_mod's too)
+    return softcap(s, b, h, q_idx, kv_idx)
+
+
+# case: (score_mod, mask_mod, tensor case, dtype, head dim, built-in options)
+BLOCK_CASES = {
+    "causal": (None, causal_mask, "sinks", "bfloat16", 64, {}),
+    "document": (None, same_document, "document", "float16", 128, {}),
+    "t5_document": (relative_bias_then_documents, same_document_after_bias, "t5_document", "bfloat16", 64, {}),
+    "prefix": (None, prefix_lm, "prefix", "float16", 256, {"softcap": 20.0}),
+    "sinks": (softcap_beside_tensors, window_with_sinks, "sinks", "bfloat16", 96, {}),
+    "hidden": (None, hidden_rows_and_keys, "sinks", "float16", 128, {"window_size": (200, 0)}),
+    "hidden_256": (None, hidden_rows_and_keys, "sinks", "bfloat16", 256, {}),
+}
+BLOCK_LENGTHS = (1, 17, 128, 129, 131, 257, 300, 383, 512)
+
+
+def _run_blocks(case: str, shape, seed: int, deterministic: bool):
+    """The call with a block mask (made on the GPU) against the oracle with its mask_mod."""
+    import cupy
+    score_mod, mask_mod, tensor_case, dtype, head_dim, options = BLOCK_CASES[case]
+    batch, seqlen_q, seqlen_k, nheads_kv, group = shape
+    nheads = nheads_kv * group
+    rng = np.random.default_rng(seed)
+    if tensor_case == "t5_document":
+        host = _tensors("t5", rng, batch, nheads, seqlen_q, seqlen_k) + \
+            _tensors("document", rng, batch, nheads, seqlen_q, seqlen_k)
+    else:
+        host = _tensors(tensor_case, rng, batch, nheads, seqlen_q, seqlen_k)
+    element = cupy_dtype(dtype)
+    q = rng.standard_normal((batch, seqlen_q, nheads, head_dim)).astype(element)
+    k, v = (rng.standard_normal((batch, seqlen_k, nheads_kv, head_dim)).astype(element) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(element)
+    cq, ck, cv, cdout = (cupy.asarray(x) for x in (q, k, v, dout))
+    device_tensors = tuple(cupy.asarray(t) for t in host)
+    block_mask = mod.create_block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, mod_tensors=device_tensors,
+                                       like=cq)
+    host_mask = mod.create_block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, mod_tensors=host)
+    np.testing.assert_array_equal(cupy.asnumpy(block_mask.statuses), host_mask.statuses)  # (CuPy's = NumPy's)
+    with poisoned_allocations():
+        out, lse = cuflash.attention(cq, ck, cv, return_lse=True, score_mod=score_mod, block_mask=block_mask,
+                                     **options)
+        grads = cuflash.attention_backward(cdout, cq, ck, cv, out, lse, deterministic=deterministic,
+                                           score_mod=score_mod, block_mask=block_mask, **options)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
+    ref, ref_lse = attention_reference(q, k, v, **mods, **options)
+    lowp = attention_lowp(q, k, v, **options)
+    plain = attention_reference(q, k, v, **options)[0]
+    check_output(out, ref, lowp_error(lowp, plain), dtype)
+    check_lse(lse, ref_lse)
+    refs = attention_reference_backward(dout, q, k, v, **mods, **options)
+    lowps = attention_lowp_backward(dout, q, k, v, **options)
+    plains = attention_reference_backward(dout, q, k, v, **options)
+    for name, grad, reference, low, plain_grad, like in zip(("dq", "dk", "dv"), grads, refs, lowps, plains,
+                                                           (q, k, v)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype, name
+        scale = float(np.abs(reference).max(initial=0.0))
+        assert_close(grad, reference, atol=3 * lowp_error(low, plain_grad) + 2 * FLOOR[dtype] * (1.0 + scale),
+                     name=name)
+
+
+block_shapes = st.tuples(st.integers(1, 2), st.sampled_from(BLOCK_LENGTHS), st.sampled_from(BLOCK_LENGTHS),
+                         st.integers(1, 2), st.integers(1, 2))
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+@settings(deadline=None, max_examples=6, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=block_shapes, seed=st.integers(0, 2**32 - 1), deterministic=st.booleans())
+def test_block_masks_match_the_oracle(case, shape, seed, deterministic):
+    """Forward and backward (both backward paths: the two-kernel one up to d 128 or
+    deterministic, the one-pass one above) with a block mask against the oracle with its mask_mod."""
+    _run_blocks(case, shape, seed, deterministic)
+
+
+@pytest.mark.parametrize("head_dim,deterministic", [(64, False), (128, True), (256, False), (256, True)])
+def test_empty_blocks_are_never_read(head_dim, deterministic):
+    """NaN in the K and V rows of a block column nobody sees, and in the Q and dO rows of a block
+    row that sees nothing: the kernels never load those tiles for a product, so every output is
+    finite and equals the oracle's on the same inputs with those rows zeroed; the hidden rows get
+    out 0, lse +inf and dq 0, the unseen keys dk = dv = 0."""
+    import cupy
+    rng = np.random.default_rng(head_dim)
+    q, k, v, dout = (rng.standard_normal((2, 384, 2, head_dim)).astype(np.float16) for _ in range(4))
+    diagonal = np.array(0, np.int32)
+    for x in (q, dout):
+        x[:, 128:256] = np.nan
+    for x in (k, v):
+        x[:, 128:256] = np.nan
+    cq, ck, cv, cdout = (cupy.asarray(x) for x in (q, k, v, dout))
+    block_mask = mod.create_block_mask(hidden_rows_and_keys, None, None, 384, 384,
+                                       mod_tensors=(cupy.asarray(diagonal),), like=cq)
+    statuses = cupy.asnumpy(block_mask.statuses)[0, 0]
+    assert (statuses[1, :] == mod.EMPTY).all() and (statuses[:, 1] == mod.EMPTY).all()
+    with poisoned_allocations():
+        out, lse = cuflash.attention(cq, ck, cv, return_lse=True, block_mask=block_mask)
+        dq, dk, dv = cuflash.attention_backward(cdout, cq, ck, cv, out, lse, block_mask=block_mask,
+                                                deterministic=deterministic)
+    for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert bool(cupy.isfinite(x).all()), name
+    assert bool((out[:, 128:256] == 0).all()) and bool(cupy.isinf(lse[:, :, 128:256]).all())
+    assert bool((dq[:, 128:256] == 0).all()) and bool((dk[:, 128:256] == 0).all()) and bool((dv[:, 128:256] == 0).all())
+    clean = [np.nan_to_num(x, nan=0.0) for x in (q, k, v, dout)]
+    mods = dict(mask_mod=hidden_rows_and_keys, mod_tensors=(diagonal,))
+    ref, ref_lse = attention_reference(*clean[:3], **mods)
+    lowp, plain = attention_lowp(*clean[:3]), attention_reference(*clean[:3])[0]
+    check_output(out, ref, lowp_error(lowp, plain), "float16")
+    check_lse(lse, ref_lse)
+    refs = attention_reference_backward(clean[3], *clean[:3], **mods)
+    lowps = attention_lowp_backward(clean[3], *clean[:3])
+    plains = attention_reference_backward(clean[3], *clean[:3])
+    for name, grad, reference, low, plain_grad in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, lowps, plains):
+        scale = float(np.abs(reference).max(initial=0.0))
+        assert_close(grad, reference, atol=3 * lowp_error(low, plain_grad) + 2 * FLOOR["float16"] * (1.0 + scale),
+                     name=name)

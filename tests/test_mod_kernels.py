@@ -72,6 +72,11 @@ def _on_the_gpu(x, name="q", device=0):
 def fake_gpu(monkeypatch):
     """cuflash's calls see CuPy arrays on GPU 0 (mod tensors passed as ArrayInfo, or as NumPy
     arrays: another kind); launching raises. Returns what reached the planner."""
+    return pretend_gpu(monkeypatch)
+
+
+def pretend_gpu(monkeypatch) -> dict:
+    """fake_gpu's work, for other modules' fixtures."""
     reached = {}
 
     def never(q, k, v, out, options, varlen):

@@ -117,7 +117,7 @@ def call_params(q, k, v, options: Options, varlen: Varlen | None, **arrays) -> t
 
 def with_mods(p: Params, options: Options) -> tuple[Params, type]:
     """The kernels' argument and its type: ``p`` itself, or with the call's mods its
-    ModParams (p followed by the mod tensors)."""
+    ModParams (p followed by the mod tensors and the block mask's statuses)."""
     if options.mods is None:
         return p, Params
     m = ModParams.from_buffer_copy(bytes(p) + bytes(ctypes.sizeof(ModParams) - ctypes.sizeof(Params)))
@@ -125,6 +125,11 @@ def with_mods(p: Params, options: Options) -> tuple[Params, type]:
         slot.ptr = a.ptr
         for axis, (size, stride) in enumerate(zip(a.shape, a.strides)):
             slot.size[axis], slot.stride[axis] = size, stride
+    blocks = options.mods.blocks
+    if blocks is not None:  # (int8: strides in elements are strides in bytes; 0 where broadcast)
+        m.blocks.status = blocks.ptr
+        m.blocks.batch_stride, m.blocks.head_stride, m.blocks.row_stride = (
+            stride if size > 1 else 0 for size, stride in zip(blocks.shape[:3], blocks.strides[:3]))
     return m, ModParams
 
 

@@ -89,7 +89,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   const auto mask = Mask<kLocal>::of(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   const int2 query_tiles = mask.template query_tiles<kBlockM>(n0, min(n0 + kBlockN, seq.seqlen_k), seq.seqlen_q);
   const int m_begin = query_tiles.x, m_tiles = query_tiles.y;
-  const int steps = p.heads_per_kv * m_tiles;  // (query head of the group, query tile) pairs
+  // With a block mask the steps leave out the pairs of its empty blocks (QueryTiles).
+  const auto pairs = QueryTiles<Mods, kBlockM>::of(p, batch, n0, (kv_head + 1) * p.heads_per_kv, m_begin,
+                                                   m_begin + m_tiles);
+  // (query head of the group, query tile) pairs
+  const int steps = kBlockSparse<Mods> ? pairs.count(kv_head * p.heads_per_kv) : p.heads_per_kv * m_tiles;
   const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
   const bool dropping = kExtras && p.dropout_threshold > 0;
 
@@ -106,7 +110,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
     int head, m_tile;
   };
   auto following = [&](Position at) {
-    return at.m_tile + 1 < m_begin + m_tiles ? Position{at.head, at.m_tile + 1} : Position{at.head + 1, m_begin};
+    if constexpr (kBlockSparse<Mods>) {
+      const bool last = at.m_tile + 1 >= m_begin + m_tiles;
+      const int2 visible = pairs.from(at.head + last, last ? m_begin : at.m_tile + 1);
+      return Position{visible.x, visible.y};
+    } else {
+      return at.m_tile + 1 < m_begin + m_tiles ? Position{at.head, at.m_tile + 1} : Position{at.head + 1, m_begin};
+    }
   };
   // The copies of a step's Q_i, dO_i, LSE_i and D_i into a stage, in two parts (each its
   // own group): Q, LSE and D, then dO.
@@ -142,6 +152,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
   // dK_j = 0, dV_j = 0; the first step's loads (the first two with three stages)
   float acc_dk[2][kKvCols / 8][4] = {}, acc_dv[2][kKvCols / 8][4] = {};
   Position at{kv_head * p.heads_per_kv, m_begin};
+  if constexpr (kBlockSparse<Mods>) {
+    const int2 visible = pairs.from(at.head, at.m_tile);
+    at = Position{visible.x, visible.y};
+  }
   if (steps > 0) issue_step(at, 0, kBoth);
   if (kStages == 3 && steps > 1) issue_step(following(at), 1, kBoth);
 
@@ -173,7 +187,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward(const Param
       // P = dropout(exp(mod(S) - LSE));  dS = P (dropout(dP) - D) mod'(S)
       probabilities_and_gradients<false, kLocal, kExtras, Mods>(
           acc_s, acc_dp, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask,
-          mod, ModsAt<Mods>::of(p, batch, head), dropout, dropping, p.dropout_scale,
+          mod, ModsAt<Mods>::of(p, batch, head).in_block(pairs.status(head, at.m_tile) == kBlockFull), dropout,
+          dropping, p.dropout_scale,
           [=](int r, int) { return !kExtras || r < warp_rows ? step_lse[r] * kLog2e : kInf; },
           [=](int r, int) { return step_delta[r]; }, m0 + s_row0, n0 + s_key0, lane);
       // P, dS -> shared memory, for the products of every warp

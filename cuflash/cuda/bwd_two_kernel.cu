@@ -91,7 +91,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
   const auto mask = Mask<kLocal>::of(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   const int2 query_tiles = mask.template query_tiles<kBlockM>(n0, min(n0 + kBlockN, seq.seqlen_k), seq.seqlen_q);
   const int m_begin = query_tiles.x, m_tiles = query_tiles.y;
-  const int steps = p.heads_per_kv * m_tiles;  // (query head of the group, query tile) pairs
+  // With a block mask the steps leave out the pairs of its empty blocks (QueryTiles).
+  const auto pairs = QueryTiles<Mods, kBlockM>::of(p, batch, n0, (kv_head + 1) * p.heads_per_kv, m_begin,
+                                                   m_begin + m_tiles);
+  // (query head of the group, query tile) pairs
+  const int steps = kBlockSparse<Mods> ? pairs.count(kv_head * p.heads_per_kv) : p.heads_per_kv * m_tiles;
   const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
   const bool dropping = kExtras && p.dropout_threshold > 0;
 
@@ -100,8 +104,43 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
   load_tile<kBlockN, kThreads, kVec>(v_tile, v, p.v.row_stride, n0, seq.seqlen_k, p.headdim);
   LoadPipeline::commit();
 
-  auto step_head = [&](int step) { return kv_head * p.heads_per_kv + step / max(m_tiles, 1); };
-  auto step_m0 = [&](int step) { return (m_begin + step % max(m_tiles, 1)) * kBlockM; };
+  // The pair of a step. With a block mask the steps are walked in order: `at` is the
+  // (head, query tile) of step walked, `ahead` that of the step after it (the loop asks
+  // for no other).
+  int2 at = {}, ahead = {};
+  int walked = 0;
+  auto following = [&](int2 pair) {
+    const bool last = pair.y + 1 >= m_begin + m_tiles;
+    return pairs.from(pair.x + last, last ? m_begin : pair.y + 1);
+  };
+  auto restart = [&]() {
+    if constexpr (kBlockSparse<Mods>) {
+      walked = 0;
+      at = pairs.from(kv_head * p.heads_per_kv, m_begin);
+      ahead = following(at);
+    }
+  };
+  auto advance = [&]() {
+    if constexpr (kBlockSparse<Mods>) {
+      ++walked;
+      at = ahead;
+      ahead = following(at);
+    }
+  };
+  auto step_head = [&](int step) {
+    if constexpr (kBlockSparse<Mods>) {
+      return step == walked ? at.x : ahead.x;
+    } else {
+      return kv_head * p.heads_per_kv + step / max(m_tiles, 1);
+    }
+  };
+  auto step_m0 = [&](int step) {
+    if constexpr (kBlockSparse<Mods>) {
+      return (step == walked ? at.y : ahead.y) * kBlockM;
+    } else {
+      return (m_begin + step % max(m_tiles, 1)) * kBlockM;
+    }
+  };
   // The copies of a step's Q_i and dO_i into a stage (one group); its LSE_i (in log2
   // units) and D_i go in with plain loads.
   auto issue_step = [&](int step, int stage) {
@@ -125,6 +164,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
     const int col0 = pass * kCols;
     // dK_j = 0, dV_j = 0 (this pass's columns)
     float acc_dk[1][kCols / 8][4] = {}, acc_dv[1][kCols / 8][4] = {};
+    restart();
     if (steps > 0) issue_step(0, 0);
 
     for (int step = 0; step < steps; ++step) {
@@ -154,7 +194,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
       // P^T = dropout(exp(mod(S^T) - LSE));  dS^T = P^T (dropout(dP^T) - D) mod'(S^T)
       probabilities_and_gradients<true, kLocal, kExtras, Mods>(
           acc_s, acc_ds, scale_log2, !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask, mod,
-          ModsAt<Mods>::of(p, batch, head), dropout, dropping, p.dropout_scale, [=](int c, int) { return step_lse[c]; },
+          ModsAt<Mods>::of(p, batch, head).in_block(pairs.status(head, m0 / kBlockM) == kBlockFull), dropout,
+          dropping, p.dropout_scale, [=](int c, int) { return step_lse[c]; },
           [=](int c, int) { return step_delta[c]; }, n0 + warp * 16, m0, lane);
       // dV_j += P^T dO;  dK_j += dS^T Q (scaled once at the end)
       mma_AB<T>(acc_dv, acc_s, do_tile, col0, lane);
@@ -162,6 +203,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dkdv(const 
 
       LoadPipeline::release();
       if (kStages == 1 && step + 1 < steps) issue_step(step + 1, 0);
+      advance();
     }
 
     // dK_j (times the softmax scale) and dV_j of this pass's columns -> global memory
@@ -210,6 +252,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
   const int row_end = min(m0 + kBlockM, seq.seqlen_q);
   const int n_begin = mask.key_begin(m0) / kBlockN;
   const int n_end = ceil_div(mask.key_end(row_end), kBlockN);
+  // With a block mask the tiles of its empty blocks are never visited: the loop goes from
+  // one tile that is not empty to the next (KeyTiles::after), where it would go from n to n + 1.
+  constexpr bool kSparse = kBlockSparse<Mods>;
+  const auto key_tiles = KeyTiles<Mods, kBlockN>::of(p, batch, head, m0);
+  const int n_first = kSparse ? key_tiles.after(n_begin - 1, n_end) : n_begin;  // the first tile visited
   const float scale_log2 = kExtras ? kLog2e : p.scale_log2;
   const bool dropping = kExtras && p.dropout_threshold > 0;
   ScoreMod mod{};
@@ -242,15 +289,17 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
 #pragma unroll 1
   for (int pass = 0; pass < kColSplit; ++pass) {
     const int col0 = pass * kCols;
-    if (n_end > n_begin) issue_kv(n_begin, 0);
+    if (kSparse ? n_end > n_first : n_end > n_begin) issue_kv(kSparse ? n_first : n_begin, 0);
     // dQ_i = 0 (this pass's columns)
     float acc_dq[1][kCols / 8][4] = {};
-    for (int i = 0, n = n_begin; n < n_end; ++i, ++n) {
+    for (int i = 0, n = kSparse ? n_first : n_begin; n < n_end;
+         ++i, n = kSparse ? key_tiles.after(n, n_end) : n + 1) {
       const int stage = i % kStages;
+      const int n_next = kSparse ? key_tiles.after(n, n_end) : n + 1;  // the tile visited next
       // K_n and V_n have landed (two stages: K_{n+1} and V_{n+1} go out first, into the
       // other stage, and stay in flight).
-      if (kStages == 2 && n + 1 < n_end) {
-        issue_kv(n + 1, (i + 1) % kStages);
+      if (kStages == 2 && (kSparse ? n_next : n + 1) < n_end) {
+        issue_kv(kSparse ? n_next : n + 1, (i + 1) % kStages);
         LoadPipeline::landed<1>();
       } else {
         LoadPipeline::landed<0>();
@@ -266,13 +315,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_backward_dq(const Pa
       // P = dropout(exp(mod(S) - LSE));  dS = P (dropout(dP) - D) mod'(S)
       probabilities_and_gradients<false, kLocal, kExtras, Mods>(
           acc_s, acc_ds, scale_log2, !mask.covers(m0, row_end, n0, n0 + kBlockN), mask, mod,
-          ModsAt<Mods>::of(p, batch, head), dropout, dropping,
+          ModsAt<Mods>::of(p, batch, head).in_block(key_tiles.status(n) == kBlockFull), dropout, dropping,
           p.dropout_scale, [=](int, int e) { return row_lse[e >> 1]; }, [=](int, int e) { return row_delta[e >> 1]; },
           m0 + warp * 16, n0, lane);
       // dQ_i += dS K (scaled once at the end)
       mma_AB<T>(acc_dq, acc_ds, k_tile, col0, lane);
       LoadPipeline::release();
-      if (kStages == 1 && n + 1 < n_end) issue_kv(n + 1, 0);
+      if (kStages == 1 && (kSparse ? n_next : n + 1) < n_end) issue_kv(kSparse ? n_next : n + 1, 0);
     }
     LoadPipeline::landed<0>();
     // dQ_i (times the softmax scale) of this pass's columns -> global memory

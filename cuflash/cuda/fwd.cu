@@ -1,6 +1,7 @@
 // FlashAttention forward: one CTA per (query tile, head, batch or sequence).
 //
-//   for each key tile n the query tile can see (the last ones first):
+//   for each key tile n the query tile can see (the last ones first; with a block mask,
+//   those of its blocks that are not empty):
 //     S = Q K_n^T                          tensor cores, fp32 accumulators
 //     S = mod(S)                           variants: softcap, ALiBi (kExtras); score_mod, mask_mod (Mods)
 //     S = mask(S)                          only tiles that straddle a boundary
@@ -76,6 +77,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   const int row_end = min(m0 + kBlockM, seq.seqlen_q);
   const int n_begin = mask.key_begin(m0) / kBlockN;
   const int n_end = ceil_div(mask.key_end(row_end), kBlockN);
+  // With a block mask the tiles of its empty blocks are never visited: the loop goes from
+  // one tile that is not empty to the next (KeyTiles::before), where it would go from n to n - 1.
+  constexpr bool kSparse = kBlockSparse<Mods>;
+  const auto key_tiles = KeyTiles<Mods, kBlockN>::of(p, batch, head, m0);
 
   ScoreMod mod{};
   Dropout dropout{};
@@ -94,9 +99,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
 
   // Q, and the first key tile's K (and V with two stages): one group
   load_tile<kBlockM, kThreads, kVec>(q_tile, q, p.q.row_stride, m0, seq.seqlen_q, p.headdim);
-  if (n_end > n_begin) {
-    issue_k(n_end - 1, 0);
-    if constexpr (kStages == 2) issue_v(n_end - 1, 0);
+  // The first tile visited is n_top - 1. (With a block mask the loop steps to n_next at
+  // its end: its control stays that of the kernels without one, which compile as before.)
+  const int n_top = kSparse ? key_tiles.before(n_end, n_begin) + 1 : n_end;
+  if (n_top > n_begin) {
+    issue_k(n_top - 1, 0);
+    if constexpr (kStages == 2) issue_v(n_top - 1, 0);
   }
   LoadPipeline::commit();
 
@@ -112,13 +120,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
   // kStages == 1 (one buffer each, half the shared memory: two CTAs fit an SM where
   // two stages would not): V of tile n loads during S = Q K^T, K of tile n - 1 during
   // softmax and P V.
-  for (int i = 0, n = n_end - 1; n >= n_begin; ++i, --n) {
+  for (int i = 0, n = n_top - 1; n >= n_begin; ++i, --n) {
     const int stage = i % kStages;
+    const int n_next = kSparse ? key_tiles.before(n, n_begin) : n;  // the tile visited next (sparse)
+    const bool whole = kSparse && key_tiles.status(n) == kBlockFull;     // mask_mod shows all of it
     // K_n and V_n have landed. (Two stages: K_{n-1} and V_{n-1} go out first, into the
     // other stage, and stay in flight.)
-    if (kStages == 2 && n > n_begin) {
-      issue_k(n - 1, (i + 1) % kStages);
-      issue_v(n - 1, (i + 1) % kStages);
+    if (kStages == 2 && (kSparse ? n_next >= n_begin : n > n_begin)) {
+      issue_k(kSparse ? n_next : n - 1, (i + 1) % kStages);
+      issue_v(kSparse ? n_next : n - 1, (i + 1) % kStages);
       LoadPipeline::commit();
       LoadPipeline::landed<1>();
     } else {
@@ -137,8 +147,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
       mma_ABt<T>(acc_s, q_tile.from_row(warp_row0), k_sub, lane);
       // S = mod(S): softcap, ALiBi (then in natural units, already scaled)
       if constexpr (kExtras) mod.apply(acc_s, m0 + warp_row0, n0, lane);
-      // S = score_mod(S), -inf where mask_mod hides it: every tile
-      if constexpr (kHasMods<Mods>) ModsAt<Mods>::of(p, batch, head).apply(acc_s, m0 + warp_row0, n0, lane);
+      // S = score_mod(S), -inf where mask_mod hides it: every tile (but a block mask's full ones)
+      if constexpr (kHasMods<Mods>)
+        ModsAt<Mods>::of(p, batch, head).in_block(whole).apply(acc_s, m0 + warp_row0, n0, lane);
       // S = -inf where hidden, only in tiles the band or seqlen_k cuts through
       if (!mask.covers(m0, row_end, n0, n0 + kSubN)) mask.apply(acc_s, m0 + warp_row0, n0, lane);
       // m' = max(m, rowmax S);  P = exp2(c (S - m')) with c = scale log2(e);
@@ -148,8 +159,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
       if (kExtras && dropping) dropout.apply(acc_s, m0 + warp_row0, n0, lane);
       if constexpr (kStages == 1) {  // V_n has landed; every warp is done with K_n: K_{n-1} goes out
         LoadPipeline::wait<0>();
-        if (n > n_begin) {
-          issue_k(n - 1, 0);
+        if (kSparse ? n_next >= n_begin : n > n_begin) {
+          issue_k(kSparse ? n_next : n - 1, 0);
           LoadPipeline::commit();
         }
       }
@@ -167,6 +178,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attention_forward(const Params
     // stage: its V load waits for the barrier at its top, which every warp reaches
     // after this P V.)
     if constexpr (kStages == 2) LoadPipeline::release();
+    if constexpr (kSparse) n = n_next + 1;  // (then --n)
   }
   // With no key tile to visit, other threads' Q copies may still be landing in
   // the rows the epilogue reuses: wait for them all before anyone writes there.

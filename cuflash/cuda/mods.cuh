@@ -3,6 +3,7 @@
 // argument Mods: NoMods (no code, and Params as the kernel's argument) or UserMods, the
 // struct cuflash.mod.kernel_source writes in front of the kernel's source:
 //   kScore, kMask                                   which of the two the call has
+//   kBlocks                                         a block mask (below) comes with mask_mod
 //   score(s, b, h, q_idx, kv_idx, tensors)          the modified score
 //   gradient(s, b, h, q_idx, kv_idx, tensors)       d score / d s
 //   mask(b, h, q_idx, kv_idx, tensors)              false: hidden
@@ -26,13 +27,31 @@ struct ModTensor {
   int size[kMaxModDims];
 };
 
-// The argument of a kernel with mods: Params, then the mod tensors.
+// Block sparsity (cuflash.mod.BlockMask): a status for each kBlockMaskSize x kBlockMaskSize
+// block of (query, key) positions, per (batch, query head) or broadcast over either.
+// kBlockEmpty hides the block: its tiles are never loaded. kBlockFull shows it: mask_mod is
+// not evaluated there (score_mod, causal and the window still are). kBlockPartial: mask_mod
+// decides score by score. Every mma.sync tile's rows and keys divide kBlockMaskSize, so a
+// tile lies in one block (cuflash.mod.BLOCK_SIZE and the tile tables say the same).
+constexpr int kBlockMaskSize = 128;
+enum : int { kBlockEmpty = 0, kBlockPartial = 1, kBlockFull = 2 };
+
+// The statuses, int8 (batch or 1, heads or 1, query blocks, key blocks): strides in
+// elements, 0 where broadcast; the key blocks of a row are contiguous.
+struct BlockMaskView {
+  const signed char* status;
+  int64 batch_stride, head_stride, row_stride;
+};
+
+// The argument of a kernel with mods: Params, then the mod tensors and the block mask (its
+// status null without one).
 struct ModParams : Params {
   ModTensor tensors[kMaxModTensors];
+  BlockMaskView blocks;
 };
 
 struct NoMods {
-  static constexpr bool kScore = false, kMask = false;
+  static constexpr bool kScore = false, kMask = false, kBlocks = false;
 };
 
 // The one argument of a kernel with Mods: Params itself without any.
@@ -42,18 +61,31 @@ using ParamsOf = typename Select<Mods::kScore || Mods::kMask, ModParams, Params>
 template <typename Mods>
 constexpr bool kHasMods = Mods::kScore || Mods::kMask;
 
+// Kernels with a block mask skip its empty blocks' tiles and its full blocks' mask_mod.
+template <typename Mods>
+constexpr bool kBlockSparse = Mods::kBlocks;
+
 // The mods of one (batch, head). apply() takes a tile of scores in natural units (after the
 // scale, softcap and ALiBi: ScoreMod) to score_mod's, -inf where mask_mod hides them.
 template <typename Mods>
 struct ModsAt {
   const ModTensor* tensors;
   int batch, head;
+  bool whole;  // (block mask) the tile lies in a full block: mask_mod is not evaluated
 
   static __device__ __forceinline__ ModsAt of(const ParamsOf<Mods>& p, int batch, int head) {
     if constexpr (kHasMods<Mods>) {
-      return ModsAt{p.tensors, batch, head};
+      return ModsAt{p.tensors, batch, head, false};
     } else {
-      return ModsAt{nullptr, batch, head};
+      return ModsAt{nullptr, batch, head, false};
+    }
+  }
+  // The mods of a tile, in a full block of the block mask (``whole``) or not.
+  __device__ __forceinline__ ModsAt in_block(bool whole) const {
+    if constexpr (kBlockSparse<Mods>) {
+      return ModsAt{tensors, batch, head, whole};
+    } else {
+      return *this;
     }
   }
   __device__ __forceinline__ float score(float s, int query, int key) const {
@@ -72,6 +104,9 @@ struct ModsAt {
   }
   __device__ __forceinline__ bool visible(int query, int key) const {
     if constexpr (Mods::kMask) {
+      if constexpr (kBlockSparse<Mods>) {
+        if (whole) return true;
+      }
       return Mods::mask(batch, head, query, key, tensors);
     } else {
       return true;
@@ -80,10 +115,118 @@ struct ModsAt {
   // s[mt][nt][e] (mma C layout) of query row0 + its row, key col0 + its column.
   template <int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
+    if constexpr (kBlockSparse<Mods>) {  // score_mod, then mask_mod but in a full block (one test a tile)
+      for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int r, int c) {
+        s[mt][nt][e] = score(s[mt][nt][e], row0 + r, col0 + c);
+      });
+      if (whole) return;
+      for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int r, int c) {
+        if (!visible(row0 + r, col0 + c)) s[mt][nt][e] = -kInf;
+      });
+      return;
+    }
     for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int r, int c) {
       const float modified = score(s[mt][nt][e], row0 + r, col0 + c);
       s[mt][nt][e] = visible(row0 + r, col0 + c) ? modified : -kInf;
     });
+  }
+};
+
+// The key tiles (kBlockN keys each) of one query tile's row of blocks: their statuses and
+// which of them a loop visits. Without a block mask nothing is read and every tile counts
+// as partial.
+// (The statuses' address is computed at each read from the kernel's argument, in the
+// constant bank: no pointer holds registers through the loop; at d 128 the forward with
+// mods has none to spare.)
+template <typename Mods, int kBlockN>
+struct KeyTiles {
+  static_assert(kBlockMaskSize % kBlockN == 0, "a key tile lies in one block");
+  static constexpr int kPerBlock = kBlockMaskSize / kBlockN;
+  const ParamsOf<Mods>& p;
+  int batch, head, m0;  // the query tile's
+
+  static __device__ __forceinline__ KeyTiles of(const ParamsOf<Mods>& p, int batch, int head, int m0) {
+    return KeyTiles{p, batch, head, m0};
+  }
+  __device__ __forceinline__ int status(int n) const {
+    if constexpr (kBlockSparse<Mods>) {
+      const BlockMaskView& b = p.blocks;
+      return b.status[batch * b.batch_stride + head * b.head_stride + m0 / kBlockMaskSize * b.row_stride +
+                      n / kPerBlock];
+    } else {
+      return kBlockPartial;
+    }
+  }
+  // The last tile below n that is not empty (below n_begin where none is at or above it).
+  __device__ __forceinline__ int before(int n, int n_begin) const {
+    if constexpr (kBlockSparse<Mods>) {
+      int t = n - 1;
+      while (t >= n_begin && status(t) == kBlockEmpty) t = t / kPerBlock * kPerBlock - 1;
+      return t;
+    } else {
+      return n - 1;
+    }
+  }
+  // The first tile above n that is not empty (n_end or above where none is below n_end).
+  __device__ __forceinline__ int after(int n, int n_end) const {
+    if constexpr (kBlockSparse<Mods>) {
+      int t = n + 1;
+      while (t < n_end && status(t) == kBlockEmpty) t = (t / kPerBlock + 1) * kPerBlock;
+      return t;
+    } else {
+      return n + 1;
+    }
+  }
+};
+
+// The query tiles (kBlockM rows each) of one key tile's column of blocks, for the backward's
+// loops over (query head, query tile) pairs: heads [head_begin, head_end), tiles [m_begin,
+// m_end), head by head. Only with a block mask (the loops of the dense kernels number every
+// pair).
+template <typename Mods, int kBlockM>
+struct QueryTiles {
+  static_assert(kBlockMaskSize % kBlockM == 0, "a query tile lies in one block");
+  static constexpr int kPerBlock = kBlockMaskSize / kBlockM;
+  const signed char* column;  // the statuses of the key tile's column of blocks
+  int64 head_stride, row_stride;
+  int head_end, m_begin, m_end;
+
+  static __device__ __forceinline__ QueryTiles of(const ParamsOf<Mods>& p, int batch, int n0, int head_end,
+                                                  int m_begin, int m_end) {
+    if constexpr (kBlockSparse<Mods>) {
+      const BlockMaskView& b = p.blocks;
+      return QueryTiles{b.status + batch * b.batch_stride + n0 / kBlockMaskSize, b.head_stride, b.row_stride,
+                        head_end, m_begin, m_end};
+    } else {
+      return QueryTiles{nullptr, 0, 0, head_end, m_begin, m_end};
+    }
+  }
+  __device__ __forceinline__ int status(int head, int m_tile) const {
+    if constexpr (kBlockSparse<Mods>) {
+      return column[head * head_stride + m_tile / kPerBlock * row_stride];
+    } else {
+      return kBlockPartial;
+    }
+  }
+  // (head, m_tile), or the first pair after it that is not empty; head == head_end where none.
+  __device__ __forceinline__ int2 from(int head, int m_tile) const {
+    if (m_end <= m_begin) return make_int2(head_end, m_begin);  // (no query tile: m_begin may be past the end)
+    while (head < head_end && status(head, m_tile) == kBlockEmpty) {
+      m_tile = (m_tile / kPerBlock + 1) * kPerBlock;
+      if (m_tile >= m_end) {
+        ++head;
+        m_tile = m_begin;
+      }
+    }
+    return make_int2(head, m_tile);
+  }
+  // The pairs that are not empty, from head head_begin on.
+  __device__ __forceinline__ int count(int head_begin) const {
+    int pairs = 0;
+    for (int head = head_begin; head < head_end; ++head)
+      for (int m = m_begin; m < m_end; m = (m / kPerBlock + 1) * kPerBlock)
+        if (status(head, m) != kBlockEmpty) pairs += min((m / kPerBlock + 1) * kPerBlock, m_end) - m;
+    return pairs;
   }
 };
 
