@@ -17,6 +17,7 @@ from cuflash.reference import attention_reference, attention_reference_backward
 
 from .strategies import NO_INVALID_ARITHMETIC, seeds
 from .test_mod_kernels import KINDS, QKV, SPECS, _on_the_gpu, documents, pretend_gpu, relative_bias
+from .test_plan import device
 
 pytestmark = NO_INVALID_ARITHMETIC
 
@@ -238,8 +239,8 @@ def test_block_mask_calls_plan_the_statuses_into_the_kernels(fake_gpu):
     assert options.mods.blocks is on_gpu
     assert options.mods.source == kernel_source(None, trace(shifted, "mask"), blocks=True)
     q = _on_the_gpu(QKV[0])
-    forward = _plan.forward(q, q, q, q, options, None, 227 * 1024, True, 132)
-    backward = _plan.backward(q, q, q, q, q, q, q, q, None, options, None, 227 * 1024, True)
+    forward = _plan.forward(q, q, q, q, options, None, device(227 * 1024, 132, sm90a=True))
+    backward = _plan.backward(q, q, q, q, q, q, q, q, None, options, None, device(227 * 1024, sm90a=True))
     for plan in (forward, backward):
         params = _params.ModParams.from_buffer_copy(plan.params)
         assert (params.blocks.status, params.blocks.batch_stride, params.blocks.head_stride,
@@ -248,8 +249,8 @@ def test_block_mask_calls_plan_the_statuses_into_the_kernels(fake_gpu):
     wrong = _on_the_gpu(np.zeros((2, 1, 2, 1), np.int8), "block_mask")
     with pytest.raises(ValueError, match=r"block_mask's statuses must be int8 \(1 or batch 2, 1 or heads 4, 1, 1\)"):
         cuflash.attention(*QKV, block_mask=make(wrong))
-    plain = _plan.forward(q, q, q, q, options._replace(mods=options.mods._replace(blocks=None)), None, 227 * 1024,
-                          False, 132)
+    plain = _plan.forward(q, q, q, q, options._replace(mods=options.mods._replace(blocks=None)), None,
+                          device(227 * 1024, 132))
     assert not _params.ModParams.from_buffer_copy(plain.params).blocks.status  # (null: None in ctypes)
 
 
