@@ -54,7 +54,7 @@ struct Sm90BackwardShared {
   unsigned char* base;
 
   static __device__ __forceinline__ Sm90BackwardShared of(unsigned char* dynamic) {
-    return {dynamic + ((1024 - (sm90::shared_address(dynamic) & 1023)) & 1023)};
+    return {dynamic + ((1024 - (smem_addr(dynamic) & 1023)) & 1023)};
   }
   __device__ __forceinline__ unsigned char* k() const { return base + kK; }
   __device__ __forceinline__ unsigned char* v() const { return base + kV; }

@@ -64,7 +64,7 @@ struct Sm90Shared {
   unsigned char* base;
 
   static __device__ __forceinline__ Sm90Shared of(unsigned char* dynamic) {
-    return {dynamic + ((1024 - (sm90::shared_address(dynamic) & 1023)) & 1023)};
+    return {dynamic + ((1024 - (smem_addr(dynamic) & 1023)) & 1023)};
   }
   __device__ __forceinline__ unsigned char* q() const { return base + kQ; }
   __device__ __forceinline__ unsigned char* k(int stage) const { return base + kK + stage * kKvTile; }
