@@ -27,11 +27,12 @@
 #include "decode/cache.cuh"
 #include "decode/cluster.cuh"
 #include "decode/decode_params.cuh"
-#include "partial.cuh"
 #include "decode/rotary.cuh"
+#include "fragment.cuh"
 #include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "partial.cuh"
 #include "pipeline.cuh"
 #include "score.cuh"
 #include "softmax.cuh"
@@ -318,12 +319,9 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       mma_ABt<T>(acc_s, q_tile, k_tiles[stage].from_row(warp * kWarpKeys), lane);
       // S = mod(S): softcap, ALiBi (then in natural units, already scaled)
       if constexpr (kExtras) {
-#pragma unroll
-        for (int nt = 0; nt < kWarpKeys / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            acc_s[0][nt][e] =
-                mods[e >> 1](acc_s[0][nt][e], line_query[0][e >> 1], col0 + nt * 8 + 2 * (lane & 3) + (e & 1));
+        for_each_element<1, kWarpKeys / 8>(lane, line_query, col0, [&](int mt, int nt, int e, int query, int col) {
+          acc_s[mt][nt][e] = mods[e >> 1](acc_s[mt][nt][e], query, col);
+        });
       }
       // S = -inf where hidden: padding, past the keys, outside the band
       if (!(col0 >= 0 && mask.covers(q_first, q_end, col0, col0 + kWarpKeys)))
@@ -370,6 +368,8 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       for (int w = 0; w < kWarps; ++w) {
         const float weight = merge.weigh(warp_lse[w * kBlockM + r]);
         const float4 x = *reinterpret_cast<const float4*>(warp_o + (w * kBlockM + r) * Shared::kWarpORow + c);
+        // (A branch, where PartialMerge::add_weighted selects: the same sums, o starting at +0;
+        // the branch is the machine code this kernel was measured with.)
         if (weight != 0.f) o[0] += weight * x.x, o[1] += weight * x.y, o[2] += weight * x.z, o[3] += weight * x.w;
       }
       const float scale = merge.out_scale(), lse = merge.lse();
@@ -425,9 +425,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
           x[s] = *reinterpret_cast<const float4*>(inbox_o + (first + min(s, ranks - 1)) * kHeadDim + c);
 #pragma unroll
         for (int s = 0; s < kMaxClusterSplits; ++s) {
-          const float w = weights[s];  // an empty part's O is never used
-          o[0] += w != 0.f ? w * x[s].x : 0.f, o[1] += w != 0.f ? w * x[s].y : 0.f;
-          o[2] += w != 0.f ? w * x[s].z : 0.f, o[3] += w != 0.f ? w * x[s].w : 0.f;
+          PartialMerge::add_weighted(o, weights[s], x[s]);  // (an empty part's O is never used)
         }
 #pragma unroll
         for (int e = 0; e < 4 && c + e < p.headdim; ++e) store_result(row0 + r, c + e, o[e] * scale, row_lse);

@@ -286,8 +286,8 @@ __device__ __noinline__ void merge_pieces(const Sm90Params& args, Sm90Work work,
 #pragma unroll
       for (int dt = 0; dt < kChunk; ++dt) {  // (an empty part's weight 0 selects it away, whatever it holds)
         const float4 x = __ldcg(part + dt * 32);
-        acc[dt][0] += w0 != 0.f ? w0 * x.x : 0.f, acc[dt][1] += w0 != 0.f ? w0 * x.y : 0.f;
-        acc[dt][2] += w1 != 0.f ? w1 * x.z : 0.f, acc[dt][3] += w1 != 0.f ? w1 * x.w : 0.f;
+        acc[dt][0] += PartialMerge::weighted(w0, x.x), acc[dt][1] += PartialMerge::weighted(w0, x.y);
+        acc[dt][2] += PartialMerge::weighted(w1, x.z), acc[dt][3] += PartialMerge::weighted(w1, x.w);
       }
     }
     write_columns<T>(args.p, out, lane, c, acc, scale);
