@@ -35,46 +35,15 @@
 #include "partial.cuh"
 #include "pipeline.cuh"
 #include "score.cuh"
+#include "shared_memory.cuh"
 #include "softmax.cuh"
 
 namespace cuflash {
 
-// Splits that merge in a cluster at most (the largest cluster Hopper schedules; _plan's
-// MAX_CLUSTER_SPLITS).
-constexpr int kMaxClusterSplits = 16;
 // What a part's new-key tile costs its CTA beyond a cached tile, in tiles (H200, batch 1,
 // GQA 32/8, d 128, 4k keys, 16 parts of 4 tiles: that CTA ended its part 3.3 us after
 // the others, against 0.9 us a tile; scripts/decode/decode_timeline.py).
 constexpr int kAppendTiles = 3;
-
-// Shared memory: the forward's (the Q tile, then kStages K tiles, then kStages V tiles).
-// After the key loop the K/V buffers hold each warp's normalised O (fp32 rows of
-// kHeadDim + 4, off the banks' period) and LSE. In a cluster an inbox follows the stages:
-// the merged O (fp32 rows of kHeadDim) and LSE of block row q from the CTA of rank s, for
-// the CTA that merges that row (rank q % ranks), at entry (q / ranks) ranks + s; apart
-// from the stages, so that a CTA may write into another still in its key loop.
-// _plan.KINDS["decode"] and ["decode_cluster"] state the sizes.
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct DecodeShared : ForwardShared<kHeadDim, kBlockM, kBlockN, kStages> {
-  using Base = ForwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
-  static constexpr int kWarpORow = kHeadDim + 4;
-  static constexpr int kWarpO = Base::kK;
-  template <int kWarps>
-  static __host__ __device__ constexpr int warp_lse() { return kWarpO + kWarps * kBlockM * kWarpORow * 4; }
-  template <int kWarps>
-  static __host__ __device__ constexpr bool results_fit() {
-    return warp_lse<kWarps>() + kWarps * kBlockM * 4 <= Base::kBytes;
-  }
-  // (ranks ceil(kBlockM / ranks) entries at most: below kBlockM + kMaxClusterSplits.)
-  static constexpr int kInboxEntries = kBlockM + kMaxClusterSplits;
-  static constexpr int kInboxO = Base::kBytes, kInboxLse = kInboxO + kInboxEntries * kHeadDim * 4;
-};
-// The size with the inbox (kClusterMerge).
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct ClusterDecodeShared : DecodeShared<kHeadDim, kBlockM, kBlockN, kStages> {
-  using Base = DecodeShared<kHeadDim, kBlockM, kBlockN, kStages>;
-  static constexpr int kBytes = Base::kInboxLse + Base::kInboxEntries * 4;
-};
 
 // @tparam kBlockM   packed query rows per CTA (one 16-row mma tile, shared by the warps)
 // @tparam kBlockN   keys per tile; each of the kWarps warps takes kBlockN / kWarps of them
@@ -411,20 +380,20 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       merge.top_of_warp();
       const float weight = merge.weigh(lse);
       merge.total_of_warp();
-      float weights[kMaxClusterSplits];
+      float weights[Shared::kMaxClusterSplits];
 #pragma unroll
-      for (int s = 0; s < kMaxClusterSplits; ++s) weights[s] = __shfl_sync(0xffffffffu, weight, s);
+      for (int s = 0; s < Shared::kMaxClusterSplits; ++s) weights[s] = __shfl_sync(0xffffffffu, weight, s);
       const float scale = merge.out_scale(), row_lse = merge.lse();
       for (int c = lane * 4; c < p.headdim; c += 32 * 4) {
         float o[4] = {};
         // Every load issued before any is used (no branch between them: a part past the
         // cluster reads the last part's entry, and weighs 0).
-        float4 x[kMaxClusterSplits];
+        float4 x[Shared::kMaxClusterSplits];
 #pragma unroll
-        for (int s = 0; s < kMaxClusterSplits; ++s)
+        for (int s = 0; s < Shared::kMaxClusterSplits; ++s)
           x[s] = *reinterpret_cast<const float4*>(inbox_o + (first + min(s, ranks - 1)) * kHeadDim + c);
 #pragma unroll
-        for (int s = 0; s < kMaxClusterSplits; ++s) {
+        for (int s = 0; s < Shared::kMaxClusterSplits; ++s) {
           PartialMerge::add_weighted(o, weights[s], x[s]);  // (an empty part's O is never used)
         }
 #pragma unroll
