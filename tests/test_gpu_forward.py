@@ -54,6 +54,13 @@ def check_against_reference(q, k, v, out, lse, causal, scale=None):
     check_attention(q, k, v, out, lse, causal=causal, softmax_scale=scale)
 
 
+def attend_and_check(q, k, v, causal, scale=None):
+    """One forward, its outputs in poisoned memory, checked against the rule."""
+    with poisoned_allocations():
+        out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    check_against_reference(q, k, v, out, lse, causal, scale)
+
+
 shapes = attention_shapes(max_batch=4, max_seqlen=2048, max_headdim=256, max_nheads_kv=2, max_group=4)
 
 
@@ -99,9 +106,7 @@ def test_forward_matches_reference(shape: Shape, dtype, seed):
 def test_long_sequences(shape, dtype):
     import cupy
     q, k, v = random_qkv(shape, cupy_dtype(dtype), np.random.default_rng(shape.seqlen_q), xp=cupy)
-    with poisoned_allocations():
-        out, lse = cuflash.attention(q, k, v, causal=shape.causal, return_lse=True)
-    check_against_reference(q, k, v, out, lse, shape.causal)
+    attend_and_check(q, k, v, shape.causal)
 
 
 @pytest.mark.parametrize("shape,dtype", [
@@ -118,9 +123,7 @@ def test_every_key_tile_counts(shape, dtype):
     import cupy
     q, k, v = tile_marked(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.headdim,
                           cupy_dtype(dtype), np.random.default_rng(shape.seqlen_k), xp=cupy)
-    with poisoned_allocations():
-        out, lse = cuflash.attention(q, k, v, causal=shape.causal, return_lse=True)
-    check_against_reference(q, k, v, out, lse, shape.causal)
+    attend_and_check(q, k, v, shape.causal)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -241,9 +244,7 @@ def test_lse_not_asked_for_is_not_written(head_dim):
 def test_softmax_scale(scale):
     import cupy
     q, k, v = random_qkv(Shape(2, 129, 65, 4, 2, 64, True), np.float16, np.random.default_rng(1), xp=cupy)
-    with poisoned_allocations():
-        out, lse = cuflash.attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
-    check_against_reference(q, k, v, out, lse, causal=True, scale=scale)
+    attend_and_check(q, k, v, True, scale)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -266,9 +267,7 @@ def test_row_max_that_keeps_growing(dtype, head_dim, rising):
     v = rng.standard_normal((2, seqlen, 1, head_dim), dtype=cupy.float32)
     q, k, v = (x.astype(cupy_dtype(dtype)) for x in (q, k, v))
     for causal in (False, True):
-        with poisoned_allocations():
-            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-        check_against_reference(q, k, v, out, lse, causal)
+        attend_and_check(q, k, v, causal)
 
 
 def test_fully_masked_rows_and_empty_sequences():

@@ -814,6 +814,17 @@ def _capture(step):
     return graph, outputs
 
 
+def _replay(graph, inputs, fresh, renew=lambda: None):
+    """``graph`` replayed on new values: ``fresh`` copied into its ``inputs`` (and whatever
+    else ``renew`` renews in place), then the device synchronised."""
+    with torch.no_grad():
+        for static, new in zip(inputs, fresh):
+            static.copy_(new)
+        renew()
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -830,13 +841,7 @@ def test_cuda_graph_capture_and_replay(deterministic, causal):
         return gradients(q, k, v, dout, causal=causal, deterministic=deterministic)
 
     graph, (static_out, static_grads) = _capture(step)
-
-    fresh = make_inputs(shape, torch.float16, "cuda", seed=2)
-    with torch.no_grad():
-        for static, new in zip((q, k, v, dout), fresh):
-            static.copy_(new)
-    graph.replay()
-    torch.cuda.synchronize()
+    _replay(graph, (q, k, v, dout), make_inputs(shape, torch.float16, "cuda", seed=2))
 
     out, grads = step()
     assert torch.equal(static_out, out)
@@ -1029,14 +1034,7 @@ def test_cuda_graph_with_lse_gradients():
         return lse, torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
 
     graph, (static_lse, static_grads) = _capture(step)
-
-    fresh = make_inputs(shape, torch.bfloat16, "cuda", seed=2)
-    with torch.no_grad():
-        for static, new in zip((q, k, v, dout), fresh):
-            static.copy_(new)
-        dlse.normal_()
-    graph.replay()
-    torch.cuda.synchronize()
+    _replay(graph, (q, k, v, dout), make_inputs(shape, torch.bfloat16, "cuda", seed=2), dlse.normal_)
     lse, grads = step()
     assert torch.equal(static_lse, lse)
     for static, eager in zip(static_grads, grads):

@@ -28,53 +28,44 @@ struct bfloat16_t {};  // bf16
 
 template <typename T> struct DType;
 
+// A 16-bit type's float conversion, pack and product, all alike but for the type's PTX
+// name (TYPE: "f16" or "bf16"):
+//   from_float  one float rounded to nearest
+//   pack        two floats -> one register holding {lo, hi} rounded to nearest
+//   mma         D = A * B + D, m16n8k16, fp32 accumulators
+#define CUFLASH_DTYPE_16(TYPE)                                                                          \
+  static __device__ __forceinline__ elem_t from_float(float f) {                                        \
+    elem_t x;                                                                                           \
+    asm("cvt.rn." TYPE ".f32 %0, %1;" : "=h"(x) : "f"(f));                                              \
+    return x;                                                                                           \
+  }                                                                                                     \
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {                                 \
+    unsigned r;                                                                                         \
+    asm("cvt.rn." TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                              \
+    return r;                                                                                           \
+  }                                                                                                     \
+  static __device__ __forceinline__ void mma(float d[4], const unsigned a[4], unsigned b0, unsigned b1) { \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "                           \
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                       \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                       \
+  }
+
 template <> struct DType<half_t> {
   static __device__ __forceinline__ float to_float(elem_t x) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
     return f;
   }
-  static __device__ __forceinline__ elem_t from_float(float f) {
-    elem_t x;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x) : "f"(f));
-    return x;
-  }
-  // Two floats -> one register holding {lo, hi} rounded to nearest.
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-  // D = A * B + D, m16n8k16, fp32 accumulators.
-  static __device__ __forceinline__ void mma(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  CUFLASH_DTYPE_16("f16")
 };
 
 template <> struct DType<bfloat16_t> {
   static __device__ __forceinline__ float to_float(elem_t x) { return __uint_as_float(unsigned(x) << 16); }
-  static __device__ __forceinline__ elem_t from_float(float f) {
-    elem_t x;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
-    return x;
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-  static __device__ __forceinline__ void mma(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  CUFLASH_DTYPE_16("bf16")
 };
+
+#undef CUFLASH_DTYPE_16
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -122,6 +113,8 @@ struct GridTile {
   }
 };
 
+// A generic pointer into shared memory -> the 32-bit address that PTX's shared-memory
+// operands take (ldmatrix, cp.async, mbarrier, TMA, wgmma descriptors).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }

@@ -4,6 +4,7 @@
 // Causal is right = 0.
 #pragma once
 #include "common.cuh"
+#include "fragment.cuh"
 
 namespace cuflash {
 
@@ -73,33 +74,31 @@ struct Mask {
            (!kLocal || (col_begin >= row_end - 1 + diagonal - left && col_end - 1 <= row_begin + diagonal + right));
   }
 
-  // s[mt][nt][e] is the score of line row0 + 16 mt + g + 8 (e / 2) and column
-  // col0 + 8 nt + 2 t + e % 2 (mma C layout), the lines being queries and the columns
-  // keys, or with kTransposed the other way round; hidden scores become -inf. One range
-  // test per score, against the line's visible columns taken relative to the lane's first
-  // column so that each test compares with a constant (visible() per score, unrolled over
-  // a tile, compiled to a branch and predicate shuffling per score).
+  // s[mt][nt][e] is the score of a lane's line and column (fragment.cuh), the lines being
+  // queries and the columns keys, or with kTransposed the other way round; hidden scores
+  // become -inf. One range test per score, against the line's visible columns taken
+  // relative to the lane's first column so that each test compares with a constant
+  // (visible() per score, unrolled over a tile, compiled to a branch and predicate shuffling
+  // per score). Lines from row0, columns from col0.
   template <bool kTransposed = false, int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
-    const int g = lane >> 2, t = lane & 3;
+    const int t = lane & 3;
+    for_each_line<kMTiles>(lane, row0, [&](int mt, int h, int line) {
+      const int2 seen = kTransposed ? queries_seeing(line) : keys_seen_by(line);
+      const int lo = seen.x - (col0 + 2 * t), hi = seen.y - (col0 + 2 * t);
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int line = row0 + mt * 16 + g + 8 * h;
-        const int2 seen = kTransposed ? queries_seeing(line) : keys_seen_by(line);
-        const int lo = seen.x - (col0 + 2 * t), hi = seen.y - (col0 + 2 * t);
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-            if ((nt * 8 + j < lo) | (nt * 8 + j > hi)) s[mt][nt][2 * h + j] = -kInf;
-      }
+        for (int j = 0; j < 2; ++j)
+          if ((nt * 8 + j < lo) | (nt * 8 + j > hi)) s[mt][nt][2 * h + j] = -kInf;
+    });
   }
 
   // As apply, where a lane's lines are not consecutive query rows (the KV-cache call packs
   // the query heads of a KV head into the tile's lines): line (mt, h) of this lane is
-  // query row rows[mt][h].
+  // query row rows[mt][h]. Columns below 0 (left padding) are hidden too. (Its lines
+  // through fragment.cuh's for_each_line, the KV-cache kernel with softcap or ALiBi came
+  // out as other machine code.)
   template <int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply_to_rows(float (&s)[kMTiles][kNTiles][4], const int (&rows)[kMTiles][2],
                                                 int col0, int lane) const {

@@ -31,6 +31,12 @@ struct PartialMerge {
     total += w;
     return w;
   }
+  // Third: sum_i w_i O_i, one element of a part's O at a time. An empty part's weight 0
+  // selects its O away (not 0 * O: whatever its O holds, a NaN or inf included, adds nothing).
+  static __device__ __forceinline__ float weighted(float w, float x) { return w != 0.f ? w * x : 0.f; }
+  static __device__ __forceinline__ void add_weighted(float (&o)[4], float w, const float4& x) {
+    o[0] += weighted(w, x.x), o[1] += weighted(w, x.y), o[2] += weighted(w, x.z), o[3] += weighted(w, x.w);
+  }
   // The passes split among a warp's lanes, each lane seeing some of the parts: after the
   // first, every lane takes the warp's top; after the second, the warp's total.
   __device__ __forceinline__ void top_of_warp() {

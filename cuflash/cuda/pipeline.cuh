@@ -22,6 +22,7 @@
 #pragma once
 #include "copy.cuh"
 #include "layout.cuh"
+#include "shared_memory.cuh"  // ForwardShared: the stages in shared memory
 
 namespace cuflash {
 
@@ -36,16 +37,6 @@ struct LoadPipeline {
     sync();
   }
   static __device__ __forceinline__ void release() { __syncthreads(); }
-};
-
-// Shared memory of a kernel that streams K and V past one Q tile (the forward, the KV-cache
-// split kernel), byte offsets: the Q tile, then kStages K tiles, then kStages V tiles.
-// _plan.KINDS["forward"] states the same size (tests/test_plan.py holds the two together).
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct ForwardShared {
-  static constexpr int kRow = HeadDimLayout<kHeadDim>::kRowElems * kElemBytes;
-  static constexpr int kQ = 0, kK = kQ + kBlockM * kRow, kV = kK + kStages * kBlockN * kRow;
-  static constexpr int kBytes = kV + kStages * kBlockN * kRow;
 };
 
 // The kStages buffers of one operand: tiles of kRows rows in layout L, one after another.

@@ -4,6 +4,7 @@
 // batch, head, row, col) always gives the same decision, whatever the launch shape).
 #pragma once
 #include "common.cuh"
+#include "fragment.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 
@@ -25,14 +26,9 @@ struct ScoreMod {
   // Every score of acc (mma C layout, rows from row0, columns from col0) through the mod.
   template <int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[mt][nt][e] = (*this)(s[mt][nt][e], row0 + mt * 16 + g + 8 * (e >> 1), col0 + nt * 8 + 2 * t + (e & 1));
+    for_each_element<kMTiles, kNTiles>(lane, row0, col0, [&](int mt, int nt, int e, int row, int col) {
+      s[mt][nt][e] = (*this)(s[mt][nt][e], row, col);
+    });
   }
   // d score / d (scale q.k): softcap's 1 - tanh^2 (ALiBi adds a constant).
   __device__ __forceinline__ float chain(float s) const {
@@ -73,18 +69,12 @@ struct Dropout {
   // Zero the dropped probabilities of p (mma C layout); column pairs share a call.
   template <int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&p)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          bool first, second;
-          keep_pair(row0 + mt * 16 + g + 8 * h, col0 + nt * 8 + 2 * t, first, second);
-          if (!first) p[mt][nt][2 * h] = 0.f;
-          if (!second) p[mt][nt][2 * h + 1] = 0.f;
-        }
+    for_each_element<kMTiles, kNTiles, 2>(lane, row0, col0, [&](int mt, int nt, int e, int row, int col) {
+      bool first, second;
+      keep_pair(row, col, first, second);
+      if (!first) p[mt][nt][e] = 0.f;
+      if (!second) p[mt][nt][e + 1] = 0.f;
+    });
   }
   // (row, col) and (row, col + 1) for an even col: one Philox call.
   __device__ __forceinline__ void keep_pair(int row, int col, bool& first, bool& second) const {

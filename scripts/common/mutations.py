@@ -7,12 +7,13 @@ selection against each copy and print which the tests caught.
     python scripts/common/mutations.py --only rotary-q --tests "tests/test_kvcache.py -x"
 
 Each mutant is (name, family, file under cuflash/, old text, new text, what it breaks,
-pytest selection). The copy holds cuflash/ (its CUDA sources included: the kernel cache
-keys every source byte, so a mutated kernel is compiled afresh), tests/ and
-pyproject.toml, and pytest runs in it, so the copy is the package the tests import. A
-mutant whose old text is not found exactly once is reported, not run. A mutant is
-caught when pytest exits 1 (a test failed), survived when it exits 0; anything else
-(a collection error, a timeout) is reported as such. Exit status 1 if any mutant survived.
+pytest selection): a table of scripts/common/mutants.toml. The copy holds cuflash/ (its
+CUDA sources included: the kernel cache keys every source byte, so a mutated kernel is
+compiled afresh), tests/ and pyproject.toml, and pytest runs in it, so the copy is the
+package the tests import. A mutant whose old text is not found exactly once is reported,
+not run. A mutant is caught when pytest exits 1 (a test failed), survived when it exits 0;
+anything else (a collection error, a timeout) is reported as such. Exit status 1 if any
+mutant survived.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,55 +43,15 @@ class Mutant:
     tests: str   # the pytest selection that must catch it
 
 
-CPU_TESTS = "tests/test_cpu.py tests/test_cpu_variants.py tests/test_kvcache.py tests/test_reference_kvcache.py -x -q"
-KV_GPU = "tests/test_gpu_kvcache.py -x -q -k 'every_key_tile or small_calls or long_calls or merge_steps or split_count'"
-FWD_GPU = "tests/test_gpu_forward.py tests/test_sm90.py -x -q -k 'every_key_tile or matches or long_sequences or tail'"
+def load_mutants(path: Path = Path(__file__).with_name("mutants.toml")) -> list[Mutant]:
+    """The mutants of ``path`` (mutants.toml: one [[mutant]] table each), their tests named
+    by [selections] where they name one."""
+    table = tomllib.loads(path.read_text(encoding="utf-8"))
+    selections = table.get("selections", {})
+    return [Mutant(**{**entry, "tests": selections.get(entry["tests"], entry["tests"])}) for entry in table["mutant"]]
 
-MUTANTS = [
-    Mutant("rotary-q", "cpu", "cpu.py",
-           "cache.rotary_interleaved).astype(q.dtype)", "cache.rotary_interleaved)",
-           "the rotated q kept in float32, not rounded to q's dtype", "tests/test_kvcache.py -x -q"),
-    Mutant("rotary-position", "cpu", "cpu.py",
-           "positions = np.arange(n, n + seqlen_q) if local else np.full(seqlen_q, n)",
-           "positions = np.arange(n, n + seqlen_q) if local else np.full(seqlen_q, max(n - 1, 0))",
-           "q rotated one position early", CPU_TESTS),
-    Mutant("kv-leftpad", "cpu", "cpu.py",
-           "keys = _rows(b, np.arange(int(leftpad[b]), n + cache.seqlen_new)",
-           "keys = _rows(b, np.arange(int(leftpad[b]) // 2, n + cache.seqlen_new)",
-           "keys before the left padding read", CPU_TESTS),
-    Mutant("kv-last-key", "cpu", "cpu.py",
-           "keys = _rows(b, np.arange(int(leftpad[b]), n + cache.seqlen_new)",
-           "keys = _rows(b, np.arange(int(leftpad[b]), max(int(leftpad[b]), n + cache.seqlen_new - 1))",
-           "the last key of each sequence lost", CPU_TESTS),
-    Mutant("kv-window-limit", "cpu", "cpu.py",
-           "batch_index=np.array([b]), window_limit=cache.capacity)", "batch_index=np.array([b]), window_limit=None)",
-           "a window side compared with the sequence's length, not the cache's", CPU_TESTS),
-    Mutant("kv-page-row", "cpu", "cpu.py",
-           "return table[b].astype(np.int64)[positions // page_size], positions % page_size",
-           "return table[b].astype(np.int64)[positions // page_size], (positions + 1) % page_size",
-           "a paged row read from the next slot", CPU_TESTS),
-    Mutant("merge-states-weight", "cpu", "kvcache.py",
-           "weights = xp.where(empty, 0, xp.exp(finite - xp.where(seen, top, 0)))",
-           "weights = xp.where(empty, 0, xp.exp(0.5 * (finite - xp.where(seen, top, 0))))",
-           "merge_states weighs its parts by exp(lse / 2)", "tests/test_kvcache.py tests/test_torch_kvcache.py -x -q"),
-    # The kernels' mutants: a tile, page, split, merge or rotary bug the GPU tests must see.
-    Mutant("mask-offset", "cuda", "cuda/mask.cuh", "return Mask{seqlen_k, seqlen_k - seqlen_q, left < 0 || left",
-           "return Mask{seqlen_k, seqlen_k - seqlen_q + 1, left < 0 || left",
-           "the mask's diagonal one key late (every family's mask)", FWD_GPU),
-    Mutant("split-skips-a-tile", "cuda", "cuda/decode/split_kv.cu",
-           "const int n_begin = part_tile(part), n_end = part_tile(part + 1);",
-           "const int n_begin = part_tile(part) + (part > 0 && part_tile(part) < part_tile(part + 1)), "
-           "n_end = part_tile(part + 1);",
-           "every split after the first skips its first key tile", KV_GPU),
-    Mutant("merge-weight", "cuda", "cuda/partial.cuh", "fast_exp2((lse - top) * kLog2e)",
-           "fast_exp2((lse - top) * kLog2e * 0.5f)", "a part's merge weight exp((lse - top) / 2)",
-           KV_GPU),
-    Mutant("page-index", "cuda", "cuda/decode/cache.cuh", "pages[page_of(t)] : -1;", "pages[page_of(t) ^ 1] : -1;",
-           "a row read ahead from the neighbouring page-table entry", KV_GPU),
-    Mutant("rotary-q-position", "cuda", "cuda/decode/split_kv.cu",
-           "return seq.length + (kLocal ? (row0 + r) / group : 0);",
-           "return seq.length + (kLocal ? (row0 + r) / group : 0) + 1;", "q rotated one position late", KV_GPU),
-]
+
+MUTANTS = load_mutants()
 
 
 def plant(mutant: Mutant, into: Path) -> str | None:

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_states(const MergePara
         const int col = lane + 32 * c;
         if (col < p.headdim) {
           const float x = Storage<TIn>::load(p.parts, part + col);
-          acc[c] += weight != 0.f ? weight * x : 0.f;
+          acc[c] += PartialMerge::weighted(weight, x);
         }
       }
     }

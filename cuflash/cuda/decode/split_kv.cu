@@ -27,53 +27,23 @@
 #include "decode/cache.cuh"
 #include "decode/cluster.cuh"
 #include "decode/decode_params.cuh"
-#include "partial.cuh"
 #include "decode/rotary.cuh"
+#include "fragment.cuh"
 #include "layout.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "partial.cuh"
 #include "pipeline.cuh"
 #include "score.cuh"
+#include "shared_memory.cuh"
 #include "softmax.cuh"
 
 namespace cuflash {
 
-// Splits that merge in a cluster at most (the largest cluster Hopper schedules; _plan's
-// MAX_CLUSTER_SPLITS).
-constexpr int kMaxClusterSplits = 16;
 // What a part's new-key tile costs its CTA beyond a cached tile, in tiles (H200, batch 1,
 // GQA 32/8, d 128, 4k keys, 16 parts of 4 tiles: that CTA ended its part 3.3 us after
 // the others, against 0.9 us a tile; scripts/decode/decode_timeline.py).
 constexpr int kAppendTiles = 3;
-
-// Shared memory: the forward's (the Q tile, then kStages K tiles, then kStages V tiles).
-// After the key loop the K/V buffers hold each warp's normalised O (fp32 rows of
-// kHeadDim + 4, off the banks' period) and LSE. In a cluster an inbox follows the stages:
-// the merged O (fp32 rows of kHeadDim) and LSE of block row q from the CTA of rank s, for
-// the CTA that merges that row (rank q % ranks), at entry (q / ranks) ranks + s; apart
-// from the stages, so that a CTA may write into another still in its key loop.
-// _plan.KINDS["decode"] and ["decode_cluster"] state the sizes.
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct DecodeShared : ForwardShared<kHeadDim, kBlockM, kBlockN, kStages> {
-  using Base = ForwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
-  static constexpr int kWarpORow = kHeadDim + 4;
-  static constexpr int kWarpO = Base::kK;
-  template <int kWarps>
-  static __host__ __device__ constexpr int warp_lse() { return kWarpO + kWarps * kBlockM * kWarpORow * 4; }
-  template <int kWarps>
-  static __host__ __device__ constexpr bool results_fit() {
-    return warp_lse<kWarps>() + kWarps * kBlockM * 4 <= Base::kBytes;
-  }
-  // (ranks ceil(kBlockM / ranks) entries at most: below kBlockM + kMaxClusterSplits.)
-  static constexpr int kInboxEntries = kBlockM + kMaxClusterSplits;
-  static constexpr int kInboxO = Base::kBytes, kInboxLse = kInboxO + kInboxEntries * kHeadDim * 4;
-};
-// The size with the inbox (kClusterMerge).
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct ClusterDecodeShared : DecodeShared<kHeadDim, kBlockM, kBlockN, kStages> {
-  using Base = DecodeShared<kHeadDim, kBlockM, kBlockN, kStages>;
-  static constexpr int kBytes = Base::kInboxLse + Base::kInboxEntries * 4;
-};
 
 // @tparam kBlockM   packed query rows per CTA (one 16-row mma tile, shared by the warps)
 // @tparam kBlockN   keys per tile; each of the kWarps warps takes kBlockN / kWarps of them
@@ -318,12 +288,9 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       mma_ABt<T>(acc_s, q_tile, k_tiles[stage].from_row(warp * kWarpKeys), lane);
       // S = mod(S): softcap, ALiBi (then in natural units, already scaled)
       if constexpr (kExtras) {
-#pragma unroll
-        for (int nt = 0; nt < kWarpKeys / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            acc_s[0][nt][e] =
-                mods[e >> 1](acc_s[0][nt][e], line_query[0][e >> 1], col0 + nt * 8 + 2 * (lane & 3) + (e & 1));
+        for_each_element<1, kWarpKeys / 8>(lane, line_query, col0, [&](int mt, int nt, int e, int query, int col) {
+          acc_s[mt][nt][e] = mods[e >> 1](acc_s[mt][nt][e], query, col);
+        });
       }
       // S = -inf where hidden: padding, past the keys, outside the band
       if (!(col0 >= 0 && mask.covers(q_first, q_end, col0, col0 + kWarpKeys)))
@@ -370,6 +337,8 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       for (int w = 0; w < kWarps; ++w) {
         const float weight = merge.weigh(warp_lse[w * kBlockM + r]);
         const float4 x = *reinterpret_cast<const float4*>(warp_o + (w * kBlockM + r) * Shared::kWarpORow + c);
+        // (A branch, where PartialMerge::add_weighted selects: the same sums, o starting at +0;
+        // the branch is the machine code this kernel was measured with.)
         if (weight != 0.f) o[0] += weight * x.x, o[1] += weight * x.y, o[2] += weight * x.z, o[3] += weight * x.w;
       }
       const float scale = merge.out_scale(), lse = merge.lse();
@@ -411,23 +380,21 @@ __global__ void __launch_bounds__(kWarps * 32, kHeadDim > 128 || kWarps > 4 ? 1 
       merge.top_of_warp();
       const float weight = merge.weigh(lse);
       merge.total_of_warp();
-      float weights[kMaxClusterSplits];
+      float weights[Shared::kMaxClusterSplits];
 #pragma unroll
-      for (int s = 0; s < kMaxClusterSplits; ++s) weights[s] = __shfl_sync(0xffffffffu, weight, s);
+      for (int s = 0; s < Shared::kMaxClusterSplits; ++s) weights[s] = __shfl_sync(0xffffffffu, weight, s);
       const float scale = merge.out_scale(), row_lse = merge.lse();
       for (int c = lane * 4; c < p.headdim; c += 32 * 4) {
         float o[4] = {};
         // Every load issued before any is used (no branch between them: a part past the
         // cluster reads the last part's entry, and weighs 0).
-        float4 x[kMaxClusterSplits];
+        float4 x[Shared::kMaxClusterSplits];
 #pragma unroll
-        for (int s = 0; s < kMaxClusterSplits; ++s)
+        for (int s = 0; s < Shared::kMaxClusterSplits; ++s)
           x[s] = *reinterpret_cast<const float4*>(inbox_o + (first + min(s, ranks - 1)) * kHeadDim + c);
 #pragma unroll
-        for (int s = 0; s < kMaxClusterSplits; ++s) {
-          const float w = weights[s];  // an empty part's O is never used
-          o[0] += w != 0.f ? w * x[s].x : 0.f, o[1] += w != 0.f ? w * x[s].y : 0.f;
-          o[2] += w != 0.f ? w * x[s].z : 0.f, o[3] += w != 0.f ? w * x[s].w : 0.f;
+        for (int s = 0; s < Shared::kMaxClusterSplits; ++s) {
+          PartialMerge::add_weighted(o, weights[s], x[s]);  // (an empty part's O is never used)
         }
 #pragma unroll
         for (int e = 0; e < 4 && c + e < p.headdim; ++e) store_result(row0 + r, c + e, o[e] * scale, row_lse);

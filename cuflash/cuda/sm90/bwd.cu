@@ -25,6 +25,7 @@
 #include "dq_accum.cuh"
 #include "mask.cuh"
 #include "score.cuh"
+#include "shared_memory.cuh"
 #include "sm90/bwd_params.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
@@ -32,29 +33,18 @@
 
 namespace cuflash {
 
-// Shared memory, byte offsets from a 1024-byte aligned start (the swizzle's atoms): K, V,
-// kStages Q tiles, kStages dO tiles, two dS^T tiles ([key][query]: a step writes one
-// while the other consumer may still read the one before), kStages rows of LSE (times
-// log2 e) and of D, then the barriers: K/V's "landed", each stage's "landed", each
-// stage's "released". A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes; dS^T is
-// kBlockM / 64 blocks of kBlockN x 128 bytes. The launch asks for 1024 bytes more
-// (alignment).
+// The shared memory of Sm90BackwardSharedLayout (shared_memory.cuh), its loads and its barriers.
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct Sm90BackwardShared {
-  static constexpr int kColumnBlocks = kHeadDim / 64;
-  static constexpr int kKvBlock = kBlockN * 128, kQBlock = kBlockM * 128;  // bytes of a 64-column block
-  static constexpr int kKvTile = kBlockN * kHeadDim * 2, kQTile = kBlockM * kHeadDim * 2;
-  static constexpr int kDsTile = kBlockN * kBlockM * 2;
-  static constexpr int kK = 0, kV = kKvTile, kQ = 2 * kKvTile, kDo = kQ + kStages * kQTile;
-  static constexpr int kDs = kDo + kStages * kQTile;
-  static constexpr int kLse = kDs + 2 * kDsTile, kDelta = kLse + kStages * kBlockM * 4;
-  static constexpr int kBarriers = kDelta + kStages * kBlockM * 4;
-  static constexpr int kBytes = kBarriers + (1 + 2 * kStages) * 8 + 1024;
+struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
+  using Layout = Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages>;
+  using Layout::kBarriers, Layout::kColumnBlocks, Layout::kDelta, Layout::kDo, Layout::kDs, Layout::kDsTile,
+      Layout::kK, Layout::kKvBlock, Layout::kKvTile, Layout::kLse, Layout::kQ, Layout::kQBlock, Layout::kQTile,
+      Layout::kV;
 
   unsigned char* base;
 
   static __device__ __forceinline__ Sm90BackwardShared of(unsigned char* dynamic) {
-    return {dynamic + ((1024 - (sm90::shared_address(dynamic) & 1023)) & 1023)};
+    return {{}, dynamic + ((1024 - (smem_addr(dynamic) & 1023)) & 1023)};
   }
   __device__ __forceinline__ unsigned char* k() const { return base + kK; }
   __device__ __forceinline__ unsigned char* v() const { return base + kV; }

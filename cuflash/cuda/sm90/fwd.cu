@@ -27,6 +27,7 @@
 #include "mask.cuh"
 #include "partial.cuh"
 #include "score.cuh"
+#include "shared_memory.cuh"
 #include "sm90/fwd_params.cuh"
 #include "sm90/tile_scheduler.cuh"
 #include "sm90/tma.cuh"
@@ -35,36 +36,18 @@
 
 namespace cuflash {
 
-// Shared memory, byte offsets from a 1024-byte aligned start (the swizzle's atoms): Q,
-// kStages K tiles, kStages V tiles, then the barriers: Q's two ("landed", "released"), then
-// each stage's "landed" and each stage's "released"; then the number of the tile whose Q
-// is loaded (the producer's word to the consumers, under Q's barriers), and a word for
-// each warp that the consumers write to order their code (sink). With two stages (kApart)
-// K and V have barriers of their own (K's landed, V's landed, K's released, V's
-// released): a stage's K is done with at its S, its V only at the next turn's P V, and
-// the copy engine refills each as soon as it may. With three (d 64), a stage's K and V
-// share one pair: the third stage keeps the copy engine ahead already, and releasing them
-// apart showed no gain (H200, d 64 and a three-stage d 128). A tile of R rows is
-// kHeadDim / 64 blocks of R x 128 bytes, one after the other. Dynamic shared memory is
-// promised less alignment: the launch asks for 1024 bytes more (_sm90.shared_bytes).
+// The shared memory of Sm90SharedLayout (shared_memory.cuh), its loads and its barriers.
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct Sm90Shared {
-  static constexpr int kColumnBlocks = kHeadDim / 64;
-  static constexpr int kQBlock = kBlockM * 128, kKvBlock = kBlockN * 128;  // bytes of a 64-column block
-  static constexpr int kKvTile = kBlockN * kHeadDim * 2;
-  static constexpr int kQ = 0, kK = kQ + kBlockM * kHeadDim * 2, kV = kK + kStages * kKvTile;
-  static constexpr int kBarriers = kV + kStages * kKvTile;
-  static constexpr bool kApart = kStages == 2;
-  static constexpr int kStageBarriers = (kApart ? 2 : 1) * kStages;  // "landed" ones, as many "released"
-  static constexpr int kTile = kBarriers + (2 + 2 * kStageBarriers) * 8;
-  static constexpr int kSinks = kTile + 8, kMaxWarps = 16;
-  static constexpr int kBytes = kSinks + kMaxWarps * 4 + 1024;
+struct Sm90Shared : Sm90SharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
+  using Layout = Sm90SharedLayout<kHeadDim, kBlockM, kBlockN, kStages>;
+  using Layout::kApart, Layout::kBarriers, Layout::kColumnBlocks, Layout::kK, Layout::kKvBlock, Layout::kKvTile,
+      Layout::kQ, Layout::kQBlock, Layout::kSinks, Layout::kStageBarriers, Layout::kTile, Layout::kV;
   enum Operand { kKeys, kValues, kBoth };  // (kBoth: a stage's K and V under one pair)
 
   unsigned char* base;
 
   static __device__ __forceinline__ Sm90Shared of(unsigned char* dynamic) {
-    return {dynamic + ((1024 - (sm90::shared_address(dynamic) & 1023)) & 1023)};
+    return {{}, dynamic + ((1024 - (smem_addr(dynamic) & 1023)) & 1023)};
   }
   __device__ __forceinline__ unsigned char* q() const { return base + kQ; }
   __device__ __forceinline__ unsigned char* k(int stage) const { return base + kK + stage * kKvTile; }
@@ -286,8 +269,8 @@ __device__ __noinline__ void merge_pieces(const Sm90Params& args, Sm90Work work,
 #pragma unroll
       for (int dt = 0; dt < kChunk; ++dt) {  // (an empty part's weight 0 selects it away, whatever it holds)
         const float4 x = __ldcg(part + dt * 32);
-        acc[dt][0] += w0 != 0.f ? w0 * x.x : 0.f, acc[dt][1] += w0 != 0.f ? w0 * x.y : 0.f;
-        acc[dt][2] += w1 != 0.f ? w1 * x.z : 0.f, acc[dt][3] += w1 != 0.f ? w1 * x.w : 0.f;
+        acc[dt][0] += PartialMerge::weighted(w0, x.x), acc[dt][1] += PartialMerge::weighted(w0, x.y);
+        acc[dt][2] += PartialMerge::weighted(w1, x.z), acc[dt][3] += PartialMerge::weighted(w1, x.w);
       }
     }
     write_columns<T>(args.p, out, lane, c, acc, scale);

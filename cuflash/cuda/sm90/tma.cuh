@@ -7,7 +7,6 @@
 // wait on the barrier's phase: it completes when the expected bytes have all arrived.
 #pragma once
 #include "common.cuh"
-#include "sm90/wgmma.cuh"  // shared_address
 
 namespace cuflash {
 namespace sm90 {
@@ -22,7 +21,7 @@ struct Barrier {
   unsigned long long* at;  // in shared memory
 
   __device__ __forceinline__ void init(int arrivals) const {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(at)), "r"(arrivals));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(at)), "r"(arrivals));
   }
   // Make initialised barriers visible to the copy engine (then a CTA barrier).
   static __device__ __forceinline__ void fence_init() {
@@ -30,12 +29,12 @@ struct Barrier {
   }
   // This thread's arrival, announcing `bytes` more to come from the copy engine.
   __device__ __forceinline__ void arrive_expecting(unsigned bytes) const {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(at)), "r"(bytes)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(at)), "r"(bytes)
                  : "memory");
   }
   // This thread's arrival (with no bytes to wait for).
   __device__ __forceinline__ void arrive() const {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(at)) : "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(at)) : "memory");
   }
   // Wait until phase `parity` (0, 1, 0, ... for its successive completions) has completed.
   __device__ __forceinline__ void wait(int parity) const {
@@ -45,7 +44,7 @@ struct Barrier {
         "WAIT:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra WAIT;\n"
-        "}\n" ::"r"(shared_address(at)),
+        "}\n" ::"r"(smem_addr(at)),
         "r"(parity)
         : "memory");
   }
@@ -57,8 +56,8 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap& map, const 
                                          int c2, int c3) {
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
-      "[%2];\n" ::"r"(shared_address(dst)),
-      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(shared_address(barrier.at)), "r"(c0), "r"(c1), "r"(c2),
+      "[%2];\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(smem_addr(barrier.at)), "r"(c0), "r"(c1), "r"(c2),
       "r"(c3)
       : "memory");
 }

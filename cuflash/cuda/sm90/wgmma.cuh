@@ -19,15 +19,11 @@
 namespace cuflash {
 namespace sm90 {
 
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 struct SmemDesc {
   static __device__ __forceinline__ unsigned long long field(unsigned bytes) { return (bytes & 0x3FFFF) >> 4; }
   // 128-byte swizzle (1 << 62); stride between 8-row groups 1024 bytes.
   static __device__ __forceinline__ unsigned long long make(const void* start, unsigned leading_bytes) {
-    return field(shared_address(start)) | field(leading_bytes) << 16 | field(1024) << 32 | 1ull << 62;
+    return field(smem_addr(start)) | field(leading_bytes) << 16 | field(1024) << 32 | 1ull << 62;
   }
   static __device__ __forceinline__ unsigned long long k_major(const void* start) { return make(start, 16); }
   static __device__ __forceinline__ unsigned long long n_major(const void* start, unsigned block_bytes) {
@@ -133,13 +129,18 @@ struct Wgmma;
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                       \
     }                                                                                                           \
   };
-// Both types at one N, whose asm outputs are CUFLASH_WGMMA_D<N> (named here, expanded as
-// CUFLASH_WGMMA's argument: passed on expanded, its commas would split it).
-#define CUFLASH_WGMMA_N(N, D_PTX, A, B, ACCUMULATE, TRANSPOSE, RS_OPERANDS)                                  \
-  CUFLASH_WGMMA(half_t, "f16", N, D_PTX, CUFLASH_WGMMA_D##N, A, B, ACCUMULATE, TRANSPOSE, RS_OPERANDS) \
-  CUFLASH_WGMMA(bfloat16_t, "bf16", N, D_PTX, CUFLASH_WGMMA_D##N, A, B, ACCUMULATE, TRANSPOSE, RS_OPERANDS)
+// Both types at one N, whose accumulators are CUFLASH_WGMMA_D<N> as asm outputs and
+// CUFLASH_WGMMA_R<N> as PTX operands (named here, expanded as CUFLASH_WGMMA's arguments:
+// passed on expanded, the outputs' commas would split them); the operands after them are
+// numbered K0 .. K4 (K0 = N / 2).
+#define CUFLASH_WGMMA_N(N, K0, K1, K2, K3, K4)                                                                \
+  CUFLASH_WGMMA(half_t, "f16", N, "{" CUFLASH_WGMMA_R##N "}", CUFLASH_WGMMA_D##N, "%" #K0, "%" #K1, "%" #K2,   \
+                "%" #K3, "{%" #K0 ", %" #K1 ", %" #K2 ", %" #K3 "}, %" #K4)                                  \
+  CUFLASH_WGMMA(bfloat16_t, "bf16", N, "{" CUFLASH_WGMMA_R##N "}", CUFLASH_WGMMA_D##N, "%" #K0, "%" #K1,       \
+                "%" #K2, "%" #K3, "{%" #K0 ", %" #K1 ", %" #K2 ", %" #K3 "}, %" #K4)
 
-// The accumulators of each N, each list the one before it and the tiles N adds.
+// The accumulators of each N, each list the one before it and the tiles N adds; as asm
+// outputs (D) and as PTX operands (R).
 #define CUFLASH_WGMMA_D64 \
   CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4), \
   CUFLASH_WGMMA_D4(5), CUFLASH_WGMMA_D4(6), CUFLASH_WGMMA_D4(7)
@@ -150,18 +151,18 @@ struct Wgmma;
 #define CUFLASH_WGMMA_D176 \
   CUFLASH_WGMMA_D128, CUFLASH_WGMMA_D4(16), CUFLASH_WGMMA_D4(17), CUFLASH_WGMMA_D4(18), CUFLASH_WGMMA_D4(19), \
   CUFLASH_WGMMA_D4(20), CUFLASH_WGMMA_D4(21)
-CUFLASH_WGMMA_N(64,
-                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
-                "%32", "%33", "%34", "%35", "{%32, %33, %34, %35}, %36")
-CUFLASH_WGMMA_N(80,
-                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}",
-                "%40", "%41", "%42", "%43", "{%40, %41, %42, %43}, %44")
-CUFLASH_WGMMA_N(128,
-                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
-                "%64", "%65", "%66", "%67", "{%64, %65, %66, %67}, %68")
-CUFLASH_WGMMA_N(176,
-                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}",
-                "%88", "%89", "%90", "%91", "{%88, %89, %90, %91}, %92")
+#define CUFLASH_WGMMA_R64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define CUFLASH_WGMMA_R80 CUFLASH_WGMMA_R64 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define CUFLASH_WGMMA_R128 CUFLASH_WGMMA_R80 ", %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define CUFLASH_WGMMA_R176 CUFLASH_WGMMA_R128 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87"
+CUFLASH_WGMMA_N(64, 32, 33, 34, 35, 36)
+CUFLASH_WGMMA_N(80, 40, 41, 42, 43, 44)
+CUFLASH_WGMMA_N(128, 64, 65, 66, 67, 68)
+CUFLASH_WGMMA_N(176, 88, 89, 90, 91, 92)
+#undef CUFLASH_WGMMA_R176
+#undef CUFLASH_WGMMA_R128
+#undef CUFLASH_WGMMA_R80
+#undef CUFLASH_WGMMA_R64
 #undef CUFLASH_WGMMA_D176
 #undef CUFLASH_WGMMA_D128
 #undef CUFLASH_WGMMA_D80
