@@ -143,10 +143,17 @@ def _run(case: str, shape, seed: int, deterministic: bool):
         refs = attention_reference_backward(dout, q, k, v, mod_tensors=host, **mods, **options)
         lowps = attention_lowp_backward(dout, q, k, v, **options)
         plains = attention_reference_backward(dout, q, k, v, **options)
+    check_results(out, lse, grads, (q, k, v), dtype, (ref, ref_lse, lowp, plain), (refs, lowps, plains))
+
+
+def check_results(out, lse, grads, inputs, dtype, forward, backward) -> None:
+    """out, lse and (dq, dk, dv) of a call with mods against the oracle by the rule, the
+    yardstick plain attention's lowp error: forward = (ref, ref_lse, lowp, plain) and
+    backward = (refs, lowps, plains), each a triple of gradients."""
+    ref, ref_lse, lowp, plain = forward
     check_output(out, ref, lowp_error(lowp, plain), dtype)
     check_lse(lse, ref_lse)
-    for name, grad, reference, low, plain_grad, like in zip(("dq", "dk", "dv"), grads, refs, lowps, plains,
-                                                           (q, k, v)):
+    for name, grad, reference, low, plain_grad, like in zip(("dq", "dk", "dv"), grads, *backward, inputs):
         assert grad.shape == like.shape and grad.dtype == like.dtype, name
         # The gradient rule (tests/rule.py, check_gradient) with plain attention's yardstick.
         scale = float(np.abs(reference).max(initial=0.0))
@@ -270,20 +277,11 @@ def _run_blocks(case: str, shape, seed: int, deterministic: bool):
         grads = cuflash.attention_backward(cdout, cq, ck, cv, out, lse, deterministic=deterministic,
                                            score_mod=score_mod, block_mask=block_mask, **options)
     mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
-    ref, ref_lse = attention_reference(q, k, v, **mods, **options)
-    lowp = attention_lowp(q, k, v, **options)
-    plain = attention_reference(q, k, v, **options)[0]
-    check_output(out, ref, lowp_error(lowp, plain), dtype)
-    check_lse(lse, ref_lse)
-    refs = attention_reference_backward(dout, q, k, v, **mods, **options)
-    lowps = attention_lowp_backward(dout, q, k, v, **options)
-    plains = attention_reference_backward(dout, q, k, v, **options)
-    for name, grad, reference, low, plain_grad, like in zip(("dq", "dk", "dv"), grads, refs, lowps, plains,
-                                                           (q, k, v)):
-        assert grad.shape == like.shape and grad.dtype == like.dtype, name
-        scale = float(np.abs(reference).max(initial=0.0))
-        assert_close(grad, reference, atol=3 * lowp_error(low, plain_grad) + 2 * FLOOR[dtype] * (1.0 + scale),
-                     name=name)
+    forward = (*attention_reference(q, k, v, **mods, **options), attention_lowp(q, k, v, **options),
+               attention_reference(q, k, v, **options)[0])
+    backward = (attention_reference_backward(dout, q, k, v, **mods, **options),
+                attention_lowp_backward(dout, q, k, v, **options), attention_reference_backward(dout, q, k, v, **options))
+    check_results(out, lse, grads, (q, k, v), dtype, forward, backward)
 
 
 block_shapes = st.tuples(st.integers(1, 2), st.sampled_from(BLOCK_LENGTHS), st.sampled_from(BLOCK_LENGTHS),
