@@ -87,7 +87,7 @@ __device__ __forceinline__ float fast_log2(float x) {
 // short ones fill the group's last wave (longest-processing-time first: head by head,
 // the last heads' long tiles would start late and finish alone). The groups keep the
 // rows their tiles share (K and V in the forward; Q, dO and dQ's accumulator in the
-// backward) in L2 while they run (_kernels.tile_group; over all heads at once, at
+// backward) in L2 while they run (_plan.tile_group; over all heads at once, at
 // seqlen 512 they were read from memory again by every tile). tile_major is the order
 // (the sm_90a forward's tile scheduler takes it too).
 __device__ __forceinline__ void tile_major(int linear, int tiles, int pairs, int group, int& tile, int& pair) {
