@@ -18,7 +18,9 @@
 //   dK += dS^T Q                          wgmma, dS^T from registers
 //   dS^T -> shared memory; both consumers' keys written (named barrier)
 //   dQ = dS K                             wgmma, dS and K read MN-major
-//   dQ -> the fp32 accumulator            red.global.add.v4 (dq_accum.cuh)
+//   dQ -> shared memory (fp32)            the producer warpgroup's second warp adds it to
+//                                         the accumulator (dq_accum.cuh) by the copy
+//                                         engine's bulk reduction, 2 KB a group of 8 rows
 //
 // then dK (times the softmax scale) and dV from registers to global memory.
 #include "common.cuh"
@@ -38,8 +40,8 @@ template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
   using Layout = Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages>;
   using Layout::kBarriers, Layout::kColumnBlocks, Layout::kDelta, Layout::kDo, Layout::kDs, Layout::kDsTile,
-      Layout::kK, Layout::kKvBlock, Layout::kKvTile, Layout::kLse, Layout::kQ, Layout::kQBlock, Layout::kQTile,
-      Layout::kV;
+      Layout::kDq, Layout::kDqDestination, Layout::kDqSlice, Layout::kK, Layout::kKvBlock, Layout::kKvTile, Layout::kLse, Layout::kQ,
+      Layout::kQBlock, Layout::kQTile, Layout::kV;
 
   unsigned char* base;
 
@@ -57,19 +59,31 @@ struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN,
   __device__ __forceinline__ float* delta(int stage) const {
     return reinterpret_cast<float*>(base + kDelta) + stage * kBlockM;
   }
+  __device__ __forceinline__ float* dq(int consumer) const {
+    return reinterpret_cast<float*>(base + kDq + consumer * kDqSlice);
+  }
+  __device__ __forceinline__ float** dq_destination(int consumer) const {
+    return reinterpret_cast<float**>(base + kDqDestination) + 8 * consumer;
+  }
   __device__ __forceinline__ sm90::Barrier barrier(int index) const {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
   }
   __device__ __forceinline__ sm90::Barrier kv_landed() const { return barrier(0); }
   __device__ __forceinline__ sm90::Barrier landed(int stage) const { return barrier(1 + stage); }
   __device__ __forceinline__ sm90::Barrier released(int stage) const { return barrier(1 + kStages + stage); }
+  __device__ __forceinline__ sm90::Barrier dq_staged(int consumer) const { return barrier(1 + 2 * kStages + consumer); }
+  __device__ __forceinline__ sm90::Barrier dq_drained(int consumer) const {
+    return barrier(3 + 2 * kStages + consumer);
+  }
 
   // The loading thread arrives at K/V's "landed" barrier, the producer warp's lanes at
   // each stage's (each after its own LSE and D stores), every consumer thread at each
-  // "released" one.
+  // "released" one and at its dQ's "staged", the dQ writer's 8 lanes of a consumer at its
+  // "drained".
   __device__ __forceinline__ void init_barriers(int consumer_threads) const {
     kv_landed().init(1);
     for (int s = 0; s < kStages; ++s) landed(s).init(32), released(s).init(consumer_threads);
+    for (int c = 0; c < 2; ++c) dq_staged(c).init(consumer_threads / 2), dq_drained(c).init(8);
     sm90::Barrier::fence_init();
   }
   // K and V of the block's rows from `row`, and a step's Q and dO (rows from `row`), each
@@ -145,7 +159,8 @@ __device__ __forceinline__ void fence_proxy_async() {
 // The two consumer warpgroups meet (named barrier 1): every key's dS^T is in shared memory.
 __device__ __forceinline__ void consumers_meet() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
-// Warpgroup 0 produces (its first warp, 24 registers a thread), warpgroups 1 and 2 compute
+// Warpgroup 0 produces (its first warp loads, its second adds dQ to the accumulator; 24
+// registers a thread), warpgroups 1 and 2 compute
 // (240 registers: dK and dV of 64 keys stay in them). The producer refills a stage once
 // every consumer thread has released it (a fresh barrier counts as released: its waits
 // start on the other parity).
@@ -175,6 +190,10 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.seqlen_k) return;  // packed: the grid covers the longest sequence
   const int tma_batch = p.cu_seqlens_q ? 0 : batch;
+  // dQ by the copy engine where the sequence's rows start one of DqAccum's blocks of 8
+  // (each block's 64 columns then 2 KB in one piece), else by the consumers' red.v4; with
+  // 128 rows a step the producer's loads of LSE and D leave the writer too few registers.
+  const bool staged_dq = kBlockM == 64 && seq.q_rows_before % 8 == 0;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
 
   // The query blocks that see any key of the block, for each query head of the group.
@@ -182,9 +201,12 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
   const int2 query_blocks = mask.template query_tiles<kBlockM>(n0, min(n0 + kBlockN, seq.seqlen_k), seq.seqlen_q);
   const int m_begin = query_blocks.x, m_blocks = query_blocks.y;
   const int steps = p.heads_per_kv * m_blocks;
-  auto position = [&](int step, int& head, int& m0) {
-    head = kv_head * p.heads_per_kv + step / max(m_blocks, 1);
-    m0 = (m_begin + step % max(m_blocks, 1)) * kBlockM;
+  // A step's query head and first query row, counted along (no division in the producer's
+  // 24 registers): each query head's blocks in turn.
+  int head = kv_head * p.heads_per_kv, m0 = m_begin * kBlockM;
+  auto advance = [&] {
+    m0 += kBlockM;
+    if (m0 == (m_begin + m_blocks) * kBlockM) m0 = m_begin * kBlockM, ++head;
   };
 
   if (threadIdx.x == 0) shared.init_barriers(256);
@@ -194,9 +216,7 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
     sm90::set_max_registers<24, false>();
     if (warp == 0) {
       if (lane == 0) shared.load_kv(args, seq.k_start + n0, kv_head, tma_batch);
-      for (int step = 0; step < steps; ++step) {
-        int head, m0;
-        position(step, head, m0);
+      for (int step = 0; step < steps; ++step, advance()) {
         const int stage = step % kStages;
         shared.released(stage).wait(((step / kStages) & 1) ^ 1);
         // The step's LSE (in log2 units) and D; rows past the sequence see no key (LSE
@@ -212,6 +232,19 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
         else
           shared.landed(stage).arrive();
       }
+    } else if (warp == 1 && staged_dq && lane < 16) {  // the dQ writer: lane 8c + r, consumer c's rows 8r ..
+      const int c = lane / 8, col0 = kBlockM == 64 ? 64 * c : 0;
+      const unsigned bytes = min(kDqCols, args.accum_cols - col0) * 8 * 4;
+      const float* staged = shared.dq(c) + (lane % 8) * 8 * kDqCols;
+      float* const* destination = shared.dq_destination(c) + lane % 8;
+      for (int step = 0; step < steps; ++step) {
+        shared.dq_staged(c).wait(step & 1);
+        if (*destination != nullptr) sm90::bulk_reduce_add(*destination, staged, bytes);
+        sm90::bulk_commit();
+        sm90::bulk_wait_read<0>();
+        shared.dq_drained(c).arrive();
+      }
+      sm90::bulk_wait<0>();
     }
   } else {  // a consumer: keys 64c .. 64c + 63 of the block
     sm90::set_max_registers<240, true>();
@@ -223,9 +256,7 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dk[0][dt][e] = acc_dv[0][dt][e] = 0.f;
     shared.kv_landed().wait(0);
-    for (int step = 0; step < steps; ++step) {
-      int head, m0;
-      position(step, head, m0);
+    for (int step = 0; step < steps; ++step, advance()) {
       const int stage = step % kStages;
       shared.landed(stage).wait((step / kStages) & 1);
       // S^T = K Q^T;  dP^T = V dO^T
@@ -280,9 +311,32 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
       sm90::fence_operands(acc_dk);
       sm90::fence_operands(acc_dv);
       shared.released(stage).arrive();  // Q and dO read
-      // dQ -> its accumulator: this warp's rows g and g + 8, a lane's two neighbouring
-      // 8-column fragments one red.v4 (DqAccum). (Through shared memory and the copy
-      // engine's bulk reduction, each warp's 2 KB blocks, it ran 2-7% slower: docs/tuning.md.)
+      // dQ: this warp's rows g and g + 8 (its blocks 2 (warp % 4) and 2 (warp % 4) + 1 of 8
+      // rows), a lane's two neighbouring 8-column fragments 16 bytes in DqAccum's order
+      if (staged_dq) {
+        shared.dq_drained(consumer).wait((step & 1) ^ 1);
+        float* staged = shared.dq(consumer) + 16 * (warp % 4) * kDqCols + 16 * g + 4 * t;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < kDqCols / 16; ++j)
+            *reinterpret_cast<float4*>(staged + h * 8 * kDqCols + j * DqAccum::kBlockFloats) =
+                make_float4(acc_dq[0][2 * j][2 * h], acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
+                            acc_dq[0][2 * j + 1][2 * h + 1]);
+        // where each block of 8 rows goes (the writer keeps to 24 registers): none past the end
+        if (lane == 0)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = m0 + dq_rows + 16 * (warp % 4) + 8 * h;
+            shared.dq_destination(consumer)[2 * (warp % 4) + h] =
+                row < seq.seqlen_q ? DqAccum::at(p.dq_accum, seq.q_rows_before + row, head, p.nheads,
+                                                 args.accum_cols, dq_col0)
+                                   : nullptr;
+          }
+        fence_proxy_async();  // before the copy engine reads them
+        shared.dq_staged(consumer).arrive();
+        continue;
+      }
       const int row = m0 + dq_rows + 16 * (warp % 4) + g;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

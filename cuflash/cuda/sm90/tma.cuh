@@ -62,5 +62,24 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap& map, const 
       : "memory");
 }
 
+// fp32 `bytes` (a multiple of 16) of shared memory at src added to global memory at dst by
+// the copy engine, in this thread's bulk group (sm90::bulk_commit).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, unsigned bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most kPending of this thread's bulk groups may still read their shared memory.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// Until at most kPending of this thread's bulk groups are unfinished (their writes done).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 }  // namespace sm90
 }  // namespace cuflash
