@@ -292,8 +292,8 @@ block_shapes = st.tuples(st.integers(1, 2), st.sampled_from(BLOCK_LENGTHS), st.s
 @settings(deadline=None, max_examples=6, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=block_shapes, seed=st.integers(0, 2**32 - 1), deterministic=st.booleans())
 def test_block_masks_match_the_oracle(case, shape, seed, deterministic):
-    """Forward and backward (both backward paths: the two-kernel one up to d 128 or
-    deterministic, the one-pass one above) with a block mask against the oracle with its mask_mod."""
+    """Forward and backward (both backward paths: the two-kernel one when deterministic, the
+    one-pass one otherwise) with a block mask against the oracle with its mask_mod."""
     _run_blocks(case, shape, seed, deterministic)
 
 

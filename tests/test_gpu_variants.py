@@ -231,15 +231,15 @@ FEATURES = {
 }
 
 
-# Head dims 128 and 64: the variants' two-kernel backward; 256 and 192: the one-pass one.
+# The one-pass backward (64 x 64 tiles with the extras) and, deterministic, the two-kernel one.
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("feature", list(FEATURES))
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_each_feature_dense(feature, dtype, head_dim):
+@pytest.mark.parametrize("head_dim,deterministic", [(128, False), (128, True), (256, False)])
+def test_each_feature_dense(feature, dtype, head_dim, deterministic):
     causal, variant = FEATURES[feature]
     shape = Shape(2, 333, 517, 4, 2, head_dim, causal)  # GQA, lopsided, ragged
     options = api_options(variant, causal)
-    _, _, _, launches = run_dense(shape, dtype, 11, options)
+    _, _, _, launches = run_dense(shape, dtype, 11, options, deterministic)
     if options["alibi_slopes"] is not None:  # the slopes are read where they are
         assert options["alibi_slopes"].data.ptr in launches.calls[0][0]
 
@@ -258,13 +258,13 @@ def test_each_feature_varlen(feature, dtype, head_dim):
     assert cu_q.data.ptr in pointers and cu_k.data.ptr in pointers
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])  # the two-kernel and the one-pass backward
-def test_negative_alibi_slopes_leave_padded_rows_out(head_dim):
+@pytest.mark.parametrize("deterministic", [True, False])  # the two-kernel and the one-pass backward
+def test_negative_alibi_slopes_leave_padded_rows_out(deterministic):
     """The rows of the last query tile past seqlen_q add nothing to dK and dV, even where
     their modified score of 0 (ALiBi with a negative slope: +0.5 per key of distance)
     would overflow exp."""
     variant = Variant(alibi_slopes=np.array([-0.5, -0.25], np.float32))
-    run_dense(Shape(1, 70, 300, 2, 1, head_dim, False), "bfloat16", 5, api_options(variant, False))
+    run_dense(Shape(1, 70, 300, 2, 1, 128, False), "bfloat16", 5, api_options(variant, False), deterministic)
 
 
 # --- windows: zero width, fully masked rows ----------------------------------------------------

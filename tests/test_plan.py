@@ -99,7 +99,8 @@ def test_a_forward_plan(no_compiler, causal):
 @pytest.mark.parametrize("head_dim,deterministic,softcap,kinds", [
     (128, False, 0.0, ["backward_preprocess", "backward", "backward_convert_dq"]),
     (128, True, 0.0, ["backward_preprocess", "backward_dq", "backward_dkdv"]),
-    (64, False, 5.0, ["backward_preprocess", "backward_dq", "backward_dkdv"]),
+    (64, False, 5.0, ["backward_preprocess", "backward", "backward_convert_dq"]),
+    (64, True, 5.0, ["backward_preprocess", "backward_dq", "backward_dkdv"]),
     (256, False, 5.0, ["backward_preprocess", "backward", "backward_convert_dq"]),
 ])
 def test_a_backward_plan(no_compiler, head_dim, deterministic, softcap, kinds):

@@ -120,9 +120,10 @@ KINDS = {
     # One-pass backward, dQ by atomics. K and V tiles + stages x (Q tile + dO tile + LSE + D)
     # + P and dS tiles. Warps own 32 rows of each product (bwd_one_pass.cu) and multiples of 8
     # columns of dK, dV and dQ (24 at d 96, 40 at d 160: an odd n8 tile, mma.cuh).
-    # Softcap, ALiBi and dropout take the two-kernel path up to d 128: they spill these tiles,
-    # and the tiles that fit them ran no faster. Three Q/dO buffers at d 64 where shared memory
-    # allows: they gained there and lost at d 128 (tuning.md, "Backward structure").
+    # Softcap, ALiBi, dropout and the mods spill the larger tiles: 64 x 64 at every head dim
+    # (1.3-1.5x the two-kernel path's forward + backward at d 64 and 128). Three Q/dO buffers
+    # at d 64 where shared memory allows: they gained there and lost at d 128 (tuning.md,
+    # "Backward structure").
     "backward": Kind("bwd_one_pass.cu", "attention_backward", {
         32: (_T(128, 128, 8, 2), _T(128, 128, 8, 1)),
         # (128 x 128 with one Q/dO buffer, for sm_80's shared memory, spills under CUDA 12.9.)
@@ -133,7 +134,7 @@ KINDS = {
         **{d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (160, 192, 224, 256)},
     }, lambda t, d: (2 * t.block_n * _row_bytes(d) + t.stages * (2 * t.block_m * _row_bytes(d) + 8 * t.block_m)
                      + 2 * t.block_m * (t.block_n + 8) * 2), "block_n", False, "BackwardShared",
-        extras_tiles={d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in (160, 192, 224, 256)}),
+        extras_tiles={d: (_T(64, 64, 8, 2), _T(64, 64, 8, 1)) for d in HEAD_DIM_BUCKETS}),
     # The deterministic path: dK/dV here, dQ in its own pass (below).
     # K and V tiles + stages x (Q tile + dO tile + LSE + D)
     "backward_dkdv": Kind("bwd_two_kernel.cu", "attention_backward_dkdv", {
