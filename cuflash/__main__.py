@@ -262,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", action="store_true", help="also the sliding-window and variable-length speed checks")
     p.add_argument("--decode", action="store_true", help="instead, the KV-cache call on decode shapes (GB/s, graph "
                    "replay and plain calls, contiguous and paged caches) beside SDPA's cuDNN and flash backends")
+    p.add_argument("--mods", action="store_true", help="instead, programmable masks (mask_mod with and without a "
+                   "block mask, the built-in option) beside FlexAttention (ms)")
     p = _command(sub, "plot", plot, "draw a bench --csv file as a PNG (needs matplotlib)",
                  "python -m cuflash plot bench.csv bench.png")
     p.add_argument("csv")

@@ -2,6 +2,7 @@
 
 One module a concern: ``forward`` (TFLOP/s on FlashAttention's grid, the host time of a
 small call, the variants' checks), ``decode`` (the KV-cache call on decode shapes, GB/s),
+``mods`` (programmable masks beside FlexAttention),
 ``timing`` (CUDA events, balanced turns, medians; graph replay), ``plot`` (figures, the
 CSV read back). Nothing here runs without a CUDA GPU and PyTorch: without them ``main``
 says so in one line and fails.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from . import decode, forward, timing
+from . import decode, forward, mods, timing
 from .forward import HEAD_DIMS, HIDDEN, SEQLENS, TOKENS
 from .timing import REPEATS, WARMUP, host_us
 
@@ -43,4 +44,6 @@ def main(args) -> int:
         return 1
     if getattr(args, "decode", False):
         return decode.main(args, torch, gpu)
+    if getattr(args, "mods", False):
+        return mods.main(args, torch, gpu)
     return forward.main(args, torch, gpu)
