@@ -23,12 +23,27 @@ struct ScoreMod {
     if (slope != 0.f) s -= slope * float(abs(row + diagonal - col));
     return s;
   }
-  // Every score of acc (mma C layout, rows from row0, columns from col0) through the mod.
-  template <int kMTiles, int kNTiles>
+  // Every score of acc (mma C layout, rows from row0, columns from col0) through the mod,
+  // with kPerTile softcap and ALiBi each tested once a tile (per score, their branches and
+  // untaken arithmetic cost every extras instance, on or off), else once a score.
+  template <bool kPerTile = true, int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
-    for_each_element<kMTiles, kNTiles>(lane, row0, col0, [&](int mt, int nt, int e, int row, int col) {
-      s[mt][nt][e] = (*this)(s[mt][nt][e], row, col);
-    });
+    if constexpr (!kPerTile) {
+      for_each_element<kMTiles, kNTiles>(lane, row0, col0, [&](int mt, int nt, int e, int row, int col) {
+        s[mt][nt][e] = (*this)(s[mt][nt][e], row, col);
+      });
+      return;
+    }
+    if (softcap > 0.f)
+      for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int, int) {
+        s[mt][nt][e] = softcap * tanhf(s[mt][nt][e] * scale / softcap);
+      });
+    else
+      for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int, int) { s[mt][nt][e] *= scale; });
+    if (slope != 0.f)
+      for_each_element<kMTiles, kNTiles>(lane, row0, col0, [&](int mt, int nt, int e, int row, int col) {
+        s[mt][nt][e] -= slope * float(abs(row + diagonal - col));
+      });
   }
   // d score / d (scale q.k): softcap's 1 - tanh^2 (ALiBi adds a constant).
   __device__ __forceinline__ float chain(float s) const {

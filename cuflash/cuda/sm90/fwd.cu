@@ -445,7 +445,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         sm90::fence_operands(acc_s);
         if constexpr (Shared::kApart) shared.released(Shared::kKeys, stage_of(j)).arrive();
         if (j == tiles - 1) shared.q_released().arrive();
-        if constexpr (kExtras) block.mod.apply(acc_s, row0, n0, lane);
+        if constexpr (kExtras) block.mod.template apply<false>(acc_s, row0, n0, lane);  // (per tile: d 64 spills)
         if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
         const bool moves = softmax.update_scores(acc_s, block.scale_log2, alpha);
         if (values_in_flight) {
