@@ -202,9 +202,10 @@ def block_mask_mods(block_mask, mask_mod, mod_tensors) -> tuple:
     return block_mask.mask_mod, block_mask.mod_tensors
 
 
-def check_block_mask(block_mask, q: ArrayInfo, *, batch: int, seqlen_q: int, seqlen_k: int) -> ArrayInfo:
+def check_block_mask(block_mask, q: ArrayInfo, *, batch: int, seqlen_q: int, seqlen_k: int,
+                     statuses: ArrayInfo | None = None) -> ArrayInfo:
     """A block mask made for this dense call's shapes, its statuses beside q: returns them
-    described."""
+    described (``statuses``: as a front end describes them, where it has)."""
     nheads = q.shape[-2]
     for name, made, given in (("batch", block_mask.batch, batch), ("heads", block_mask.heads, nheads),
                               ("seqlen_q", block_mask.seqlen_q, seqlen_q), ("seqlen_k", block_mask.seqlen_k, seqlen_k)):
@@ -212,8 +213,9 @@ def check_block_mask(block_mask, q: ArrayInfo, *, batch: int, seqlen_q: int, seq
             raise ValueError(f"block_mask was made for {name} {made}, this call has {given} "
                              f"(block_mask {block_mask.shape}: batch {block_mask.batch}, heads {block_mask.heads}, "
                              f"seqlen_q {block_mask.seqlen_q}, seqlen_k {block_mask.seqlen_k})")
-    statuses = block_mask.statuses
-    if not isinstance(statuses, ArrayInfo):  # (front ends may describe their own)
+    if statuses is None:
+        statuses = block_mask.statuses
+    if not isinstance(statuses, ArrayInfo):
         statuses = _arrays.inspect(statuses, "block_mask")
     if statuses.framework != q.framework or statuses.where != q.where:
         raise TypeError(f"block_mask's statuses must be the same kind of array on the same device as q "

@@ -37,7 +37,10 @@ Programmable attention (``score_mod``, ``mask_mod``, ``mod_tensors``; ``cuflash.
 functions are traced while tracing and are static, part of the configuration, equal by
 their traced text and the tensors' shapes and dtypes (two function objects of one text
 share an executable); the mod tensors are inputs of the callbacks with zero cotangents
-(jax.grad with respect to one gives zeros: cuflash gives mod tensors no gradient yet).
+(jax.grad with respect to one gives zeros: cuflash gives mod tensors no gradient yet). A
+block mask (``block_mask``, dense calls) is a pytree: its statuses are one more input (and
+its mod tensors the mod tensors), its mask_mod and sizes static, so a jitted function that
+takes one runs another of the same shapes and mask_mod with the same executable.
 
 Arrays on the CPU take the same route: buffer_callback gives host buffers there, and the
 callback runs the NumPy path on them (float16, float32, float64). One route for both means
@@ -62,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arrays, _device, _kernels, _options, _plan, api, kvcache
+from . import _arrays, _device, _kernels, _options, _plan, api, kvcache, mod
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -76,7 +79,7 @@ _DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False,
               window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, seed=None,
-              return_lse: bool = False, score_mod=None, mask_mod=None, mod_tensors=()):
+              return_lse: bool = False, score_mod=None, mask_mod=None, mod_tensors=(), block_mask=None):
     """Differentiable ``cuflash.attention`` for JAX arrays: returns out, or (out, lse) with
     ``return_lse`` (lse float32 (batch, nheads, seqlen_q), differentiable too).
 
@@ -85,10 +88,12 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     float16/bfloat16 on a GPU, float16/float32/float64 on the CPU. ``deterministic``
     makes the backward bitwise reproducible. ``score_mod``, ``mask_mod`` and ``mod_tensors``
     as ``cuflash.attention`` (see the module: the functions are static, the tensors inputs
-    without gradient).
+    without gradient). ``block_mask``: a ``cuflash.mod.BlockMask`` made for these shapes, which
+    carries mask_mod and mod_tensors, as ``cuflash.attention`` (see the module: a pytree whose
+    statuses and mod tensors are inputs).
     """
     config, extras = _prepare(q, k, v, None, causal, softmax_scale, deterministic, window_size, softcap,
-                              alibi_slopes, dropout_p, seed, score_mod, mask_mod, mod_tensors)
+                              alibi_slopes, dropout_p, seed, score_mod, mask_mod, mod_tensors, block_mask)
     out, lse = _attention(q, k, v, extras, config)
     return (out, lse) if return_lse else out
 
@@ -358,11 +363,13 @@ class _Mods:
     texts: tuple[str | None, str | None]  # the traced trees' canonical texts (cuflash.mod.Traced.text)
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]  # (the buffers of bfloat16 tensors describe themselves as '<V2')
+    blocks: bool = False  # a block mask's statuses are the input "block_mask"
     # The CUDA text (cuflash.mod.kernel_source; its comments name the function, so it does
-    # not take part in equality) and the functions, for the NumPy path.
+    # not take part in equality) and the functions and the mask's tree, for the NumPy path.
     source: str = dataclasses.field(default="", compare=False)
     score_mod: object = dataclasses.field(default=None, compare=False)
     mask_mod: object = dataclasses.field(default=None, compare=False)
+    mask_tree: object = dataclasses.field(default=None, compare=False)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -370,13 +377,16 @@ class _Mods:
 
 
 def _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes,
-             dropout_p, seed, score_mod=None, mask_mod=None, mod_tensors=()):
+             dropout_p, seed, score_mod=None, mask_mod=None, mod_tensors=(), block_mask=None):
     """Check everything that exists while tracing (shapes, dtypes, option values), so that
     user errors are raised here, not from inside a callback. Returns the static _Config
-    and the array inputs beside q, k, v (a dict: alibi, seed, cu_seqlens_q/k, mod tensors)."""
+    and the array inputs beside q, k, v (a dict: alibi, seed, cu_seqlens_q/k, mod tensors,
+    a block mask's statuses)."""
     if buffer_callback is None:
         raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or newer); "
                           f"this is JAX {jax.__version__}: pip install -U jax")
+    if block_mask is not None:  # (dense calls only)
+        mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     infos = [_describe(x, q) for x in (q, k, v)]
     _options.check_qkv(*infos, packed=varlen is not None)
     _options.check_bool("deterministic", deterministic)
@@ -404,20 +414,23 @@ def _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size,
     mods = None
     if _options.has_mods(score_mod, mask_mod, mod_tensors):
         seqlen_q = q.shape[1] if varlen is None else max_seqlens[0]
-        mods, tensors = _trace_mods(q, score_mod, mask_mod, mod_tensors, batch, seqlen_q, seqlen_k)
+        mods, tensors = _trace_mods(q, score_mod, mask_mod, mod_tensors, batch, seqlen_q, seqlen_k,
+                                    block_mask is not None)
         extras.update(zip(mods.names, tensors))
+        if block_mask is not None:
+            extras["block_mask"] = _block_statuses(block_mask, q, batch, seqlen_q, seqlen_k)
     config = _Config(np.dtype(q.dtype).name, options.causal, options.scale, options.window, options.softcap,
                      options.dropout_p, options.seed if options.dropout_p > 0 and static_seed is not None else None,
                      bool(deterministic), max_seqlens, tuple(extras), mods)
     return config, extras
 
 
-def _trace_mods(q, score_mod, mask_mod, mod_tensors, batch: int, seqlen_q: int, seqlen_k: int):
-    """The static _Mods of a call and its mod tensors as arrays. The functions are traced
-    over the tensors' shapes and dtypes, and their indices checked over the call's
-    positions here, while tracing: on a GPU by the kernels' rules (``_options.device_mods``),
-    on the CPU as the NumPy path would find them."""
-    from . import mod
+def _trace_mods(q, score_mod, mask_mod, mod_tensors, batch: int, seqlen_q: int, seqlen_k: int,
+                blocks: bool = False):
+    """The static _Mods of a call (``blocks``: with a block mask) and its mod tensors as
+    arrays. The functions are traced over the tensors' shapes and dtypes, and their indices
+    checked over the call's positions here, while tracing: on a GPU by the kernels' rules
+    (``_options.device_mods``), on the CPU as the NumPy path would find them."""
     qi = _describe(q, q)
     _options.check_mods(qi, score_mod, mask_mod, mod_tensors)
     tensors = [jnp.asarray(t) for t in mod_tensors]
@@ -434,8 +447,37 @@ def _trace_mods(q, score_mod, mask_mod, mod_tensors, batch: int, seqlen_q: int, 
             if tree is not None:
                 mod.index_ranges(tree, domain)
     mods = _Mods(tuple(None if tree is None else tree.text for tree in trees), tuple(a.shape for a in infos),
-                 tuple(a.dtype for a in infos), mod.kernel_source(*trees), score_mod, mask_mod)
+                 tuple(a.dtype for a in infos), blocks, mod.kernel_source(*trees, blocks), score_mod, mask_mod,
+                 trees[1])
     return mods, tensors
+
+
+def _block_statuses(block_mask, q, batch: int, seqlen_q: int, seqlen_k: int):
+    """The statuses of a dense call's block mask (``_options.block_mask_mods`` passed) as an
+    array input, checked against the call's shapes while tracing."""
+    statuses = block_mask.statuses
+    if not isinstance(statuses, (np.ndarray, jax.Array)):
+        raise TypeError(f"block_mask's statuses must be a JAX or NumPy array, got "
+                        f"{type(statuses).__module__}.{type(statuses).__qualname__}: make the block mask with "
+                        f"cuflash.mod.create_block_mask(..., like=q)")
+    statuses = jnp.asarray(statuses)
+    _options.check_block_mask(block_mask, _describe(q, q), batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                              statuses=_describe(statuses, q))
+    return statuses
+
+
+def _flatten_block_mask(bm: mod.BlockMask):
+    return (bm.statuses, bm.mod_tensors), (bm.mask_mod, bm.tree, bm.batch, bm.heads, bm.seqlen_q, bm.seqlen_k)
+
+
+def _unflatten_block_mask(static: tuple, leaves: tuple) -> mod.BlockMask:
+    (statuses, mod_tensors), (mask_mod, tree, *sizes) = leaves, static
+    return mod.BlockMask(mask_mod, mod_tensors, tree, statuses, *sizes)
+
+
+# A BlockMask is a pytree: its statuses and mod tensors are its leaves (inputs of a jitted
+# function that takes it, traced there), the mask and the sizes it was made for are static.
+jax.tree_util.register_pytree_node(mod.BlockMask, _flatten_block_mask, _unflatten_block_mask)
 
 
 def _describe(x, q) -> _arrays.ArrayInfo:
@@ -539,7 +581,7 @@ def _forward(q, k, v, extras: dict, config: _Config):
     if _platform(q) != "cpu":  # the sm_90a forward's scratch (tile counter, tail pieces): shapes from the plan
         described = {name: _describe(x, q) for name, x in (("q", q), ("k", k), ("v", v), *extras.items())}
         mods = None if config.mods is None else _options.DeviceMods(
-            config.mods.source, tuple(described[name] for name in config.mods.names))
+            config.mods.source, tuple(described[name] for name in config.mods.names), described.get("block_mask"))
         options = _options.Options(config.causal, config.scale, config.window, config.softcap,
                                    described.get("alibi_slopes"), config.dropout_p, mods=mods)
         varlen = None
@@ -636,8 +678,12 @@ def _call_cpu(dense, packed, config: _Config, arrays: list, extras: dict, **kwar
                    softcap=config.softcap, alibi_slopes=host.get("alibi_slopes"), dropout_p=config.dropout_p,
                    seed=_host_seed(config, host.get("seed")), **kwargs)
     if config.mods is not None:
-        options.update(score_mod=config.mods.score_mod, mask_mod=config.mods.mask_mod,
-                       mod_tensors=tuple(host[name] for name in config.mods.names))
+        tensors = tuple(host[name] for name in config.mods.names)
+        if config.mods.blocks:  # (the shapes were checked while tracing; the statuses' shape is checked again)
+            options.update(score_mod=config.mods.score_mod, block_mask=mod.BlockMask(
+                config.mods.mask_mod, tensors, config.mods.mask_tree, host["block_mask"], None, None, None, None))
+        else:
+            options.update(score_mod=config.mods.score_mod, mask_mod=config.mods.mask_mod, mod_tensors=tensors)
     arrays = [np.asarray(b) for b in arrays]
     if not config.varlen:
         return dense(*arrays, **options)
@@ -652,8 +698,9 @@ def _gpu_options(config: _Config, extras: dict, q, stream: int):
         seed_words = _device_to_host(seed_words, np.uint32, stream)
     mods = None
     if config.mods is not None:
+        blocks = _info(extras["block_mask"], "int8") if config.mods.blocks else None
         mods = _options.DeviceMods(config.mods.source, tuple(
-            _info(extras[name], dtype) for name, dtype in zip(config.mods.names, config.mods.dtypes)))
+            _info(extras[name], dtype) for name, dtype in zip(config.mods.names, config.mods.dtypes)), blocks)
     options = _options.Options(config.causal, config.scale, config.window, config.softcap,
                                None if alibi is None else _info(alibi, "float32"), config.dropout_p,
                                _host_seed(config, seed_words) or 0, 0, mods)

@@ -25,6 +25,7 @@ operand (C's fminf/fmaxf).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import inspect
 import math
 import numbers
@@ -1193,11 +1194,12 @@ class BlockMask:
 
     ``mask_mod`` and ``mod_tensors``: the mask and its tensors, which a call with this block
     mask uses (the mask's tree is ``tree``). ``statuses``: int8 (batch or 1, heads or 1,
-    ceil(seqlen_q / 128), ceil(seqlen_k / 128)) of EMPTY (0), PARTIAL (1) and FULL (2), a NumPy
-    or a CuPy array (where it was computed); a dimension is 1 where the mask does not depend
-    on b (or h), and the statuses broadcast over it. ``batch`` and ``heads``: the sizes it was
-    made for (None: any). The statuses are a snapshot of the mask over the mod tensors' values
-    at creation: make a new block mask after changing those values."""
+    ceil(seqlen_q / 128), ceil(seqlen_k / 128)) of EMPTY (0), PARTIAL (1) and FULL (2), an
+    array of ``like``'s kind on its device (NumPy, CuPy, PyTorch or JAX); a dimension is 1
+    where the mask does not depend on b (or h), and the statuses broadcast over it. ``batch``
+    and ``heads``: the sizes it was made for (None: any). The statuses are a snapshot of the
+    mask over the mod tensors' values at creation: make a new block mask after changing those
+    values."""
     __slots__ = ("mask_mod", "mod_tensors", "tree", "statuses", "batch", "heads", "seqlen_q", "seqlen_k")
 
     def __init__(self, mask_mod, mod_tensors: tuple, tree: Traced, statuses, batch, heads, seqlen_q: int,
@@ -1217,19 +1219,95 @@ class BlockMask:
 
     def __repr__(self):
         return (f"BlockMask({self.tree.name}, batch={self.batch}, heads={self.heads}, seqlen_q={self.seqlen_q}, "
-                f"seqlen_k={self.seqlen_k}, statuses {type(self.statuses).__module__.split('.')[0]} int8"
+                f"seqlen_k={self.seqlen_k}, statuses {_kind(self.statuses) or type(self.statuses).__name__} int8"
                 f"{list(self.shape)})")
 
 
-def _array_module(like):
-    """NumPy, or CuPy for a CuPy array."""
-    if like is None or isinstance(like, np.ndarray):
-        return np
-    if type(like).__module__.split(".")[0] == "cupy":
-        import cupy
-        return cupy
-    raise TypeError(f"like must be None, a NumPy array or a CuPy array (where the statuses are computed and kept), "
-                    f"got {type(like).__module__}.{type(like).__name__}")
+class _Where(NamedTuple):
+    """Where create_block_mask evaluates a mask: with ``xp`` (NumPy, or CuPy on the GPU
+    ``device``), for arrays of ``kind`` ("numpy", "cupy", "torch" or "jax"), which the mod
+    tensors are and the statuses become."""
+    kind: str
+    xp: object
+    device: int | None
+
+
+_KIND_NAMES = {"numpy": "a numpy array", "cupy": "a cupy array", "torch": "a torch tensor", "jax": "a jax array"}
+_DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
+
+
+def _kind(x) -> str | None:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    root = type(x).__module__.split(".")[0]
+    return {"cupy": "cupy", "torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(root)
+
+
+def _where(like) -> _Where:
+    """NumPy for None or a NumPy array (or a CPU tensor, a CPU JAX array); CuPy on the GPU
+    of a CuPy array, a CUDA tensor or a GPU JAX array."""
+    kind = "numpy" if like is None else _kind(like)
+    if kind is None:
+        raise TypeError(f"like must be None, a NumPy array, a CuPy array, a torch tensor or a JAX array (the calls' "
+                        f"kind: where the statuses are computed and kept), got "
+                        f"{type(like).__module__}.{type(like).__name__}")
+    if kind == "jax" and _traced(like):
+        raise TypeError("like is a traced JAX array: create_block_mask evaluates the mask on concrete arrays; "
+                        "call it outside jax.jit and pass the BlockMask in (its arrays are inputs)")
+    if kind == "numpy" or like.__dlpack_device__()[0] == _DLPACK_CPU:
+        return _Where(kind, np, None)
+    import cupy
+    return _Where(kind, cupy, int(like.__dlpack_device__()[1]))
+
+
+def _traced(x) -> bool:
+    import jax
+    return isinstance(x, jax.core.Tracer)
+
+
+def _evaluable(tensors: tuple, where: _Where, name: str) -> tuple:
+    """The mod tensors as NumPy or CuPy arrays on ``where``'s device, without a copy."""
+    views = []
+    for i, t in enumerate(tensors):
+        if _kind(t) != where.kind:
+            like = "is None or a NumPy array" if where.kind == "numpy" else f"is {_KIND_NAMES[where.kind]}"
+            raise TypeError(f"{name}: mod_tensors[{i}] must be {_KIND_NAMES[where.kind]} (like {like}), got "
+                            f"{type(t).__module__}.{type(t).__name__}")
+        if where.kind in ("numpy", "cupy"):
+            views.append(t)
+            continue
+        if where.kind == "jax" and _traced(t):
+            raise TypeError(f"{name}: mod_tensors[{i}] is a traced JAX array: create_block_mask evaluates the mask "
+                            f"on concrete arrays; call it outside jax.jit")
+        try:
+            device_type, device = t.__dlpack_device__()
+            device = None if device_type == _DLPACK_CPU else int(device)
+            view = where.xp.from_dlpack(t.detach() if where.kind == "torch" else t) if device == where.device else None
+        except (TypeError, ValueError, RuntimeError, BufferError) as e:
+            raise TypeError(f"{name}: mod_tensors[{i}] ({_KIND_NAMES[where.kind]} of dtype {t.dtype}) cannot be "
+                            f"read by {where.xp.__name__}: {e}") from None
+        if view is None:
+            raise ValueError(f"{name}: mod_tensors[{i}] must be on like's device ({_device_name(where.device)}), "
+                             f"got {_device_name(device)}")
+        views.append(view)
+    return tuple(views)
+
+
+def _device_name(device: int | None) -> str:
+    return "cpu" if device is None else f"cuda:{device}"
+
+
+def _as_kind(statuses, where: _Where):
+    """The statuses (NumPy or CuPy) as an array of ``where``'s kind, without a copy."""
+    if where.kind in ("torch", "jax") and where.device is not None:
+        where.xp.cuda.get_current_stream().synchronize()  # (written: whatever stream the framework reads on)
+    if where.kind == "torch":
+        import torch
+        return torch.from_dlpack(statuses)
+    if where.kind == "jax":
+        import jax.dlpack
+        return jax.dlpack.from_dlpack(statuses)
+    return statuses
 
 
 def _uses(tree: Traced, variable: str) -> bool:
@@ -1263,11 +1341,12 @@ def create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, *, mod_tensors
     mask is evaluated at every position (through its traced tree, chunk by chunk), and a
     block is EMPTY where it hides every position of the block, FULL where it hides none,
     PARTIAL otherwise. ``batch`` or ``heads`` None: any, for a mask that does not read b (or
-    h). ``like``: None or a NumPy array (computed with NumPy, statuses in a NumPy array: for
-    calls on NumPy arrays), or a CuPy array (computed on its GPU, with CuPy mod tensors:
-    for calls on CuPy arrays). Build it once and pass it to every call (every layer) of those
-    shapes and that mask."""
-    xp = _array_module(like)
+    h). ``like``: an array of the kind and on the device of the calls' q, which the mod
+    tensors must be too, and the statuses become: None or a NumPy array (computed with
+    NumPy), a CuPy array (computed on its GPU), a torch tensor or a JAX array (computed with
+    NumPy on the CPU, with CuPy on a GPU, through zero-copy DLPack views). Build it once and
+    pass it to every call (every layer) of those shapes and that mask."""
+    where = _where(like)
     batch, heads = _size("batch", batch, optional=True), _size("heads", heads, optional=True)
     seqlen_q, seqlen_k = _size("seqlen_q", seqlen_q, optional=False), _size("seqlen_k", seqlen_k, optional=False)
     if not isinstance(mod_tensors, (tuple, list)):
@@ -1275,23 +1354,17 @@ def create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, *, mod_tensors
                         f"{type(mod_tensors).__name__}")
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be a function {_SIGNATURES['mask']}, got {mask_mod!r}")
-    for i, t in enumerate(mod_tensors):
-        if not isinstance(t, xp.ndarray):
-            raise TypeError(f"{describe(mask_mod, 'mask')}: mod_tensors[{i}] must be a {xp.__name__} array (like "
-                            f"{'is a CuPy array' if xp is not np else 'is None or a NumPy array'}), got "
-                            f"{type(t).__module__}.{type(t).__name__}")
-    specs = tuple(TensorSpec(i, None, tuple(int(n) for n in t.shape), t.dtype.name) for i, t in enumerate(mod_tensors))
-    tree = trace(mask_mod, "mask", specs)
-    for name, size, variable in (("batch", batch, "b"), ("heads", heads, "h")):
-        if size is None and _uses(tree, variable):
-            raise ValueError(f"{tree.name} reads {variable}: give create_block_mask its {name}, not None")
-    # (a dimension the mask does not read is evaluated once: the statuses broadcast over it)
-    shape = (batch if _uses(tree, "b") else None, heads if _uses(tree, "h") else None, seqlen_q, seqlen_k)
-    if xp is np:
-        statuses = _statuses(tree, tuple(mod_tensors), xp, *shape)
-    else:
-        with xp.cuda.Device(like.device.id):  # (like's GPU, whichever is current)
-            statuses = _statuses(tree, tuple(mod_tensors), xp, *shape)
+    # (on like's GPU, whichever is current: the views are ordered on its current stream)
+    with contextlib.nullcontext() if where.device is None else where.xp.cuda.Device(where.device):
+        views = _evaluable(tuple(mod_tensors), where, describe(mask_mod, "mask"))
+        specs = tuple(TensorSpec(i, None, tuple(int(n) for n in t.shape), t.dtype.name) for i, t in enumerate(views))
+        tree = trace(mask_mod, "mask", specs)
+        for name, size, variable in (("batch", batch, "b"), ("heads", heads, "h")):
+            if size is None and _uses(tree, variable):
+                raise ValueError(f"{tree.name} reads {variable}: give create_block_mask its {name}, not None")
+        # (a dimension the mask does not read is evaluated once: the statuses broadcast over it)
+        shape = (batch if _uses(tree, "b") else None, heads if _uses(tree, "h") else None, seqlen_q, seqlen_k)
+        statuses = _as_kind(_statuses(tree, views, where.xp, *shape), where)
     return BlockMask(mask_mod, tuple(mod_tensors), tree, statuses, batch, heads, seqlen_q, seqlen_k)
 
 

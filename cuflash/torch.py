@@ -27,7 +27,10 @@ A custom op takes no Python function, so the functions are traced and filed in a
 of the process under the hash of their traced text and the tensors' shapes and dtypes,
 and ``mods`` is that key; under torch.compile the key is made while tracing
 (``torch.compiler.assume_constant_result``), a constant of the graph, so
-``fullgraph=True`` holds.
+``fullgraph=True`` holds. A block mask (``block_mask``, dense calls; made with
+``cuflash.mod.create_block_mask(..., like=q)``) gives the dense mod ops one more input,
+``block_statuses``, its int8 statuses: data beside the mod tensors, not part of the key,
+so a compiled graph takes another block mask of the same shapes without recompiling.
 
 The options are flash-attn's (see ``cuflash.attention``): ``window_size``, ``softcap``,
 ``alibi_slopes`` (a float32 tensor on q's device; an input of the ops that gets no
@@ -80,7 +83,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
               alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
               seed: Optional[int] = None, return_lse: bool = False, score_mod=None, mask_mod=None,
-              mod_tensors=()):
+              mod_tensors=(), block_mask=None):
     """Differentiable ``cuflash.attention`` for torch tensors: returns out, or (out, lse)
     with ``return_lse`` (lse float32 (batch, nheads, seqlen_q), differentiable too).
 
@@ -90,7 +93,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     speed. ``seed=None`` with dropout draws one from torch's generator (see the module).
     ``score_mod``, ``mask_mod`` and ``mod_tensors`` (tensors on q's device that get no
     gradient) as ``cuflash.attention``; see the module for how they reach the ops.
+    ``block_mask``: a ``cuflash.mod.BlockMask`` made with ``like=q`` (its statuses a tensor
+    on q's device), which carries mask_mod and mod_tensors, as ``cuflash.attention``.
     """
+    if block_mask is not None:
+        mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
+        if not isinstance(block_mask.statuses, torch.Tensor):  # (a NumPy or CuPy one: its tensors are too)
+            statuses = block_mask.statuses
+            raise TypeError(f"block_mask's statuses must be a torch tensor on q's device, got "
+                            f"{type(statuses).__module__}.{type(statuses).__qualname__}: make the block mask with "
+                            f"cuflash.mod.create_block_mask(..., like=q)")
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
     if alibi_slopes is None and not mods and q.__class__ is torch.Tensor and deterministic.__class__ is bool \
             and not _tracked(q, k, v):  # inference on a signature that ran: straight to its launch
@@ -105,6 +117,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                        seed=seed)
     if mods:
         args = (*args, *_mod_arguments(score_mod, mask_mod, mod_tensors))
+        if block_mask is not None:
+            args = (*args, _block_statuses(block_mask, q, k, v))
     if _tracked(q, k, v):
         out, lse, _ = (_mod_forward if mods else _forward)(q, k, v, *args)
     else:
@@ -250,20 +264,22 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 
 
 def _run_forward(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap, alibi_slopes,
-                 dropout_p, seed, mods=None, mod_tensors=(), *, return_lse: bool):
+                 dropout_p, seed, mods=None, mod_tensors=(), block_statuses=None, *, return_lse: bool):
     """(out, lse or None, (seed, rng_offset)): ``cuflash.attention`` on the tensors (CUDA)
     or on NumPy views of them (CPU), the dropout seed drawn as the module says; ``mods``
-    the registry key of the call's score_mod / mask_mod (or None)."""
+    the registry key of the call's score_mod / mask_mod (or None), ``block_statuses`` its
+    block mask's statuses (or None)."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         result = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=return_lse, **options,
-                               **_mod_functions(mods, mod_tensors))
+                               **_mod_functions(mods, mod_tensors, block_statuses))
         out, lse = result if return_lse else (result, None)
         return out, lse, (seed, rng_offset)
-    q, k, v, alibi_slopes = _numpy(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+    q, k, v, alibi_slopes, block_statuses = _numpy(q=q, k=k, v=v, alibi_slopes=alibi_slopes,
+                                                   block_mask=block_statuses)
     out, lse = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options,
-                             **_mod_functions(mods, _numpy_mod_tensors(mod_tensors)))
+                             **_mod_functions(mods, _numpy_mod_tensors(mod_tensors), block_statuses))
     return _tensor(out), _tensor(lse), (seed, rng_offset)
 
 
@@ -293,17 +309,18 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 def _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right, softcap,
-                  alibi_slopes, dropout_p, rng_state, dlse, mods=None, mod_tensors=()):
+                  alibi_slopes, dropout_p, rng_state, dlse, mods=None, mod_tensors=(), block_statuses=None):
     seed, rng_offset = _from_rng_state(rng_state)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         return tuple(api.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
                                             deterministic=deterministic, dlse=dlse, **options,
-                                            **_mod_functions(mods, mod_tensors)))
-    *arrays, alibi_slopes, dlse = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
-                                         dlse=dlse)
+                                            **_mod_functions(mods, mod_tensors, block_statuses)))
+    *arrays, alibi_slopes, dlse, block_statuses = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse,
+                                                         alibi_slopes=alibi_slopes, dlse=dlse,
+                                                         block_mask=block_statuses)
     grads = api.attention_backward(*arrays, alibi_slopes=alibi_slopes, deterministic=deterministic, dlse=dlse,
-                                   **options, **_mod_functions(mods, _numpy_mod_tensors(mod_tensors)))
+                                   **options, **_mod_functions(mods, _numpy_mod_tensors(mod_tensors), block_statuses))
     return tuple(_tensor(g) for g in grads)
 
 
@@ -319,20 +336,23 @@ def _attention_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, det
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap,
-     alibi_slopes, ctx.dropout_p, _, *mods) = inputs  # (mods: the mod ops' key and tensors)
+     alibi_slopes, ctx.dropout_p, _, *mods) = inputs  # (mods: the mod ops' key, tensors and block statuses)
     out, lse, rng_state = output
     ctx.mods = mods[0] if mods else None
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, *(mods[1] if mods else ()))
+    block_statuses = mods[2] if len(mods) > 2 else None
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, block_statuses, *(mods[1] if mods else ()))
     ctx.mark_non_differentiable(rng_state)
 
 
 def _backward(backward, ctx, dout, dlse, _drng_state):
-    q, k, v, out, lse, alibi_slopes, rng_state, *mod_tensors = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, rng_state, block_statuses, *mod_tensors = ctx.saved_tensors
     dout, dlse = _output_gradients(dout, dlse, out)
+    blocks = () if block_statuses is None else (block_statuses,)
     dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
                           ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state,
-                          dlse, *_mod_inputs(ctx, mod_tensors))
-    return (dq, dk, dv) + (None,) * 9 + _mod_gradients(ctx, mod_tensors)
+                          dlse, *_mod_inputs(ctx, mod_tensors), *blocks)
+    # (the mod ops' block_statuses gets no gradient either)
+    return (dq, dk, dv) + (None,) * 9 + _mod_gradients(ctx, mod_tensors) + ((None,) if ctx.mods else ())
 
 
 def _differentiable(op, forward, backward_op, backward, setup_context, formula):
@@ -341,7 +361,9 @@ def _differentiable(op, forward, backward_op, backward, setup_context, formula):
     traces; eagerly, ``forward`` and the formula over ``backward`` through an
     autograd.Function, without the ops' per-call dispatch and output-aliasing checks
     (the ops' eager dispatch cost about 500 us a small training step)."""
-    op.register_autograd(lambda ctx, *grads: formula(backward_op, ctx, *grads), setup_context=setup_context)
+    # One gradient an input the call passed (an optional input left at its default gets none).
+    op.register_autograd(lambda ctx, *grads: formula(backward_op, ctx, *grads)[:len(ctx.needs_input_grad)],
+                         setup_context=setup_context)
 
     # q, k and v, the inputs that get gradients, go to apply alone and every input in one
     # tuple beside them: apply's per-argument checks cost ~0.5 us an argument.
@@ -375,12 +397,13 @@ _forward = _differentiable(attention_forward, _attention_forward, attention_back
 def _attention_mod_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                            softmax_scale: Optional[float], deterministic: bool, window_left: int, window_right: int,
                            softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float, seed: Optional[int],
-                           mods: str, mod_tensors: list[torch.Tensor]
+                           mods: str, mod_tensors: list[torch.Tensor], block_statuses: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """attention_forward with the score_mod / mask_mod registered under ``mods``."""
+    """attention_forward with the score_mod / mask_mod registered under ``mods`` and, with
+    ``block_statuses``, the int8 statuses of a block mask of that mask_mod."""
     out, lse, (seed, rng_offset) = _run_forward(q, k, v, causal, softmax_scale, deterministic, window_left,
                                                 window_right, softcap, alibi_slopes, dropout_p, seed, mods,
-                                                mod_tensors, return_lse=True)
+                                                mod_tensors, block_statuses, return_lse=True)
     return out, lse, _rng_state(seed, rng_offset)
 
 
@@ -391,7 +414,7 @@ attention_mod_forward = torch.library.custom_op(
 
 @attention_mod_forward.register_fake
 def _attention_mod_forward_fake(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap,
-                                alibi_slopes, dropout_p, seed, mods, mod_tensors):
+                                alibi_slopes, dropout_p, seed, mods, mod_tensors, block_statuses=None):
     return _attention_forward_fake(q, k, v, causal, softmax_scale, deterministic)
 
 
@@ -399,11 +422,13 @@ def _attention_mod_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                             out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: Optional[float],
                             deterministic: bool, window_left: int, window_right: int, softcap: float,
                             alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng_state: Optional[torch.Tensor],
-                            dlse: Optional[torch.Tensor], mods: str, mod_tensors: list[torch.Tensor]
+                            dlse: Optional[torch.Tensor], mods: str, mod_tensors: list[torch.Tensor],
+                            block_statuses: Optional[torch.Tensor] = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """attention_backward with the score_mod / mask_mod registered under ``mods``."""
+    """attention_backward with the score_mod / mask_mod registered under ``mods`` (and the
+    forward's ``block_statuses``)."""
     return _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right,
-                         softcap, alibi_slopes, dropout_p, rng_state, dlse, mods, mod_tensors)
+                         softcap, alibi_slopes, dropout_p, rng_state, dlse, mods, mod_tensors, block_statuses)
 
 
 attention_mod_backward = torch.library.custom_op("cuflash::attention_mod_backward",
@@ -412,7 +437,8 @@ attention_mod_backward = torch.library.custom_op("cuflash::attention_mod_backwar
 
 @attention_mod_backward.register_fake
 def _attention_mod_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left,
-                                 window_right, softcap, alibi_slopes, dropout_p, rng_state, dlse, mods, mod_tensors):
+                                 window_right, softcap, alibi_slopes, dropout_p, rng_state, dlse, mods, mod_tensors,
+                                 block_statuses=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -626,26 +652,48 @@ def _mod_arguments(score_mod, mask_mod, mod_tensors) -> tuple[str, list]:
 
 @torch.compiler.assume_constant_result  # (torch.compile calls it while tracing and keeps the key)
 def _register_mods(score_mod, mask_mod, specs: tuple) -> str:
-    """Trace the functions over tensors of these (shape, dtype)s and file them under their key."""
+    """Trace the functions over tensors of these (shape, dtype)s and file them (and the mask's
+    tree, for a block mask) under their key."""
     from . import mod
     tensors = tuple(mod.TensorSpec(i, None, shape, dtype) for i, (shape, dtype) in enumerate(specs))
-    texts = tuple(None if fn is None else mod.trace(fn, kind, tensors).text
+    trees = tuple(None if fn is None else mod.trace(fn, kind, tensors)
                   for fn, kind in ((score_mod, "score"), (mask_mod, "mask")))
+    texts = tuple(None if tree is None else tree.text for tree in trees)
     key = hashlib.sha256(repr((texts, specs)).encode()).hexdigest()
-    _MODS.setdefault(key, (score_mod, mask_mod))
+    _MODS.setdefault(key, (score_mod, mask_mod, trees[1]))
     return key
 
 
-def _mod_functions(mods: Optional[str], mod_tensors) -> dict:
-    """``cuflash.attention``'s score_mod, mask_mod and mod_tensors for a registry key (none for None)."""
+def _mod_functions(mods: Optional[str], mod_tensors, block_statuses=None) -> dict:
+    """``cuflash.attention``'s score_mod, mask_mod and mod_tensors for a registry key (none for
+    None); with ``block_statuses`` (an array beside q), mask_mod and mod_tensors in a block mask
+    of them, its shapes the call's (the statuses' shape is checked against the call's)."""
     if mods is None:
         return {}
     try:
-        score_mod, mask_mod = _MODS[mods]
+        score_mod, mask_mod, mask_tree = _MODS[mods]
     except KeyError:
         raise ValueError(f"mods: no score_mod / mask_mod registered under {mods!r} in this process (the mod "
                          f"ops take the key cuflash.torch.attention made)") from None
-    return dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=tuple(mod_tensors))
+    if block_statuses is None:
+        return dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=tuple(mod_tensors))
+    if mask_mod is None:
+        raise ValueError(f"block_statuses: a block mask comes with its mask_mod, and the functions registered "
+                         f"under {mods!r} have none")
+    from .mod import BlockMask
+    return dict(score_mod=score_mod, block_mask=BlockMask(mask_mod, tuple(mod_tensors), mask_tree, block_statuses,
+                                                          None, None, None, None))
+
+
+def _block_statuses(block_mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The statuses of a dense call's block mask (a tensor; ``_options.block_mask_mods`` passed),
+    checked against the call before anything runs: on q's device, made for these shapes."""
+    statuses = block_mask.statuses
+    qi, ki, vi = (_describe(t) for t in (q, k, v))
+    _options.check_qkv(qi, ki, vi, packed=False)
+    _options.check_block_mask(block_mask, qi, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                              statuses=_describe(statuses))
+    return statuses
 
 
 def _numpy_mod_tensors(mod_tensors) -> tuple:

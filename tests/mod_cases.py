@@ -33,3 +33,27 @@ CASES = {
     "softcap": (softcap, None, {"window_size": (5, 3)}),
     "both": (biased_documents, documents_beside_a_bias, {"softcap": 3.0}),
 }
+
+
+# Block masks (cuflash.mod.create_block_mask): lengths past two 128 x 128 blocks, ragged, so
+# that the statuses hold empty and partial blocks (and full ones, but for the window).
+BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K = 300, 280
+WINDOW = 100  # keys a query of the sliding window sees
+
+
+def causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx + (BLOCK_SEQLEN_K - BLOCK_SEQLEN_Q)
+
+
+def sliding_window(b, h, q_idx, kv_idx):
+    distance = q_idx + (BLOCK_SEQLEN_K - BLOCK_SEQLEN_Q) - kv_idx
+    return (distance >= 0) & (distance < WINDOW)
+
+
+# case: (score_mod, mask_mod, built-in options); "document" takes the mod tensors of CASES["both"]
+# (bias, doc_q, doc_k), which score_mod reads from the block mask too
+BLOCK_CASES = {
+    "causal": (None, causal, {}),
+    "document": (biased_documents, documents_beside_a_bias, {}),
+    "window": (softcap, sliding_window, {"softcap": 3.0}),
+}

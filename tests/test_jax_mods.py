@@ -3,8 +3,10 @@
 CPU arrays take the NumPy path inside the same buffer_callback, in float32, against the
 float64 oracle (cuflash.reference with the same functions): outputs, LSE and the gradients
 of both. The functions: a relative bias read from an array, a document mask read from
-arrays, a softcap written with tanh. The tests marked gpu run the same calls on GPU arrays
-(the mma.sync kernels compiled with the functions) by flash-attn's rule (tests/rule.py).
+arrays, a softcap written with tanh; block masks (cuflash.mod.create_block_mask, a pytree) of
+a causal, a document and a sliding-window mask. The tests marked gpu run the same calls on
+GPU arrays (the mma.sync kernels compiled with the functions) by flash-attn's rule
+(tests/rule.py).
 """
 import numpy as np
 import pytest
@@ -19,8 +21,8 @@ from cuflash import mod  # noqa: E402
 from cuflash.reference import (attention_reference, attention_reference_backward,  # noqa: E402
                                attention_reference_varlen, attention_reference_varlen_backward)
 
-from .mod_cases import (BATCH, CASES, HEADDIM, NHEADS, NHEADS_KV, RADIUS, SEQLEN_K,  # noqa: E402
-                        SEQLEN_Q, relative_bias, softcap)
+from .mod_cases import (BATCH, BLOCK_CASES, BLOCK_SEQLEN_K, BLOCK_SEQLEN_Q, CASES, HEADDIM,  # noqa: E402
+                        NHEADS, NHEADS_KV, RADIUS, SEQLEN_K, SEQLEN_Q, relative_bias, same_document, softcap)
 from .strategies import assert_close  # noqa: E402
 
 
@@ -146,6 +148,152 @@ def test_cpu_mod_errors():
                                      block_table=jnp.zeros((1, 1), jnp.int32), score_mod=softcap)
 
 
+# --- block masks ----------------------------------------------------------------------------
+
+
+def _blocks(case: str, dtype=np.float32, seed: int = 2, host: tuple | None = None):
+    """(host inputs q, k, v, dout, dlse; host mod tensors; oracle (out, lse); oracle grads) of a
+    block mask's case: the oracle with its mask_mod. ``host``: the mod tensors, by default
+    the case's drawn from ``seed + 1``."""
+    score_mod, mask_mod, options = BLOCK_CASES[case]
+    if host is None:
+        host = _tensors("both", np.random.default_rng(seed + 1), BATCH, BLOCK_SEQLEN_Q,
+                        BLOCK_SEQLEN_K) if case == "document" else ()
+    rng = np.random.default_rng(seed)
+    q_shape, kv_shape = (BATCH, BLOCK_SEQLEN_Q, NHEADS, HEADDIM), (BATCH, BLOCK_SEQLEN_K, NHEADS_KV, HEADDIM)
+    q, k, v, dout = (rng.standard_normal(s).astype(dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    dlse = rng.standard_normal((BATCH, NHEADS, BLOCK_SEQLEN_Q)).astype(np.float32)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
+    ref = attention_reference(q, k, v, **options, **mods)
+    grads = attention_reference_backward(dout, q, k, v, dlse=dlse, **options, **mods)
+    return (q, k, v, dout, dlse), host, ref, grads
+
+
+def _block_mask(case: str, host: tuple, like):
+    return mod.create_block_mask(BLOCK_CASES[case][1], BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K,
+                                 mod_tensors=tuple(jnp.asarray(t) for t in host), like=like)
+
+
+def _block_loss(case: str):
+    """(q, k, v, dout, dlse, block_mask) -> (sum(out * dout) + sum(lse * dlse), (out, lse))."""
+    score_mod, _, options = BLOCK_CASES[case]
+
+    def loss(q, k, v, dout, dlse, block_mask):
+        out, lse = cuflash.jax.attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True,
+                                         **options)
+        total = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(lse * dlse)
+        return total, (out, lse)
+
+    return loss
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_cpu_block_masks_give_what_their_mask_mod_gives_under_jit(case):
+    """A block mask (made with like=q: JAX statuses) as an argument of a jitted step: outputs
+    and gradients equal the step's with its mask_mod alone (bitwise: the same scores are
+    masked) and the oracle's."""
+    inputs, host, ref, ref_grads = _blocks(case)
+    block_mask = _block_mask(case, host, jnp.asarray(inputs[0]))
+    assert isinstance(block_mask.statuses, jax.Array) and block_mask.statuses.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(block_mask.statuses), mod.create_block_mask(
+        block_mask.mask_mod, BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K, mod_tensors=host).statuses)
+    assert {mod.EMPTY, mod.PARTIAL} <= set(np.unique(np.asarray(block_mask.statuses)).tolist())
+    step = jax.jit(jax.value_and_grad(_block_loss(case), argnums=(0, 1, 2), has_aux=True))
+    (_, (out, lse)), grads = step(*inputs, block_mask)
+    _check(out, lse, grads, ref, ref_grads)
+    score_mod, mask_mod, options = BLOCK_CASES[case]
+
+    def alone(q, k, v, dout, dlse, *tensors):
+        out, lse = cuflash.jax.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, mod_tensors=tensors,
+                                         return_lse=True, **options)
+        return jnp.sum(out * dout) + jnp.sum(lse * dlse), (out, lse)
+
+    (_, plain), plain_grads = jax.jit(jax.value_and_grad(alone, argnums=(0, 1, 2), has_aux=True))(*inputs, *host)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (*plain, *plain_grads)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
+def test_cpu_block_mask_is_an_input_under_jit():
+    """Another block mask of the same shapes (other documents) reuses the executable, with its
+    own statuses and tensors; one closed over is a constant; eagerly, and one made with NumPy
+    (like=None), give the same."""
+    inputs, host, ref, ref_grads = _blocks("document")
+    block_mask = _block_mask("document", host, jnp.asarray(inputs[0]))
+    traces = []
+
+    def loss(*args):
+        traces.append(1)
+        return _block_loss("document")(*args)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, (out, lse)), grads = step(*inputs, block_mask)
+    _check(out, lse, grads, ref, ref_grads)
+    bias, doc_q, doc_k = host
+    merged = (bias, (doc_q > 0).astype(doc_q.dtype), (doc_k > 0).astype(doc_k.dtype))  # (documents 1 and 2 as one)
+    _, _, other_ref, other_grads = _blocks("document", host=merged)
+    other = _block_mask("document", merged, jnp.asarray(inputs[0]))
+    assert not np.array_equal(np.asarray(other.statuses), np.asarray(block_mask.statuses))
+    (_, (out, lse)), grads = step(*inputs, other)
+    _check(out, lse, grads, other_ref, other_grads)
+    assert len(traces) == 1
+    closed = jax.jit(jax.value_and_grad(lambda *args: _block_loss("document")(*args, block_mask), argnums=(0, 1, 2),
+                                        has_aux=True))
+    (_, (out, lse)), grads = closed(*inputs)
+    _check(out, lse, grads, ref, ref_grads)
+    numpy_mask = mod.create_block_mask(block_mask.mask_mod, BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K,
+                                       mod_tensors=host)
+    (_, (out, lse)), grads = jax.value_and_grad(_block_loss("document"), argnums=(0, 1, 2), has_aux=True)(
+        *inputs, numpy_mask)
+    _check(out, lse, grads, ref, ref_grads)
+
+
+def test_cpu_block_mask_errors():
+    """Each misuse raises while tracing, before any callback, naming block_mask (or the argument)."""
+    inputs, host, _, _ = _blocks("document")
+    q, k, v = (jnp.asarray(x) for x in inputs[:3])
+    block_mask = _block_mask("document", host, q)
+    mask_mod, tensors = block_mask.mask_mod, block_mask.mod_tensors
+    score_mod = BLOCK_CASES["document"][0]
+
+    def made(batch=BATCH, heads=NHEADS, seqlen_q=BLOCK_SEQLEN_Q, seqlen_k=BLOCK_SEQLEN_K):
+        return mod.create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, mod_tensors=tensors, like=q)
+
+    def other_documents(b, h, q_idx, kv_idx, bias, doc_q, doc_k):
+        return same_document(b, h, q_idx, kv_idx, doc_q, doc_k)
+
+    listed = mod.BlockMask(mask_mod, tensors, block_mask.tree, np.asarray(block_mask.statuses).tolist(), BATCH,
+                           NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K)  # (as a torch or CuPy one would be refused)
+    cases = [
+        (dict(block_mask=made(seqlen_q=BLOCK_SEQLEN_Q - 1)), ValueError,
+         f"block_mask was made for seqlen_q {BLOCK_SEQLEN_Q - 1}, this call has {BLOCK_SEQLEN_Q}"),
+        (dict(block_mask=made(seqlen_k=BLOCK_SEQLEN_K - 1)), ValueError, "block_mask was made for seqlen_k"),
+        (dict(block_mask=made(heads=2)), ValueError, f"block_mask was made for heads 2, this call has {NHEADS}"),
+        (dict(block_mask=made(batch=1)), ValueError, f"block_mask was made for batch 1, this call has {BATCH}"),
+        (dict(block_mask=block_mask, mask_mod=other_documents), ValueError, "mask_mod must be block_mask's own"),
+        (dict(block_mask=block_mask, mod_tensors=(jnp.array(tensors[0]), *tensors[1:])), ValueError,
+         "mod_tensors must be block_mask's own 3 arrays"),
+        (dict(block_mask=listed), TypeError,
+         "block_mask's statuses must be a JAX or NumPy array, got builtins.list.*like=q"),
+        (dict(block_mask="no"), TypeError, "block_mask must be a cuflash.mod.BlockMask"),
+    ]
+    for extra, error, message in cases:
+        with pytest.raises(error, match=message):
+            cuflash.jax.attention(q, k, v, score_mod=score_mod, **extra)
+        with pytest.raises(error, match=message):  # (while tracing)
+            jax.jit(lambda q, k, v: cuflash.jax.attention(q, k, v, score_mod=score_mod, **extra))(q, k, v)
+    cuflash.jax.attention(q, k, v, score_mod=score_mod, block_mask=block_mask, mask_mod=mask_mod,
+                          mod_tensors=tensors)  # (the same: accepted)
+    with pytest.raises(TypeError, match="call it outside jax.jit"):
+        jax.jit(lambda q, *tensors: mod.create_block_mask(mask_mod, BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K,
+                                                          mod_tensors=tensors, like=q).statuses)(q, *tensors)
+    with pytest.raises(TypeError, match=r"mod_tensors\[0\] must be a jax array \(like is a jax array\)"):
+        mod.create_block_mask(mask_mod, BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K, mod_tensors=host, like=q)
+    with pytest.raises(TypeError, match="block_mask"):  # (packed sequences: a document mask_mod, no block mask)
+        cuflash.jax.attention_varlen(q[0], k[0], v[0], jnp.array([0, BLOCK_SEQLEN_Q], jnp.int32),
+                                     jnp.array([0, BLOCK_SEQLEN_K], jnp.int32), BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K,
+                                     block_mask=block_mask)
+
+
 # --- GPU: the kernels inside the same callbacks ---------------------------------------------
 
 
@@ -177,6 +325,37 @@ def test_gpu_mods_match_the_oracle_under_jit(case, varlen):
         refs = attention_reference_backward(dout, q, k, v, **mods, **options)
         lows = attention_lowp_backward(dout, q, k, v, **options)
         plains = attention_reference_backward(dout, q, k, v, **options)
+    check_output(np.asarray(out), ref, lowp_error(low, plain), "float16")
+    check_lse(np.asarray(lse), ref_lse)
+    for name, g, want, lw, pl in zip(("dq", "dk", "dv"), grads, refs, lows, plains):
+        scale = float(np.abs(want).max(initial=0.0))
+        assert_close(np.asarray(g), want, atol=3 * lowp_error(lw, pl) + 2 * FLOOR["float16"] * (1.0 + scale),
+                     name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_gpu_block_masks_match_the_oracle_under_jit(case):
+    """float16 GPU arrays under jit with a block mask made on the GPU (like=q), by flash-attn's
+    rule against the oracle with its mask_mod."""
+    from cuflash.reference import attention_lowp, attention_lowp_backward
+
+    from .rule import FLOOR, check_lse, check_output, lowp_error
+    (q, k, v, dout, _), host, _, _ = _blocks(case, np.float16)
+    score_mod, mask_mod, options = BLOCK_CASES[case]
+    block_mask = _block_mask(case, host, jnp.asarray(q))
+    assert block_mask.statuses.devices() == jnp.asarray(q).devices()
+    np.testing.assert_array_equal(np.asarray(block_mask.statuses), mod.create_block_mask(
+        mask_mod, BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K, mod_tensors=host).statuses)  # (CuPy's = NumPy's)
+    dlse = np.zeros((BATCH, NHEADS, BLOCK_SEQLEN_Q), np.float32)
+    step = jax.jit(jax.value_and_grad(_block_loss(case), argnums=(0, 1, 2), has_aux=True))
+    (_, (out, lse)), grads = step(q, k, v, dout, dlse, block_mask)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
+    ref, ref_lse = attention_reference(q, k, v, **mods, **options)
+    low, plain = attention_lowp(q, k, v, **options), attention_reference(q, k, v, **options)[0]
+    refs = attention_reference_backward(dout, q, k, v, **mods, **options)
+    lows = attention_lowp_backward(dout, q, k, v, **options)
+    plains = attention_reference_backward(dout, q, k, v, **options)
     check_output(np.asarray(out), ref, lowp_error(low, plain), "float16")
     check_lse(np.asarray(lse), ref_lse)
     for name, g, want, lw, pl in zip(("dq", "dk", "dv"), grads, refs, lows, plains):

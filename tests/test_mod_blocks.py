@@ -139,7 +139,8 @@ def test_a_block_mask_gives_what_its_mask_mod_gives(name, batch, seqlen_q, seqle
     refs = attention_reference_backward(dout, q, k, v, mask_mod=MASKS[name], mod_tensors=tensors, **options)
     for grad, plain_grad, reference in zip(grads, plain_grads, refs):
         np.testing.assert_array_equal(grad, plain_grad)
-        np.testing.assert_allclose(grad, reference, atol=1e-5)  # (through the float32 lse)
+        # (through the float32 lse: relative to the gradient's size, which reaches tens)
+        np.testing.assert_allclose(grad, reference, atol=1e-5 * (1 + np.abs(reference).max(initial=0.0)))
 
 
 def test_a_fully_masked_block_row_gives_zero_and_infinite_lse():

@@ -3,8 +3,10 @@
 CPU tensors take the NumPy path through the same ops, in float64, against the float64
 oracle (cuflash.reference with the same functions): outputs, LSE and the gradients of both.
 The functions: a relative bias read from a tensor, a document mask read from tensors, a
-softcap written with tanh. The tests marked gpu run the same calls on CUDA tensors (the
-mma.sync kernels compiled with the functions) by flash-attn's rule (tests/rule.py).
+softcap written with tanh; block masks (cuflash.mod.create_block_mask with like=q) of a
+causal, a document and a sliding-window mask. The tests marked gpu run the same calls on
+CUDA tensors (the mma.sync kernels compiled with the functions) by flash-attn's rule
+(tests/rule.py).
 """
 import numpy as np
 import pytest
@@ -16,8 +18,8 @@ from cuflash import mod  # noqa: E402
 from cuflash.reference import (attention_reference, attention_reference_backward,  # noqa: E402
                                attention_reference_varlen, attention_reference_varlen_backward)
 
-from .mod_cases import (BATCH, CASES, HEADDIM, NHEADS, NHEADS_KV, RADIUS, SEQLEN_K,  # noqa: E402
-                        SEQLEN_Q, relative_bias, softcap)
+from .mod_cases import (BATCH, BLOCK_CASES, BLOCK_SEQLEN_K, BLOCK_SEQLEN_Q, CASES, HEADDIM,  # noqa: E402
+                        NHEADS, NHEADS_KV, RADIUS, SEQLEN_K, SEQLEN_Q, relative_bias, same_document, softcap)
 from .strategies import assert_close  # noqa: E402
 
 
@@ -177,6 +179,130 @@ def test_cpu_mod_errors():
                                             0.0, None, "not a key", [])
 
 
+# --- block masks ----------------------------------------------------------------------------
+
+
+def _blocks(case: str, seed: int = 2, host: tuple | None = None):
+    """(inputs, the block mask (made with like=q), kwargs beside it, oracle's (out, lse), oracle's
+    gradients): the oracle with the block mask's mask_mod. ``host``: the mod tensors (NumPy),
+    by default the case's drawn from ``seed + 1``."""
+    score_mod, mask_mod, options = BLOCK_CASES[case]
+    if host is None:
+        host = _tensors("both", np.random.default_rng(seed + 1), BATCH, BLOCK_SEQLEN_Q,
+                        BLOCK_SEQLEN_K) if case == "document" else ()
+    (q, k, v), dout, dlse = _inputs(np.random.default_rng(seed), (BATCH, BLOCK_SEQLEN_Q, NHEADS, HEADDIM),
+                                    (BATCH, BLOCK_SEQLEN_K, NHEADS_KV, HEADDIM))
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
+    ref = attention_reference(*arrays, **options, **mods)
+    grads = attention_reference_backward(dout.numpy(), *arrays, dlse=dlse.numpy(), **options, **mods)
+    block_mask = mod.create_block_mask(mask_mod, BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K,
+                                       mod_tensors=tuple(torch.from_numpy(t) for t in host), like=q)
+    return (q, k, v, dout, dlse), block_mask, dict(options, score_mod=score_mod), ref, grads
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_cpu_block_masks_give_what_their_mask_mod_gives(case):
+    """Outputs and gradients with the block mask equal the call's with its mask_mod alone
+    (bitwise: the same scores are masked) and the oracle's; its statuses, a CPU tensor, are
+    NumPy's."""
+    (q, k, v, dout, dlse), block_mask, kwargs, ref, grads = _blocks(case)
+    statuses = block_mask.statuses
+    assert isinstance(statuses, torch.Tensor) and statuses.dtype == torch.int8
+    host = tuple(t.numpy() for t in block_mask.mod_tensors)
+    np.testing.assert_array_equal(statuses.numpy(), mod.create_block_mask(
+        block_mask.mask_mod, BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K, mod_tensors=host).statuses)
+    assert {mod.EMPTY, mod.PARTIAL} <= set(statuses.unique().tolist())
+    results = []
+    for mods in (dict(block_mask=block_mask), dict(mask_mod=block_mask.mask_mod, mod_tensors=block_mask.mod_tensors)):
+        out, lse = cuflash.torch.attention(q, k, v, return_lse=True, **kwargs, **mods)
+        got = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (q, k, v))
+        _check(out, lse, got, ref, grads)
+        results.append((out, lse, *got))
+    for name, with_blocks, alone in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(with_blocks, alone), name
+    with torch.no_grad():  # inference: the call itself, no op
+        assert torch.equal(cuflash.torch.attention(q, k, v, block_mask=block_mask, **kwargs), results[1][0])
+
+
+def test_cpu_torch_compile_fullgraph_with_a_block_mask():
+    """No graph break: the block mask's statuses and mod tensors are inputs of the graph. A
+    second block mask of the same shapes (other documents) reuses the graph with its own."""
+    (q, k, v, dout, dlse), block_mask, kwargs, ref, grads = _blocks("document")
+
+    def loss(q, k, v, block_mask):
+        out, lse = cuflash.torch.attention(q, k, v, return_lse=True, block_mask=block_mask, **kwargs)
+        return (out * dout).sum() + (lse * dlse).sum(), out, lse
+
+    assert torch._dynamo.explain(loss)(q, k, v, block_mask).graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    total, out, lse = compiled(q, k, v, block_mask)
+    _check(out, lse, torch.autograd.grad(total, (q, k, v)), ref, grads)
+    bias, doc_q, doc_k = (t.numpy() for t in block_mask.mod_tensors)
+    merged = (bias, (doc_q > 0).astype(doc_q.dtype), (doc_k > 0).astype(doc_k.dtype))  # (documents 1 and 2 as one)
+    (q, k, v, _, _), other, _, ref, grads = _blocks("document", host=merged)  # (the same q, k, v, dout, dlse)
+    assert not torch.equal(other.statuses, block_mask.statuses)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        total, out, lse = compiled(q, k, v, other)
+    _check(out, lse, torch.autograd.grad(total, (q, k, v)), ref, grads)
+
+
+def test_cpu_mod_ops_opcheck_with_block_statuses():
+    """The mod ops' optional last input, block_statuses: schema, fake tensors, autograd."""
+    (q, k, v, dout, dlse), block_mask, kwargs, _, _ = _blocks("document")
+    key, tensors = cuflash.torch._mod_arguments(kwargs["score_mod"], block_mask.mask_mod, block_mask.mod_tensors)
+    options = (False, None, False, -1, -1, 0.0, None, 0.0, None)
+    forward = (*(x.detach() for x in (q, k, v)), *options, key, tensors, block_mask.statuses)
+    torch.library.opcheck(cuflash.torch.attention_mod_forward, forward)
+    out, lse, rng_state = cuflash.torch.attention_mod_forward(*forward)
+    backward = (dout, *(x.detach() for x in (q, k, v)), out, lse, *options[:-1], rng_state)
+    torch.library.opcheck(cuflash.torch.attention_mod_backward, (*backward, dlse.float(), key, tensors,
+                                                                 block_mask.statuses))
+
+
+def test_cpu_block_mask_errors(monkeypatch):
+    """Each misuse raises before anything runs, naming block_mask (or the argument)."""
+    (q, k, v, _, _), block_mask, kwargs, _, _ = _blocks("document")
+    monkeypatch.setattr(cuflash.torch, "_run_forward", lambda *args, **kwargs: pytest.fail("ran"))
+    mask_mod, tensors = block_mask.mask_mod, block_mask.mod_tensors
+
+    def made(batch=BATCH, heads=NHEADS, seqlen_q=BLOCK_SEQLEN_Q, seqlen_k=BLOCK_SEQLEN_K, **kwargs):
+        return mod.create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, **{"mod_tensors": tensors,
+                                                                                       "like": q, **kwargs})
+
+    def other_documents(b, h, q_idx, kv_idx, bias, doc_q, doc_k):
+        return same_document(b, h, q_idx, kv_idx, doc_q, doc_k)
+
+    cases = [
+        (dict(block_mask=made(seqlen_q=BLOCK_SEQLEN_Q - 1)), ValueError,
+         f"block_mask was made for seqlen_q {BLOCK_SEQLEN_Q - 1}, this call has {BLOCK_SEQLEN_Q}"),
+        (dict(block_mask=made(seqlen_k=BLOCK_SEQLEN_K - 1)), ValueError, "block_mask was made for seqlen_k"),
+        (dict(block_mask=made(heads=2)), ValueError, f"block_mask was made for heads 2, this call has {NHEADS}"),
+        (dict(block_mask=made(batch=1)), ValueError, f"block_mask was made for batch 1, this call has {BATCH}"),
+        (dict(block_mask=block_mask, mask_mod=other_documents), ValueError, "mask_mod must be block_mask's own"),
+        (dict(block_mask=block_mask, mod_tensors=(tensors[0].clone(), *tensors[1:])), ValueError,
+         "mod_tensors must be block_mask's own 3 arrays"),
+        (dict(block_mask=made(mod_tensors=tuple(t.numpy() for t in tensors), like=None)), TypeError,
+         r"block_mask's statuses must be a torch tensor on q's device, got numpy.ndarray.*like=q"),
+        (dict(block_mask="no"), TypeError, "block_mask must be a cuflash.mod.BlockMask"),
+    ]
+    for extra, error, message in cases:
+        with pytest.raises(error, match=message):
+            cuflash.torch.attention(q, k, v, **kwargs, **extra)
+    short = made(seqlen_k=7)
+    # (found while torch.compile traces; fullgraph=True wraps it in torch's "Observed exception")
+    with pytest.raises(Exception, match="block_mask was made for seqlen_k 7"):
+        torch.compile(lambda q, k, v: cuflash.torch.attention(q, k, v, block_mask=short, **kwargs),
+                      fullgraph=True, backend="aot_eager")(q, k, v)
+    with pytest.raises(TypeError, match=r"mod_tensors\[0\] must be a torch tensor \(like is a torch tensor\)"):
+        made(mod_tensors=tuple(t.numpy() for t in tensors))
+    with pytest.raises(TypeError, match="block_mask"):  # (packed sequences: a document mask_mod, no block mask)
+        cuflash.torch.attention_varlen(q[0], k[0], v[0], torch.tensor([0, BLOCK_SEQLEN_Q], dtype=torch.int32),
+                                       torch.tensor([0, BLOCK_SEQLEN_K], dtype=torch.int32), BLOCK_SEQLEN_Q,
+                                       BLOCK_SEQLEN_K, block_mask=block_mask)
+
+
 # --- GPU: the kernels through the same ops -------------------------------------------------
 
 
@@ -187,8 +313,6 @@ def test_gpu_mods_match_the_oracle(case, varlen):
     """float16 CUDA tensors through autograd, by flash-attn's rule against the oracle."""
     from cuflash.reference import (attention_lowp, attention_lowp_backward, attention_lowp_varlen,
                                    attention_lowp_varlen_backward)
-
-    from .rule import FLOOR, check_lse, check_output, lowp_error
     if varlen:
         (q, k, v, dout, _), packing, kwargs, _, _ = _varlen(case)
     else:
@@ -217,9 +341,41 @@ def test_gpu_mods_match_the_oracle(case, varlen):
         lows = attention_lowp_backward(arrays[3], *arrays[:3], **options)
         plains = attention_reference_backward(arrays[3], *arrays[:3], **options)
     grads = torch.autograd.grad(out, cuda[:3], cuda[3])
-    check_output(out.detach().cpu().numpy(), ref, lowp_error(low, plain), "float16")
-    check_lse(lse.detach().cpu().numpy(), ref_lse)
+    _check_by_the_rule(out, lse, grads, (ref, ref_lse), refs, (low, plain), lows, plains)
+
+
+def _check_by_the_rule(out, lse, grads, ref, refs, lowp, lows, plains):
+    """float16 results against the oracle's (out, lse) and gradients, by flash-attn's rule:
+    twice (three times for gradients) plain attention's float16 error (``lowp``: its float16
+    and float64 out, ``lows`` and ``plains``: its gradients)."""
+    from .rule import FLOOR, check_lse, check_output, lowp_error
+    check_output(out.detach().cpu().numpy(), ref[0], lowp_error(*lowp), "float16")
+    check_lse(lse.detach().cpu().numpy(), ref[1])
     for name, g, want, lw, pl in zip(("dq", "dk", "dv"), grads, refs, lows, plains):
         scale = float(np.abs(want).max(initial=0.0))
         assert_close(g.cpu().numpy(), want, atol=3 * lowp_error(lw, pl) + 2 * FLOOR["float16"] * (1.0 + scale),
                      name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_gpu_block_masks_match_the_oracle(case):
+    """float16 CUDA tensors through autograd with a block mask made on the GPU (like=q), by
+    flash-attn's rule against the oracle with its mask_mod."""
+    from cuflash.reference import attention_lowp, attention_lowp_backward
+    (q, k, v, dout, _), cpu_mask, kwargs, _, _ = _blocks(case)
+    score_mod, mask_mod, options = BLOCK_CASES[case]
+    host = [t.numpy() for t in cpu_mask.mod_tensors]
+    arrays = [x.detach().half().numpy() for x in (q, k, v, dout)]
+    cuda = [torch.from_numpy(x).cuda().requires_grad_(i < 3) for i, x in enumerate(arrays)]
+    block_mask = mod.create_block_mask(mask_mod, BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K,
+                                       mod_tensors=tuple(torch.from_numpy(t).cuda() for t in host), like=cuda[0])
+    assert block_mask.statuses.is_cuda and torch.equal(block_mask.statuses.cpu(), cpu_mask.statuses)
+    out, lse = cuflash.torch.attention(*cuda[:3], return_lse=True, block_mask=block_mask, **kwargs)
+    grads = torch.autograd.grad(out, cuda[:3], cuda[3])
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
+    ref = attention_reference(*arrays[:3], **mods, **options)
+    refs = attention_reference_backward(arrays[3], *arrays[:3], **mods, **options)
+    lowp = (attention_lowp(*arrays[:3], **options), attention_reference(*arrays[:3], **options)[0])
+    _check_by_the_rule(out, lse, grads, ref, refs, lowp, attention_lowp_backward(arrays[3], *arrays[:3], **options),
+                       attention_reference_backward(arrays[3], *arrays[:3], **options))
