@@ -957,7 +957,7 @@ def test_flash_attn_varlen_func_on_gpu():
     seed, rng_offset = _cuda_generator_state()
     out, lse, s_dmask = flash_attn_varlen_func(q, k, v, cu_q, cu_k, shape.max_seqlen_q, shape.max_seqlen_k,
                                                causal=True, return_attn_probs=True, **kwargs)
-    assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and s_dmask.shape == (4, 4, 257, 300)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and s_dmask.shape == (4, 4, 384, 384)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     options = dict(_kernel_options(kwargs, True), seed=seed, rng_offset=rng_offset)
     varlen = _cupy(cu_q, cu_k)
