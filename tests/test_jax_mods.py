@@ -302,35 +302,13 @@ def test_cpu_block_mask_errors():
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gpu_mods_match_the_oracle_under_jit(case, varlen):
     """float16 GPU arrays under jit, by flash-attn's rule against the oracle."""
-    from cuflash.reference import (attention_lowp, attention_lowp_backward, attention_lowp_varlen,
-                                   attention_lowp_varlen_backward)
-
-    from .rule import FLOOR, check_lse, check_output, lowp_error
     (q, k, v, dout, _), packing, host, _, _ = _case(case, varlen, np.float16)
     score_mod, mask_mod, options = CASES[case]
     mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
     dlse = np.zeros((NHEADS, q.shape[0]) if varlen else (BATCH, NHEADS, SEQLEN_Q), np.float32)
     step = jax.jit(jax.value_and_grad(_loss(case, packing), argnums=(0, 1, 2), has_aux=True))
     (_, (out, lse)), grads = step(q, k, v, dout, dlse, *host)
-    if varlen:
-        ref, ref_lse = attention_reference_varlen(q, k, v, *packing[:2], **mods, **options)
-        low, plain = (attention_lowp_varlen(q, k, v, *packing[:2], **options),
-                      attention_reference_varlen(q, k, v, *packing[:2], **options)[0])
-        refs = attention_reference_varlen_backward(dout, q, k, v, *packing[:2], **mods, **options)
-        lows = attention_lowp_varlen_backward(dout, q, k, v, *packing[:2], **options)
-        plains = attention_reference_varlen_backward(dout, q, k, v, *packing[:2], **options)
-    else:
-        ref, ref_lse = attention_reference(q, k, v, **mods, **options)
-        low, plain = attention_lowp(q, k, v, **options), attention_reference(q, k, v, **options)[0]
-        refs = attention_reference_backward(dout, q, k, v, **mods, **options)
-        lows = attention_lowp_backward(dout, q, k, v, **options)
-        plains = attention_reference_backward(dout, q, k, v, **options)
-    check_output(np.asarray(out), ref, lowp_error(low, plain), "float16")
-    check_lse(np.asarray(lse), ref_lse)
-    for name, g, want, lw, pl in zip(("dq", "dk", "dv"), grads, refs, lows, plains):
-        scale = float(np.abs(want).max(initial=0.0))
-        assert_close(np.asarray(g), want, atol=3 * lowp_error(lw, pl) + 2 * FLOOR["float16"] * (1.0 + scale),
-                     name=name)
+    _check_against_the_oracle(out, lse, grads, (q, k, v, dout), mods, options, packing[:2] if varlen else None)
 
 
 @pytest.mark.gpu
@@ -338,9 +316,6 @@ def test_gpu_mods_match_the_oracle_under_jit(case, varlen):
 def test_gpu_block_masks_match_the_oracle_under_jit(case):
     """float16 GPU arrays under jit with a block mask made on the GPU (like=q), by flash-attn's
     rule against the oracle with its mask_mod."""
-    from cuflash.reference import attention_lowp, attention_lowp_backward
-
-    from .rule import FLOOR, check_lse, check_output, lowp_error
     (q, k, v, dout, _), host, _, _ = _blocks(case, np.float16)
     score_mod, mask_mod, options = BLOCK_CASES[case]
     block_mask = _block_mask(case, host, jnp.asarray(q))
@@ -351,11 +326,31 @@ def test_gpu_block_masks_match_the_oracle_under_jit(case):
     step = jax.jit(jax.value_and_grad(_block_loss(case), argnums=(0, 1, 2), has_aux=True))
     (_, (out, lse)), grads = step(q, k, v, dout, dlse, block_mask)
     mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=host)
-    ref, ref_lse = attention_reference(q, k, v, **mods, **options)
-    low, plain = attention_lowp(q, k, v, **options), attention_reference(q, k, v, **options)[0]
-    refs = attention_reference_backward(dout, q, k, v, **mods, **options)
-    lows = attention_lowp_backward(dout, q, k, v, **options)
-    plains = attention_reference_backward(dout, q, k, v, **options)
+    _check_against_the_oracle(out, lse, grads, (q, k, v, dout), mods, options)
+
+
+def _check_against_the_oracle(out, lse, grads, inputs, mods, options, packing=None):
+    """float16 out, lse and gradients against the float64 oracle with the mods, by flash-attn's
+    rule (tests/rule.py: the yardstick is plain low-precision attention's error without them);
+    packing: (cu_seqlens_q, cu_seqlens_k) of packed sequences."""
+    from cuflash.reference import (attention_lowp, attention_lowp_backward, attention_lowp_varlen,
+                                   attention_lowp_varlen_backward)
+
+    from .rule import FLOOR, check_lse, check_output, lowp_error
+    q, k, v, dout = inputs
+    if packing is not None:
+        ref, ref_lse = attention_reference_varlen(q, k, v, *packing, **mods, **options)
+        low, plain = (attention_lowp_varlen(q, k, v, *packing, **options),
+                      attention_reference_varlen(q, k, v, *packing, **options)[0])
+        refs = attention_reference_varlen_backward(dout, q, k, v, *packing, **mods, **options)
+        lows = attention_lowp_varlen_backward(dout, q, k, v, *packing, **options)
+        plains = attention_reference_varlen_backward(dout, q, k, v, *packing, **options)
+    else:
+        ref, ref_lse = attention_reference(q, k, v, **mods, **options)
+        low, plain = attention_lowp(q, k, v, **options), attention_reference(q, k, v, **options)[0]
+        refs = attention_reference_backward(dout, q, k, v, **mods, **options)
+        lows = attention_lowp_backward(dout, q, k, v, **options)
+        plains = attention_reference_backward(dout, q, k, v, **options)
     check_output(np.asarray(out), ref, lowp_error(low, plain), "float16")
     check_lse(np.asarray(lse), ref_lse)
     for name, g, want, lw, pl in zip(("dq", "dk", "dv"), grads, refs, lows, plains):
