@@ -99,3 +99,26 @@ def test_decode_plot_writes_a_png(tmp_path):
             for b, length in decode.QUICK_GRID]
     plot.decode(rows, str(tmp_path / "d.png"), "test")
     assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mods_bench_documents_fill_the_sequence_and_its_masks_mean_what_they_say():
+    """bench --mods: the documents cover the 16k sequence exactly, and each mask function,
+    evaluated with NumPy (its block mask), shows the keys its name promises."""
+    import numpy as np
+
+    from cuflash import mod
+    from cuflash.bench import mods
+    lengths = mods._documents(mods.TOKENS)
+    assert lengths.sum() == mods.TOKENS and (lengths > 0).all() and len(lengths) > 4
+    ids = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    s, block = 2048, 128
+    expected = {"causal": (mods.causal, (), lambda q, k: k <= q),
+                "window": (mods.sliding_window, (), lambda q, k: (k <= q) & (q - k < mods.WINDOW)),
+                "prefix": (mods.prefix_lm, (), lambda q, k: (k <= q) | (k < mods.PREFIX)),
+                "documents": (mods.same_document, (ids[:s],), lambda q, k: ids[q] == ids[k])}
+    q, k = np.meshgrid(np.arange(s), np.arange(s), indexing="ij")
+    for name, (mask_mod, tensors, visible) in expected.items():
+        statuses = mod.create_block_mask(mask_mod, None, None, s, s, mod_tensors=tensors).statuses[0, 0]
+        dense = visible(q, k).reshape(s // block, block, s // block, block)
+        want = np.where(dense.all(axis=(1, 3)), mod.FULL, np.where(dense.any(axis=(1, 3)), mod.PARTIAL, mod.EMPTY))
+        assert (statuses == want).all(), name
