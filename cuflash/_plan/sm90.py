@@ -138,8 +138,9 @@ class Sm90Backward(NamedTuple):
     @property
     def shared_bytes(self) -> int:
         """``Sm90BackwardShared<...>::kBytes``: K and V, the Q and dO stages, two dS^T tiles,
-        each stage's LSE and D rows, dQ in fp32 and its blocks' 16 addresses, the barriers (K/V's, a landed and a released
-        one a stage, a staged and a drained one a consumer) and 1024 bytes of alignment."""
+        each stage's LSE and D rows, dQ in fp32 and its blocks' 16 addresses, the barriers
+        (K/V's, a landed and a released one a stage, a staged and a drained one a consumer)
+        and 1024 bytes of alignment."""
         d, m, n, stages = self.head_dim, self.block_m, self.block_n, self.stages
         return (2 * 2 * n * d + 2 * stages * 2 * m * d + 2 * 2 * n * m + 2 * stages * 4 * m + 4 * m * d + 16 * 8
                 + (1 + 2 * stages + 4) * 8 + 1024)

@@ -84,10 +84,10 @@ struct Sm90SharedLayout {
 // while the other consumer may still read the one before), kStages rows of LSE (times
 // log2 e) and of D, each consumer's dQ (fp32, in DqAccum's order: 2 KB a group of 8 rows x 64
 // columns) for the copy engine's reduction and each block's address in the accumulator (8
-// a consumer), then the barriers: K/V's "landed", each stage's
-// "landed", each stage's "released", each consumer's dQ "staged" and "drained". A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes; dS^T is
-// kBlockM / 64 blocks of kBlockN x 128 bytes. The launch asks for 1024 bytes more
-// (alignment).
+// a consumer), then the barriers: K/V's "landed", each stage's "landed", each stage's
+// "released", each consumer's dQ "staged" and "drained". A tile of R rows is kHeadDim / 64
+// blocks of R x 128 bytes; dS^T is kBlockM / 64 blocks of kBlockN x 128 bytes. The launch
+// asks for 1024 bytes more (alignment).
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Sm90BackwardSharedLayout {
   static constexpr int kColumnBlocks = kHeadDim / 64;

@@ -40,8 +40,8 @@ template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
   using Layout = Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages>;
   using Layout::kBarriers, Layout::kColumnBlocks, Layout::kDelta, Layout::kDo, Layout::kDs, Layout::kDsTile,
-      Layout::kDq, Layout::kDqDestination, Layout::kDqSlice, Layout::kK, Layout::kKvBlock, Layout::kKvTile, Layout::kLse, Layout::kQ,
-      Layout::kQBlock, Layout::kQTile, Layout::kV;
+      Layout::kDq, Layout::kDqDestination, Layout::kDqSlice, Layout::kK, Layout::kKvBlock, Layout::kKvTile,
+      Layout::kLse, Layout::kQ, Layout::kQBlock, Layout::kQTile, Layout::kV;
 
   unsigned char* base;
 
@@ -71,7 +71,9 @@ struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN,
   __device__ __forceinline__ sm90::Barrier kv_landed() const { return barrier(0); }
   __device__ __forceinline__ sm90::Barrier landed(int stage) const { return barrier(1 + stage); }
   __device__ __forceinline__ sm90::Barrier released(int stage) const { return barrier(1 + kStages + stage); }
-  __device__ __forceinline__ sm90::Barrier dq_staged(int consumer) const { return barrier(1 + 2 * kStages + consumer); }
+  __device__ __forceinline__ sm90::Barrier dq_staged(int consumer) const {
+    return barrier(1 + 2 * kStages + consumer);
+  }
   __device__ __forceinline__ sm90::Barrier dq_drained(int consumer) const {
     return barrier(3 + 2 * kStages + consumer);
   }
