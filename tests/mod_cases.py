@@ -57,3 +57,21 @@ BLOCK_CASES = {
     "document": (biased_documents, documents_beside_a_bias, {}),
     "window": (softcap, sliding_window, {"softcap": 3.0}),
 }
+
+
+def other_documents(b, h, q_idx, kv_idx, bias, doc_q, doc_k):  # the same mask, another function
+    return same_document(b, h, q_idx, kv_idx, doc_q, doc_k)
+
+
+def block_mask_misuses(made, block_mask) -> list:
+    """(call arguments, error, message) for block masks that do not fit a "document" block
+    case's call, in every front end: made for other shapes (``made(batch=, heads=,
+    seqlen_q=, seqlen_k=)`` builds one), or beside another mask_mod."""
+    return [
+        (dict(block_mask=made(seqlen_q=BLOCK_SEQLEN_Q - 1)), ValueError,
+         f"block_mask was made for seqlen_q {BLOCK_SEQLEN_Q - 1}, this call has {BLOCK_SEQLEN_Q}"),
+        (dict(block_mask=made(seqlen_k=BLOCK_SEQLEN_K - 1)), ValueError, "block_mask was made for seqlen_k"),
+        (dict(block_mask=made(heads=2)), ValueError, f"block_mask was made for heads 2, this call has {NHEADS}"),
+        (dict(block_mask=made(batch=1)), ValueError, f"block_mask was made for batch 1, this call has {BATCH}"),
+        (dict(block_mask=block_mask, mask_mod=other_documents), ValueError, "mask_mod must be block_mask's own"),
+    ]

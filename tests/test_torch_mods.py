@@ -19,7 +19,7 @@ from cuflash.reference import (attention_reference, attention_reference_backward
                                attention_reference_varlen, attention_reference_varlen_backward)
 
 from .mod_cases import (BATCH, BLOCK_CASES, BLOCK_SEQLEN_K, BLOCK_SEQLEN_Q, CASES, HEADDIM,  # noqa: E402
-                        NHEADS, NHEADS_KV, RADIUS, SEQLEN_K, SEQLEN_Q, relative_bias, same_document, softcap)
+                        NHEADS, NHEADS_KV, RADIUS, SEQLEN_K, SEQLEN_Q, block_mask_misuses, relative_bias, softcap)
 from .strategies import assert_close  # noqa: E402
 
 
@@ -271,16 +271,8 @@ def test_cpu_block_mask_errors(monkeypatch):
         return mod.create_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, **{"mod_tensors": tensors,
                                                                                        "like": q, **kwargs})
 
-    def other_documents(b, h, q_idx, kv_idx, bias, doc_q, doc_k):
-        return same_document(b, h, q_idx, kv_idx, doc_q, doc_k)
-
     cases = [
-        (dict(block_mask=made(seqlen_q=BLOCK_SEQLEN_Q - 1)), ValueError,
-         f"block_mask was made for seqlen_q {BLOCK_SEQLEN_Q - 1}, this call has {BLOCK_SEQLEN_Q}"),
-        (dict(block_mask=made(seqlen_k=BLOCK_SEQLEN_K - 1)), ValueError, "block_mask was made for seqlen_k"),
-        (dict(block_mask=made(heads=2)), ValueError, f"block_mask was made for heads 2, this call has {NHEADS}"),
-        (dict(block_mask=made(batch=1)), ValueError, f"block_mask was made for batch 1, this call has {BATCH}"),
-        (dict(block_mask=block_mask, mask_mod=other_documents), ValueError, "mask_mod must be block_mask's own"),
+        *block_mask_misuses(made, block_mask),
         (dict(block_mask=block_mask, mod_tensors=(tensors[0].clone(), *tensors[1:])), ValueError,
          "mod_tensors must be block_mask's own 3 arrays"),
         (dict(block_mask=made(mod_tensors=tuple(t.numpy() for t in tensors), like=None)), TypeError,
