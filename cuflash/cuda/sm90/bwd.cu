@@ -15,9 +15,9 @@
 //   dV += P^T dO                          wgmma, P^T from registers (with 64 query rows a
 //                                         step under the next line, else after it)
 //   dS^T = P^T (dP^T - D)
-//   dK += dS^T Q                          wgmma, dS^T from registers
 //   dS^T -> shared memory; both consumers' keys written (named barrier)
 //   dQ = dS K                             wgmma, dS and K read MN-major
+//   dK += dS^T Q                          wgmma, dS^T from registers, running under the next line
 //   dQ -> shared memory (fp32)            the producer warpgroup's second warp adds it to
 //                                         the accumulator (dq_accum.cuh) by the copy
 //                                         engine's bulk reduction, 2 KB a group of 8 rows
@@ -290,14 +290,15 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
       sm90::as_a_operand<T>(acc_dp, ds_frag);
       unsigned char* ds_tile = shared.ds(step & 1);
       store_transposed<Shared, kBlockM>(ds_tile, ds_frag, key_row, lane);
-      sm90::wgmma_fence();  // (dK's product and dV's, running while the consumers meet)
-      if constexpr (!kEarlyValues) issue_key_gradient<T, Shared, kBlockM>(shared.dout(stage), p_frag, acc_dv);
-      issue_key_gradient<T, Shared, kBlockM>(shared.q(stage), ds_frag, acc_dk);
-      sm90::wgmma_commit();
+      if constexpr (!kEarlyValues) {  // (dV's product, running while the consumers meet)
+        sm90::wgmma_fence();
+        issue_key_gradient<T, Shared, kBlockM>(shared.dout(stage), p_frag, acc_dv);
+        sm90::wgmma_commit();
+      }
       fence_proxy_async();  // dS^T's stores, before the products read them
       consumers_meet();
       // dQ = dS K: A = dS (the dS^T tile read MN-major), B = K read N-major; keys in k16
-      // steps of 16 rows (2048 bytes)
+      // steps of 16 rows (2048 bytes). Then dK += dS^T Q, running while dQ is handed on.
       float acc_dq[1][kDqCols / 8][4];
       const int dq_rows = kBlockM == 64 ? 0 : 64 * consumer, dq_col0 = kBlockM == 64 ? 64 * consumer : 0;
       sm90::wgmma_fence();
@@ -308,11 +309,10 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
             sm90::SmemDesc::n_major(shared.k() + (dq_col0 / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock),
             k > 0);
       sm90::wgmma_commit();
-      sm90::wgmma_wait<0>();
+      issue_key_gradient<T, Shared, kBlockM>(shared.q(stage), ds_frag, acc_dk);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();
       sm90::fence_operands(acc_dq);
-      sm90::fence_operands(acc_dk);
-      sm90::fence_operands(acc_dv);
-      shared.released(stage).arrive();  // Q and dO read
       // dQ: this warp's rows g and g + 8 (its blocks 2 (warp % 4) and 2 (warp % 4) + 1 of 8
       // rows), a lane's two neighbouring 8-column fragments 16 bytes in DqAccum's order
       if (staged_dq) {
@@ -337,19 +337,25 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
           }
         fence_proxy_async();  // before the copy engine reads them
         shared.dq_staged(consumer).arrive();
-        continue;
-      }
-      const int row = m0 + dq_rows + 16 * (warp % 4) + g;
+      } else {
+        const int row = m0 + dq_rows + 16 * (warp % 4) + g;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (row + 8 * h >= seq.seqlen_q) continue;
-        float* dst = DqAccum::at(p.dq_accum, seq.q_rows_before + row + 8 * h, head, p.nheads, args.accum_cols, 2 * t);
+        for (int h = 0; h < 2; ++h) {
+          if (row + 8 * h >= seq.seqlen_q) continue;
+          float* dst =
+              DqAccum::at(p.dq_accum, seq.q_rows_before + row + 8 * h, head, p.nheads, args.accum_cols, 2 * t);
 #pragma unroll
-        for (int j = 0; j < kDqCols / 16; ++j)
-          if (dq_col0 + 16 * j < args.accum_cols)
-            atomic_add_quad(dst + DqAccum::column(dq_col0 + 16 * j), acc_dq[0][2 * j][2 * h],
-                            acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h], acc_dq[0][2 * j + 1][2 * h + 1]);
+          for (int j = 0; j < kDqCols / 16; ++j)
+            if (dq_col0 + 16 * j < args.accum_cols)
+              atomic_add_quad(dst + DqAccum::column(dq_col0 + 16 * j), acc_dq[0][2 * j][2 * h],
+                              acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
+                              acc_dq[0][2 * j + 1][2 * h + 1]);
+        }
       }
+      sm90::wgmma_wait<0>();
+      sm90::fence_operands(acc_dk);
+      sm90::fence_operands(acc_dv);
+      shared.released(stage).arrive();  // Q and dO read
     }
     // dK (times the softmax scale) and dV: this warp's keys g and g + 8, the array's columns
     const int key = n0 + key_row + g;
