@@ -48,7 +48,7 @@ import math
 import numpy as np
 
 from . import _options, _philox
-from . import torch as cuflash_torch
+from .torch import calls as cuflash_torch
 
 __all__ = [
     "flash_attn_func",

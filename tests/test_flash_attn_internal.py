@@ -122,7 +122,7 @@ def test_the_internal_functions_are_flash_attn_func():
     _, _, other_mask, other_state = _flash_attn_forward(q, k, v, *options, True)
     assert rng_state.dtype == torch.int64 and rng_state.shape == (2,)
     assert not torch.equal(mask, other_mask) and not torch.equal(rng_state, other_state)
-    seed, offset = cuflash.torch._from_rng_state(rng_state)
+    seed, offset = cuflash.torch.calls._from_rng_state(rng_state)
     assert torch.equal(kept(mask, 17, 21), torch.from_numpy(_philox.keep_mask(seed, offset, 2, 4, 17, 21, 0.4)))
 
     torch.manual_seed(7)
@@ -483,7 +483,7 @@ def test_s_dmask_holds_flash_attn_probabilities_and_the_keep_mask(causal, window
     options = (0.25, causal, *window_size, softcap, slopes)
     out, lse, s_dmask, rng_state = _flash_attn_forward(q, k, v, 0.3, *options, True)
     assert s_dmask.shape == (2, 4, 256, 384) and s_dmask.dtype == q.dtype
-    seed, offset = cuflash.torch._from_rng_state(rng_state)
+    seed, offset = cuflash.torch.calls._from_rng_state(rng_state)
     assert torch.equal(kept(s_dmask, 150, 300), torch.from_numpy(_philox.keep_mask(seed, offset, 2, 4, 150, 300, 0.3)))
     for b in range(2):
         decoded, want = _decoded_probabilities(s_dmask[b], q[b], k[b], lse[b], 0.25, causal, window_size, softcap,

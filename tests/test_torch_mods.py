@@ -130,7 +130,7 @@ def test_cpu_torch_compile_varlen_with_a_lambda():
 def test_cpu_mod_ops_opcheck():
     """torch.library.opcheck of the mod ops: schema, fake tensors, autograd registration."""
     (q, k, v, dout, dlse), kwargs, _, _ = _dense("both")
-    key, tensors = cuflash.torch._mod_arguments(kwargs["score_mod"], kwargs["mask_mod"], kwargs["mod_tensors"])
+    key, tensors = cuflash.torch.calls._mod_arguments(kwargs["score_mod"], kwargs["mask_mod"], kwargs["mod_tensors"])
     options = (False, None, False, -1, -1, 3.0, None, 0.0, None)
     torch.library.opcheck(cuflash.torch.attention_mod_forward, (q, k, v, *options, key, tensors))
     out, lse, rng_state = cuflash.torch.attention_mod_forward(*(x.detach() for x in (q, k, v)), *options, key,
@@ -142,7 +142,7 @@ def test_cpu_mod_ops_opcheck():
 
 def test_cpu_varlen_mod_ops_opcheck():
     (q, k, v, dout, dlse), packing, kwargs, _, _ = _varlen("both")
-    key, tensors = cuflash.torch._mod_arguments(kwargs["score_mod"], kwargs["mask_mod"], kwargs["mod_tensors"])
+    key, tensors = cuflash.torch.calls._mod_arguments(kwargs["score_mod"], kwargs["mask_mod"], kwargs["mod_tensors"])
     options = (True, 0.5, False, -1, -1, 3.0, None, 0.0, None)
     torch.library.opcheck(cuflash.torch.attention_varlen_mod_forward, (q, k, v, *packing, *options, key, tensors))
     out, lse, rng_state = cuflash.torch.attention_varlen_mod_forward(*(x.detach() for x in (q, k, v)), *packing,
@@ -251,7 +251,7 @@ def test_cpu_torch_compile_fullgraph_with_a_block_mask():
 def test_cpu_mod_ops_opcheck_with_block_statuses():
     """The mod ops' optional last input, block_statuses: schema, fake tensors, autograd."""
     (q, k, v, dout, dlse), block_mask, kwargs, _, _ = _blocks("document")
-    key, tensors = cuflash.torch._mod_arguments(kwargs["score_mod"], block_mask.mask_mod, block_mask.mod_tensors)
+    key, tensors = cuflash.torch.calls._mod_arguments(kwargs["score_mod"], block_mask.mask_mod, block_mask.mod_tensors)
     options = (False, None, False, -1, -1, 0.0, None, 0.0, None)
     forward = (*(x.detach() for x in (q, k, v)), *options, key, tensors, block_mask.statuses)
     torch.library.opcheck(cuflash.torch.attention_mod_forward, forward)
@@ -264,7 +264,7 @@ def test_cpu_mod_ops_opcheck_with_block_statuses():
 def test_cpu_block_mask_errors(monkeypatch):
     """Each misuse raises before anything runs, naming block_mask (or the argument)."""
     (q, k, v, _, _), block_mask, kwargs, _, _ = _blocks("document")
-    monkeypatch.setattr(cuflash.torch, "_run_forward", lambda *args, **kwargs: pytest.fail("ran"))
+    monkeypatch.setattr(cuflash.torch.calls, "_run_forward", lambda *args, **kwargs: pytest.fail("ran"))
     mask_mod, tensors = block_mask.mask_mod, block_mask.mod_tensors
 
     def made(batch=BATCH, heads=NHEADS, seqlen_q=BLOCK_SEQLEN_Q, seqlen_k=BLOCK_SEQLEN_K, **kwargs):

@@ -32,9 +32,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _options
-from ._options import RING_ALL, RingBlock
-from . import torch as glue
+from .. import _options
+from .._options import RING_ALL, RingBlock
+from . import calls
 
 __all__ = ["ring_attention"]
 
@@ -70,7 +70,7 @@ def _check(q, k, v, causal, softmax_scale, layout, return_lse) -> float:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__qualname__}")
-    return _options.check_ring_shard(*(glue._describe(t) for t in tensors.values()), causal, softmax_scale, layout,
+    return _options.check_ring_shard(*(calls._describe(t) for t in tensors.values()), causal, softmax_scale, layout,
                                      return_lse, "rank")
 
 
@@ -155,14 +155,14 @@ def _forward(q, k, v, ring: _Ring, causal: bool, scale: float, layout: str):
         block = _block(ring.rank, ring.source(step), q.shape[1], layout, causal)
         if block is not None:
             kb, vb = (t[:, block.keys] for t in held)
-            part, part_lse = glue.attention(q[:, block.queries], kb, vb, causal=block.causal, softmax_scale=scale,
-                                            return_lse=True)
+            part, part_lse = calls.attention(q[:, block.queries], kb, vb, causal=block.causal, softmax_scale=scale,
+                                             return_lse=True)
             if out is None:  # step 0: the rank's own block, which every query row sees
                 out, lse = part.float(), part_lse
             else:
                 rows = block.queries
-                out[:, rows], lse[:, :, rows] = glue.merge_states([out[:, rows], part.float()],
-                                                                  [lse[:, :, rows], part_lse])
+                out[:, rows], lse[:, :, rows] = calls.merge_states([out[:, rows], part.float()],
+                                                                   [lse[:, :, rows], part_lse])
         if step + 1 < ring.size:
             _wait(requests)
             spare = held if step else None  # the caller's k and v are never received into
@@ -186,7 +186,7 @@ def _backward(dout, dlse, q, k, v, out, lse, ring: _Ring, causal: bool, scale: f
         if block is not None:
             do, qb, ob, lb, dlb = rows_of(block.queries)
             kb, vb = (t[:, block.keys] for t in held)
-            dqb, dkb, dvb = glue.attention_backward(do, qb, kb, vb, ob, lb, block.causal, scale, False, dlse=dlb)
+            dqb, dkb, dvb = calls.attention_backward(do, qb, kb, vb, ob, lb, block.causal, scale, False, dlse=dlb)
             dq[:, block.queries] += dqb
         if step == 0:  # the rank's own block, which its own queries always see
             grads = (dkb.float(), dvb.float())
