@@ -309,7 +309,7 @@ def test_cpu_option_errors_are_raised_while_tracing(cpu):
         cuflash.jax.attention_varlen(packed, packed, packed, cu, cu, 5.0, 5)
 
 def test_missing_buffer_callback_names_the_jax_version(monkeypatch):
-    monkeypatch.setattr(cuflash.jax, "buffer_callback", None)
+    monkeypatch.setattr(cuflash.jax.calls, "buffer_callback", None)
     q = jnp.zeros((1, 8, 2, 16), jnp.float32)
     with pytest.raises(ImportError, match="JAX 0.7 or newer"):
         cuflash.jax.attention(q, q, q)

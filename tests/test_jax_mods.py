@@ -119,7 +119,8 @@ def test_cpu_mods_are_static_by_their_text():
     q, k, v = (jnp.asarray(x) for x in _case("softcap", False)[0][:3])
 
     def config(score_mod):
-        return cuflash.jax._prepare(q, k, v, None, False, None, False, (-1, -1), 0.0, None, 0.0, None, score_mod)[0]
+        return cuflash.jax.calls._prepare(q, k, v, None, False, None, False, (-1, -1), 0.0, None, 0.0, None,
+                                          score_mod)[0]
 
     same = config(lambda s, b, h, i, j: 2.0 * mod.tanh(s / 2.0))
     assert same == config(softcap) and hash(same) == hash(config(softcap))

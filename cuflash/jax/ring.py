@@ -40,10 +40,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _options
-from ._options import RING_ALL, RingBlock
-from . import jax as glue
-from .jax import _varying, _vma  # (the callbacks' results typed varying over the mesh axes)
+from .. import _options
+from .._options import RING_ALL, RingBlock
+from . import calls
+from .calls import _varying, _vma  # (the callbacks' results typed varying over the mesh axes)
 
 __all__ = ["ring_attention"]
 
@@ -76,7 +76,7 @@ def _check(q, k, v, causal, softmax_scale, layout, return_lse) -> float:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, jax.Array):
             raise TypeError(f"{name} must be a JAX array, got {type(x).__module__}.{type(x).__qualname__}")
-    return _options.check_ring_shard(*(glue._describe(x, q) for x in (q, k, v)), causal, softmax_scale, layout,
+    return _options.check_ring_shard(*(calls._describe(x, q) for x in (q, k, v)), causal, softmax_scale, layout,
                                      return_lse, "device")
 
 
@@ -147,15 +147,15 @@ def _forward(q, k, v, ring: _Ring):
     """(out like q, lse float32): ``size`` steps of attention and merge, the next block in flight."""
 
     def attention(q, k, v, causal):
-        return tuple(_varying(x, ring.axes) for x in glue.attention(q, k, v, causal=causal, softmax_scale=ring.scale,
-                                                                return_lse=True))
+        return tuple(_varying(x, ring.axes) for x in calls.attention(q, k, v, causal=causal, softmax_scale=ring.scale,
+                                                                 return_lse=True))
 
     def attend(kv, state, block: RingBlock):
         out, lse = state
         kb, vb = (x[:, block.keys] for x in kv)
         part, part_lse = attention(q[:, block.queries], kb, vb, block.causal)
         rows = block.queries
-        merged, merged_lse = glue.merge_states([out[:, rows], part.astype(out.dtype)], [lse[:, :, rows], part_lse])
+        merged, merged_lse = calls.merge_states([out[:, rows], part.astype(out.dtype)], [lse[:, :, rows], part_lse])
         return out.at[:, rows].set(merged), lse.at[:, :, rows].set(merged_lse)
 
     held, state = (k, v), None
@@ -199,7 +199,7 @@ def _backward(dout, dlse, q, k, v, out, lse, ring: _Ring):
 
 def _block_backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: float):
     """cuflash.jax.attention's backward for one block, fed the final out and LSE."""
-    config, extras = glue._prepare(q=q, k=k, v=v, varlen=None, causal=causal, softmax_scale=scale,
-                                   deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                   dropout_p=0.0, seed=None)
-    return glue._backward(dout, dlse, q, k, v, out, lse, extras, config)
+    config, extras = calls._prepare(q=q, k=k, v=v, varlen=None, causal=causal, softmax_scale=scale,
+                                    deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    dropout_p=0.0, seed=None)
+    return calls._backward(dout, dlse, q, k, v, out, lse, extras, config)

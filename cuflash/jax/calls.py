@@ -1,59 +1,7 @@
-"""JAX glue: differentiable attention that works eagerly and under jax.jit, zero-copy.
+"""JAX's calls: the forward and backward buffer callbacks, the custom_vjp that ties them,
+and the functions ``cuflash.jax`` exports (its docstring tells how they fit).
 
-    import cuflash.jax
-    out = cuflash.jax.attention(q, k, v, causal=True)
-    grads = jax.jit(jax.grad(lambda q, k, v: cuflash.jax.attention(q, k, v).sum(), (0, 1, 2)))(q, k, v)
-    out, lse = cuflash.jax.attention(q, k, v, return_lse=True)   # both differentiable
-
-The forward and the backward are each one ``jax.experimental.buffer_callback``: XLA
-allocates the outputs (and the backward's scratch buffers), hands the callback its device
-buffers and its stream, and the kernels read and write those buffers in place on that
-stream. Nothing is copied and nothing synchronises (but see traced dropout seeds below).
-``jax.custom_vjp`` ties the two together, so jax.grad, jax.jit and jax.vmap (one call per
-mapped element) all apply. ``attention_varlen`` does the same for packed sequences.
-
-The custom_vjp's output is always (out, lse), so gradients flow through lse as well as out
-(lse float32 (batch, nheads, seqlen_q), or (nheads, total_q) packed; +inf for a row that
-sees no key, whose gradient is ignored). ``return_lse=False`` drops lse after it; its
-cotangent then arrives as zeros, which the backward adds at the cost of one float a row.
-
-The options are flash-attn's (see ``cuflash.attention``). ``alibi_slopes`` is an array
-input (float32 (nheads,) or (batch, nheads)) that gets a zero cotangent. Dropout needs a
-``seed``, as JAX has no global random state:
-
-- a Python int: static, part of the compiled computation (under jit, a new int compiles
-  again), read by the kernel with no synchronisation;
-- an integer array (traced or not) of at most 64 bits: a scalar, or two uint32 words
-  [low, high] such as ``jax.random.bits(key, (2,), jnp.uint32)``, or a typed PRNG key
-  (its key data, e.g. [0, n] for ``jax.random.key(n)``). The seed is then an input of the
-  callback: on a GPU the callback copies its 8 bytes to the host before launching, which
-  waits for XLA's stream up to that point.
-
-Either way the mask is ``cuflash._philox``'s for (seed, rng_offset 0), and the backward
-regenerates it from the same seed. Under vmap every mapped element gets the same seed, so
-the same mask.
-
-Programmable attention (``score_mod``, ``mask_mod``, ``mod_tensors``; ``cuflash.mod``): the
-functions are traced while tracing and are static, part of the configuration, equal by
-their traced text and the tensors' shapes and dtypes (two function objects of one text
-share an executable); the mod tensors are inputs of the callbacks with zero cotangents
-(jax.grad with respect to one gives zeros: cuflash gives mod tensors no gradient yet). A
-block mask (``block_mask``, dense calls) is a pytree: its statuses are one more input (and
-its mod tensors the mod tensors), its mask_mod and sizes static, so a jitted function that
-takes one runs another of the same shapes and mask_mod with the same executable.
-
-Arrays on the CPU take the same route: buffer_callback gives host buffers there, and the
-callback runs the NumPy path on them (float16, float32, float64). One route for both means
-jit needs no platform switch and the glue is testable without a GPU.
-
-Inputs are checked while tracing, where an array under jit has no device yet: the checks
-that differ between CPU and GPU (the dtypes) assume the default device, as jit does for
-uncommitted arrays. Under ``with jax.default_device(cpu)`` they follow the CPU rules.
-The values of cu_seqlens are checked when they are concrete (eagerly); under jit on a GPU
-they go to the kernel unchecked, as flash-attn's do.
-
-Needs JAX with ``jax.experimental.buffer_callback`` (0.7 or newer). Importing this module
-imports jax; ``import cuflash`` alone does not.
+Importing this module imports jax; ``import cuflash`` alone does not.
 """
 from __future__ import annotations
 
@@ -65,14 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _arrays, _device, _kernels, _options, _plan, api, kvcache, mod
+from .. import _arrays, _device, _kernels, _options, _plan, api, kvcache, mod
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
 except ImportError:  # older JAX: attention() says what to upgrade to
     buffer_callback = None
-
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_states"]
 
 _DLPACK_CPU = 1  # kDLCPU in DLPack's DLDeviceType
 
@@ -84,13 +30,13 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     ``return_lse`` (lse float32 (batch, nheads, seqlen_q), differentiable too).
 
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim);
-    see ``cuflash.attention`` for the semantics of the options and the module for seeds.
-    float16/bfloat16 on a GPU, float16/float32/float64 on the CPU. ``deterministic``
+    see ``cuflash.attention`` for the semantics of the options and ``cuflash.jax`` for
+    seeds. float16/bfloat16 on a GPU, float16/float32/float64 on the CPU. ``deterministic``
     makes the backward bitwise reproducible. ``score_mod``, ``mask_mod`` and ``mod_tensors``
-    as ``cuflash.attention`` (see the module: the functions are static, the tensors inputs
-    without gradient). ``block_mask``: a ``cuflash.mod.BlockMask`` made for these shapes, which
-    carries mask_mod and mod_tensors, as ``cuflash.attention`` (see the module: a pytree whose
-    statuses and mod tensors are inputs).
+    as ``cuflash.attention`` (see ``cuflash.jax``: the functions are static, the tensors
+    inputs without gradient). ``block_mask``: a ``cuflash.mod.BlockMask`` made for these
+    shapes, which carries mask_mod and mod_tensors, as ``cuflash.attention`` (see
+    ``cuflash.jax``: a pytree whose statuses and mod tensors are inputs).
     """
     config, extras = _prepare(q, k, v, None, causal, softmax_scale, deterministic, window_size, softcap,
                               alibi_slopes, dropout_p, seed, score_mod, mask_mod, mod_tensors, block_mask)
@@ -748,6 +694,3 @@ def _write(buffers, arrays) -> None:
     # The CPU path returns fresh arrays; copy them into the buffers XLA allocated.
     for buffer, array in zip(buffers, arrays):
         np.asarray(buffer)[...] = array
-
-from .jax_ring import ring_attention  # noqa: E402  (context parallelism, built on the calls above)
-__all__ += ["ring_attention"]
