@@ -1,4 +1,5 @@
-"""Where a call's GPU time goes, kernel by kernel, beside SDPA-flash's (torch profiler).
+"""Where a call's GPU time goes, kernel by kernel, beside SDPA's flash and cuDNN backends
+(torch profiler).
 
     PYTHONPATH=. python scripts/common/kernel_times.py 512,1024 64,128 0,1 1    # seqlens, head dims, causal, backward
 
@@ -41,7 +42,7 @@ def main() -> None:
             for s in seqlens:
                 b, h = bench.TOKENS // s, bench.HIDDEN // d
                 impls = bench._implementations(torch, b, s, h, d, causal, backward)
-                impls = {name: impls[name] for name in ("cuflash", "sdpa-flash")}
+                impls = {name: impls[name] for name in ("cuflash", "sdpa-flash", "sdpa-cudnn") if name in impls}
                 call_ms = bench._median_ms_each(impls, torch)
                 print(f"d {d} causal {causal} seqlen {s} (batch {b}, heads {h}), {'fwd+bwd' if backward else 'fwd'}")
                 for name, fn in impls.items():
