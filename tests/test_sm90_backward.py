@@ -102,10 +102,11 @@ def test_drawn_calls_match_the_oracle(sm90_plans, shape, dtype, window, dlse, se
     _check(shape, dtype, seed, window_size, dlse)
 
 
-# Ragged lengths around the 128-key block and the 64- and 128-row query blocks: 1, a block
-# + 1, primes; seqlen_q above and below seqlen_k; MQA; a long causal call.
+# Ragged lengths around the 128-key block and the 64-, 80- and 128-row query blocks: 1, a
+# block + 1, primes; seqlen_q above and below seqlen_k; MQA; a long causal call.
 LONG = [Shape(1, 1, 1, 1, 1, 128, False), Shape(2, 129, 129, 4, 2, 128, True), Shape(1, 257, 127, 6, 1, 64, True),
         Shape(1, 127, 1031, 4, 4, 96, False), Shape(2, 1999, 2047, 4, 2, 64, True),
+        Shape(1, 81, 81, 2, 1, 128, False), Shape(2, 401, 160, 4, 2, 96, False), Shape(1, 79, 1000, 3, 1, 80, False),
         Shape(1, 2048, 2048, 8, 1, 128, True), Shape(1, 1025, 700, 2, 2, 128, False),
         Shape(1, 4096, 4096, 2, 2, 128, False)]
 
@@ -128,13 +129,15 @@ def test_windows_match_the_oracle(sm90_plans, window_size):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_packed_sequences_match_the_oracle(sm90_plans, head_dim):
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_match_the_oracle(sm90_plans, head_dim, causal):
     """Sequences shorter and longer than a block, one with no rows and one with no keys:
-    a block's boxes reach into the next sequence's rows, which must count for nothing."""
-    shape = VarlenShape((100, 0, 257, 64, 1), (130, 40, 0, 300, 129), 4, 2, head_dim, True)
+    a block's boxes reach into the next sequence's rows, which must count for nothing;
+    sequences from row 100 on start inside a group of 8 rows (dQ by red.v4)."""
+    shape = VarlenShape((100, 0, 257, 64, 1), (130, 40, 0, 300, 129), 4, 2, head_dim, causal)
     (dout, q, k, v), packing = packed_inputs(shape, head_dim)
     cu_q, cu_k = packing[:2]
-    out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=True, return_lse=True)
+    out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=causal, return_lse=True)
     with poisoned_allocations():
-        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=True)
-    check_gradients(dout, q, k, v, grads, True, varlen=(cu_q, cu_k))
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=causal)
+    check_gradients(dout, q, k, v, grads, causal, varlen=(cu_q, cu_k))

@@ -124,7 +124,7 @@ class Sm90Backward(NamedTuple):
 
     @classmethod
     def of(cls, dtype: str, head_dim: int, local: bool) -> Sm90Backward:
-        return cls(dtype, head_dim, local, *SM90_BACKWARD_TILES[head_dim])
+        return cls(dtype, head_dim, local, *SM90_BACKWARD_TILES[head_dim, local])
 
     @property
     def instance(self) -> str:
@@ -142,15 +142,17 @@ class Sm90Backward(NamedTuple):
         (K/V's, a landed and a released one a stage, a staged and a drained one a consumer)
         and 1024 bytes of alignment."""
         d, m, n, stages = self.head_dim, self.block_m, self.block_n, self.stages
-        return (2 * 2 * n * d + 2 * stages * 2 * m * d + 2 * 2 * n * m + 2 * stages * 4 * m + 4 * m * d + 16 * 8
+        return (2 * 2 * n * d + 2 * stages * 2 * m * d + 2 * 2 * n * m + 2 * stages * 4 * m + 4 * m * d + 2 * m
                 + (1 + 2 * stages + 4) * 8 + 1024)
 
 
-# The sm_90a backward: head dim -> (query rows a step, Q/dO stages). A consumer keeps dK
-# and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and dP^T of a step's
-# query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128, 128 at d 64 (bwd.cu,
-# kEarlyValues: the order of the products that fits the 240 registers).
-SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
+# The sm_90a backward: (head dim, causal or window) -> (query rows a step, Q/dO stages). A
+# consumer keeps dK and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and
+# dP^T of a step's query rows (2 x rows / 4): FlashAttention-3's tiles, 128 rows at d 64,
+# at d 128 80 without a mask (fewer steps for the same K and V reads) and 64 under one
+# (bwd.cu, kEarlyValues: the order of the products that fits the 240 registers).
+SM90_BACKWARD_TILES = {(64, False): (128, 2), (64, True): (128, 2), (128, False): (80, 2), (128, True): (64, 2)}
+SM90_BACKWARD_HEAD_DIMS = (64, 128)
 
 
 def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options,
@@ -250,7 +252,7 @@ def backward_takes(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, dq
     """Does the sm_90a backward take this call (dQ by atomics: not deterministic)? Head dims
     64 to 128 without softcap, ALiBi or dropout; arrays the copy engine can read (16-byte
     aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
-    if not 64 <= q.shape[-1] <= max(SM90_BACKWARD_TILES) or q.dtype not in DTYPES or options.extras:
+    if not 64 <= q.shape[-1] <= max(SM90_BACKWARD_HEAD_DIMS) or q.dtype not in DTYPES or options.extras:
         return False
     if options.mods is not None:  # score_mod / mask_mod: the mma.sync kernels only
         return False
@@ -267,7 +269,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     accum_cols = dq_accum.shape[2] * dq_accum.shape[-1]  # (rows / 8, nheads, cols / 16, 8, 16)
     rows = backward_rows(p, batch, q, varlen, accum_cols)
     per_row, tasks = rows.args, rows.tasks
-    tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_TILES if d >= p.headdim), options.local)
+    tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= p.headdim), options.local)
     steps = []
     if tasks:
         steps.append(Step(Elementwise("backward_preprocess", q.dtype), rows.preprocess_grid, per_row, argument="p"))

@@ -80,14 +80,14 @@ struct Sm90SharedLayout {
 
 // The sm_90a backward (sm90/bwd.cu, Sm90BackwardShared), byte offsets from a 1024-byte
 // aligned start (the swizzle's atoms): K, V,
-// kStages Q tiles, kStages dO tiles, two dS^T tiles ([key][query]: a step writes one
+// kStages Q tiles, kStages dO tiles, two dS tiles ([query][key]: a step writes one
 // while the other consumer may still read the one before), kStages rows of LSE (times
 // log2 e) and of D, each consumer's dQ (fp32, in DqAccum's order: 2 KB a group of 8 rows x 64
-// columns) for the copy engine's reduction and each block's address in the accumulator (8
-// a consumer), then the barriers: K/V's "landed", each stage's "landed", each stage's
-// "released", each consumer's dQ "staged" and "drained". A tile of R rows is kHeadDim / 64
-// blocks of R x 128 bytes; dS^T is kBlockM / 64 blocks of kBlockN x 128 bytes. The launch
-// asks for 1024 bytes more (alignment).
+// columns) for the copy engine's reduction and each group's address in the accumulator
+// (kBlockM / 8 a consumer), then the barriers: K/V's "landed", each stage's "landed", each
+// stage's "released", each consumer's dQ "staged" and "drained". A tile of R rows is
+// kHeadDim / 64 blocks of R x 128 bytes; dS is two blocks of kBlockM x 128 bytes (a
+// consumer's 64 keys each). The launch asks for 1024 bytes more (alignment).
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Sm90BackwardSharedLayout {
   static constexpr int kColumnBlocks = kHeadDim / 64;
@@ -97,10 +97,10 @@ struct Sm90BackwardSharedLayout {
   static constexpr int kK = 0, kV = kKvTile, kQ = 2 * kKvTile, kDo = kQ + kStages * kQTile;
   static constexpr int kDs = kDo + kStages * kQTile;
   static constexpr int kLse = kDs + 2 * kDsTile, kDelta = kLse + kStages * kBlockM * 4;
-  static constexpr int kDqSlice = kBlockM * kHeadDim * 2;  // a consumer's half of dQ: 64 x 64 floats
+  static constexpr int kDqSlice = kBlockM * kHeadDim * 2;  // a consumer's half of dQ: kBlockM x kHeadDim / 2 floats
   static constexpr int kDq = kDelta + kStages * kBlockM * 4;
   static constexpr int kDqDestination = kDq + 2 * kDqSlice;
-  static constexpr int kBarriers = kDqDestination + 2 * 8 * 8;
+  static constexpr int kBarriers = kDqDestination + 2 * (kBlockM / 8) * 8;
   static constexpr int kBytes = kBarriers + (1 + 2 * kStages + 4) * 8 + 1024;
 };
 

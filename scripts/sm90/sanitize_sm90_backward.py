@@ -5,7 +5,8 @@ compute capability 9.0 GPU:
     compute-sanitizer --tool racecheck python scripts/sm90/sanitize_sm90_backward.py
     compute-sanitizer --tool synccheck python scripts/sm90/sanitize_sm90_backward.py
 
-Both tiles (d 64: 128 x 128; d 128: 64 x 128, also serving d 72-120), causal and not,
+Every tile (d 64: 128 x 128; d 128: 80 x 128 not causal, 64 x 128 causal or windowed,
+also serving d 72-120), causal and not,
 a sliding window, GQA and MQA, ragged lengths (sq != sk, a block + 1, a single query),
 the LSE's gradient, packed sequences with an empty one. Each call's gradients are checked
 against the float64 reference.
@@ -65,6 +66,7 @@ def main() -> None:
         call(1, 1, 200, 2, 2, d)
         call(1, 257, 130, 4, 4, d, window_size=(70, 20))
         packed([100, 0, 129, 7], 4, 2, d, causal=True)
+        packed([100, 0, 129, 7], 4, 2, d)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@
 //   dV += P^T dO                          wgmma, P^T from registers (with 64 query rows a
 //                                         step under the next line, else after it)
 //   dS^T = P^T (dP^T - D)
-//   dS^T -> shared memory; both consumers' keys written (named barrier)
-//   dQ = dS K                             wgmma, dS and K read MN-major
+//   dS -> shared memory ([query][key], stmatrix transposing); both consumers' keys written
+//   dQ = dS K                             wgmma, K read MN-major; with 80 query rows a step
+//                                         dQ^T = K^T dS^T (wgmma's rows are the head dim)
 //   dK += dS^T Q                          wgmma, dS^T from registers, running under the next line
 //   dQ -> shared memory (fp32)            the producer warpgroup's second warp adds it to
 //                                         the accumulator (dq_accum.cuh) by the copy
@@ -63,7 +64,7 @@ struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN,
     return reinterpret_cast<float*>(base + kDq + consumer * kDqSlice);
   }
   __device__ __forceinline__ float** dq_destination(int consumer) const {
-    return reinterpret_cast<float**>(base + kDqDestination) + 8 * consumer;
+    return reinterpret_cast<float**>(base + kDqDestination) + (kBlockM / 8) * consumer;
   }
   __device__ __forceinline__ sm90::Barrier barrier(int index) const {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
@@ -80,12 +81,12 @@ struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN,
 
   // The loading thread arrives at K/V's "landed" barrier, the producer warp's lanes at
   // each stage's (each after its own LSE and D stores), every consumer thread at each
-  // "released" one and at its dQ's "staged", the dQ writer's 8 lanes of a consumer at its
-  // "drained".
+  // "released" one and at its dQ's "staged", the dQ writer's lanes of a consumer (one a
+  // group of 8 rows) at its "drained".
   __device__ __forceinline__ void init_barriers(int consumer_threads) const {
     kv_landed().init(1);
     for (int s = 0; s < kStages; ++s) landed(s).init(32), released(s).init(consumer_threads);
-    for (int c = 0; c < 2; ++c) dq_staged(c).init(consumer_threads / 2), dq_drained(c).init(8);
+    for (int c = 0; c < 2; ++c) dq_staged(c).init(consumer_threads / 2), dq_drained(c).init(kBlockM / 8);
     sm90::Barrier::fence_init();
   }
   // K and V of the block's rows from `row`, and a step's Q and dO (rows from `row`), each
@@ -138,20 +139,29 @@ __device__ __forceinline__ void issue_key_gradient(const unsigned char* tile, co
     Product::template rs_bt<0>(acc, a[k], sm90::SmemDesc::n_major(tile + k * 16 * 128, Shared::kQBlock));
 }
 
-// dS^T (this warp's 16 keys, the A fragments of sm90::as_a_operand) -> the dS^T tile, [key][query]
-// in the 128-byte swizzle: 16-byte chunk c of row r lies at chunk c ^ (r % 8).
+// dS^T (this warp's 16 keys, the A fragments of sm90::as_a_operand) -> the dS tile, [query][key]:
+// a consumer's 64 keys are a block of kBlockM rows of 128 bytes in the 128-byte swizzle
+// (16-byte chunk c of row r at chunk c ^ (r % 8)). stmatrix transposes each 8x8 matrix:
+// lane 8i + r addresses query 8 (i / 2) + r of a k16 step's 16, keys 8 (i % 2) .. of the
+// warp's 16 (chunk 2 (warp % 4) + i % 2 of the row).
 template <class Shared, int kBlockM>
-__device__ __forceinline__ void store_transposed(unsigned char* tile, const unsigned (&a)[kBlockM / 16][4],
-                                                 int key_row, int lane) {
-  const int g = lane >> 2, t = lane & 3;
+__device__ __forceinline__ void store_gradients(unsigned char* tile, const unsigned (&a)[kBlockM / 16][4],
+                                                int consumer, int warp, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  const unsigned row = smem_addr(tile + consumer * Shared::kQBlock + (8 * (i >> 1) + r) * 128 +
+                                 ((2 * (warp % 4) + (i & 1)) ^ r) * 16);
 #pragma unroll
-  for (int j = 0; j < kBlockM / 16; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = key_row + g + 8 * (e & 1), col = 16 * j + 8 * (e >> 1) + 2 * t;
-      unsigned char* block = tile + (col / 64) * Shared::kKvBlock + row * 128;
-      *reinterpret_cast<unsigned*>(block + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2) = a[j][e];
-    }
+  for (int j = 0; j < kBlockM / 16; ++j) sm90::store_matrices_transposed(row + j * 16 * 128, a[j]);
+}
+
+// An n8 tile of dQ^T (this lane's head-dim columns g and g + 8, queries 2t and 2t + 1) as
+// 16 bytes of one query's row in DqAccum's order, columns (g, g + 1, g + 8, g + 9) for
+// lanes of even g (query 2t), (g - 1, g, g + 7, g + 8) for odd g (query 2t + 1): lanes
+// 4 apart swap halves.
+__device__ __forceinline__ float4 dq_row_quad(const float (&d)[4], bool odd) {
+  const float out0 = odd ? d[0] : d[1], out1 = odd ? d[2] : d[3];
+  const float in0 = __shfl_xor_sync(0xffffffffu, out0, 4), in1 = __shfl_xor_sync(0xffffffffu, out1, 4);
+  return odd ? make_float4(in0, d[1], in1, d[3]) : make_float4(d[0], in0, d[2], in1);
 }
 
 __device__ __forceinline__ void fence_proxy_async() {
@@ -166,19 +176,23 @@ __device__ __forceinline__ void consumers_meet() { asm volatile("bar.sync 1, 256
 // (240 registers: dK and dV of 64 keys stay in them). The producer refills a stage once
 // every consumer thread has released it (a fresh barrier counts as released: its waits
 // start on the other parity).
-// @tparam kBlockM  query rows a step: 64 or 128 (the registers of dK, dV, S^T, dP^T and
-//                  P^T's fragments: _plan.SM90_BACKWARD_TILES)
+// @tparam kBlockM  query rows a step: 64, 80 (d 128) or 128 (the registers of dK, dV, S^T,
+//                  dP^T and P^T's fragments: _plan.SM90_BACKWARD_TILES)
 // @tparam kStages  Q/dO stages in flight
 // @tparam kLocal   causal or sliding window
 template <typename T, int kHeadDim, int kBlockM, int kStages, bool kLocal>
 __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_constant__ Sm90BackwardParams args) {
-  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128),
-                "the products: m64n64 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
-  constexpr int kBlockN = 128;
-  // dQ = dS K (64 query rows a warpgroup): with 64 query rows a step the consumers take
-  // half the head dim each, with 128 rows each its 64 rows.
-  constexpr int kDqCols = kBlockM == 64 ? kHeadDim / 2 : kHeadDim;
-  static_assert(kDqCols == 64, "dQ's products: m64n64");
+  static_assert((kHeadDim == 64 || kHeadDim == 128) &&
+                    (kBlockM == 64 || kBlockM == 128 || (kBlockM == 80 && kHeadDim == 128)),
+                "the products: m64n64 / m64n80 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
+  constexpr int kBlockN = 128, kGroups = kBlockM / 8;  // dQ's groups of 8 rows
+  // dQ = dS K: with 64 query rows a step the consumers take half the head dim each, with
+  // 128 rows each its 64 rows. 80 rows are no multiple of wgmma's 64: dQ^T = K^T dS^T,
+  // each consumer its half of the head dim as the product's rows (FlashAttention-3's
+  // dQ swapAB).
+  constexpr bool kDqTransposed = kBlockM % 64 != 0;
+  constexpr int kDqCols = kBlockM == 128 ? kHeadDim : kHeadDim / 2, kDqN = kDqTransposed ? kBlockM : kDqCols;
+  static_assert(kDqCols == 64, "dQ's products: m64n64 / m64n80");
   // dV's product issued before dS^T is computed, running under it, where P^T's fragments
   // fit beside S^T, dP^T, dK and dV (64 rows a step); with 128 rows dS^T first, then dV
   // and dK together (P^T's fragments made once S^T's registers are free).
@@ -195,7 +209,7 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
   // dQ by the copy engine where the sequence's rows start one of DqAccum's blocks of 8
   // (each block's 64 columns then 2 KB in one piece), else by the consumers' red.v4; with
   // 128 rows a step the producer's loads of LSE and D leave the writer too few registers.
-  const bool staged_dq = kBlockM == 64 && seq.q_rows_before % 8 == 0;
+  const bool staged_dq = kBlockM != 128 && seq.q_rows_before % 8 == 0;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
 
   // The query blocks that see any key of the block, for each query head of the group.
@@ -224,6 +238,7 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
         // The step's LSE (in log2 units) and D; rows past the sequence see no key (LSE
         // +inf: P = 0). Each lane's arrival releases its own stores to the consumers' wait.
         const int64 at = seq.lse_offset(p, batch, head);
+#pragma unroll 1  // (unrolled, 80 rows spill the producer's 24 registers)
         for (int i = lane; i < kBlockM; i += 32) {
           const bool inside = m0 + i < seq.seqlen_q;
           shared.lse(stage)[i] = inside ? p.lse[at + m0 + i] * kLog2e : kInf;
@@ -234,11 +249,11 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
         else
           shared.landed(stage).arrive();
       }
-    } else if (warp == 1 && staged_dq && lane < 16) {  // the dQ writer: lane 8c + r, consumer c's rows 8r ..
-      const int c = lane / 8, col0 = kBlockM == 64 ? 64 * c : 0;
+    } else if (warp == 1 && staged_dq && lane < 2 * kGroups) {  // the dQ writer: lane kGroups c + r, consumer c's rows 8r ..
+      const int c = lane / kGroups, col0 = 64 * c;
       const unsigned bytes = min(kDqCols, args.accum_cols - col0) * 8 * 4;
-      const float* staged = shared.dq(c) + (lane % 8) * 8 * kDqCols;
-      float* const* destination = shared.dq_destination(c) + lane % 8;
+      const float* staged = shared.dq(c) + (lane % kGroups) * 8 * kDqCols;
+      float* const* destination = shared.dq_destination(c) + lane % kGroups;
       for (int step = 0; step < steps; ++step) {
         shared.dq_staged(c).wait(step & 1);
         if (*destination != nullptr) sm90::bulk_reduce_add(*destination, staged, bytes);
@@ -289,54 +304,77 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
       if constexpr (!kEarlyValues) sm90::as_a_operand<T>(acc_s, p_frag);
       sm90::as_a_operand<T>(acc_dp, ds_frag);
       unsigned char* ds_tile = shared.ds(step & 1);
-      store_transposed<Shared, kBlockM>(ds_tile, ds_frag, key_row, lane);
+      store_gradients<Shared, kBlockM>(ds_tile, ds_frag, consumer, warp, lane);
       if constexpr (!kEarlyValues) {  // (dV's product, running while the consumers meet)
         sm90::wgmma_fence();
         issue_key_gradient<T, Shared, kBlockM>(shared.dout(stage), p_frag, acc_dv);
         sm90::wgmma_commit();
       }
-      fence_proxy_async();  // dS^T's stores, before the products read them
+      fence_proxy_async();  // dS's stores, before the products read them
       consumers_meet();
-      // dQ = dS K: A = dS (the dS^T tile read MN-major), B = K read N-major; keys in k16
-      // steps of 16 rows (2048 bytes). Then dK += dS^T Q, running while dQ is handed on.
-      float acc_dq[1][kDqCols / 8][4];
-      const int dq_rows = kBlockM == 64 ? 0 : 64 * consumer, dq_col0 = kBlockM == 64 ? 64 * consumer : 0;
+      // dQ = dS K (or dQ^T = K^T dS^T): dS K-major, K read MN-major; keys in k16 steps (a
+      // dS block's 32 bytes, K's 16 rows of 2048 bytes). Then dK += dS^T Q, running while
+      // dQ is handed on.
+      float acc_dq[1][kDqN / 8][4];
+      const int dq_rows = kBlockM == 128 ? 64 * consumer : 0, dq_col0 = kBlockM == 128 ? 0 : 64 * consumer;
       sm90::wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < kBlockN / 16; ++k)
-        sm90::Wgmma<T, kDqCols>::template ss<true>(
-            acc_dq, sm90::SmemDesc::n_major(ds_tile + (dq_rows / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock),
-            sm90::SmemDesc::n_major(shared.k() + (dq_col0 / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock),
-            k > 0);
+      for (int k = 0; k < kBlockN / 16; ++k) {
+        const auto ds = sm90::SmemDesc::k_major(ds_tile + (k / 4) * Shared::kQBlock + dq_rows * 128 + (k % 4) * 32);
+        const auto keys =
+            sm90::SmemDesc::n_major(shared.k() + (dq_col0 / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock);
+        if constexpr (kDqTransposed)
+          sm90::Wgmma<T, kDqN>::template ss<true, false>(acc_dq, keys, ds, k > 0);
+        else
+          sm90::Wgmma<T, kDqN>::template ss<false, true>(acc_dq, ds, keys, k > 0);
+      }
       sm90::wgmma_commit();
       issue_key_gradient<T, Shared, kBlockM>(shared.q(stage), ds_frag, acc_dk);
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();
       sm90::fence_operands(acc_dq);
-      // dQ: this warp's rows g and g + 8 (its blocks 2 (warp % 4) and 2 (warp % 4) + 1 of 8
-      // rows), a lane's two neighbouring 8-column fragments 16 bytes in DqAccum's order
+      // dQ in DqAccum's order. Not transposed: this warp's rows g and g + 8 (its groups
+      // 2 (warp % 4) and 2 (warp % 4) + 1 of 8 rows), a lane's two neighbouring 8-column
+      // fragments 16 bytes. Transposed: this warp's 16 columns (block warp % 4 of a group's
+      // four) of every group, dq_row_quad's 16 bytes of a query.
       if (staged_dq) {
         shared.dq_drained(consumer).wait((step & 1) ^ 1);
-        float* staged = shared.dq(consumer) + 16 * (warp % 4) * kDqCols + 16 * g + 4 * t;
+        if constexpr (kDqTransposed) {
+          float* staged = shared.dq(consumer) + (warp % 4) * DqAccum::kBlockFloats + (2 * t + (g & 1)) * 16 + (g >> 1) * 4;
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < kGroups; ++j)
+            *reinterpret_cast<float4*>(staged + j * 8 * kDqCols) = dq_row_quad(acc_dq[0][j], g & 1);
+        } else {
+          float* staged = shared.dq(consumer) + 16 * (warp % 4) * kDqCols + 16 * g + 4 * t;
 #pragma unroll
-          for (int j = 0; j < kDqCols / 16; ++j)
-            *reinterpret_cast<float4*>(staged + h * 8 * kDqCols + j * DqAccum::kBlockFloats) =
-                make_float4(acc_dq[0][2 * j][2 * h], acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
-                            acc_dq[0][2 * j + 1][2 * h + 1]);
-        // where each block of 8 rows goes (the writer keeps to 24 registers): none past the end
-        if (lane == 0)
+          for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = m0 + dq_rows + 16 * (warp % 4) + 8 * h;
-            shared.dq_destination(consumer)[2 * (warp % 4) + h] =
-                row < seq.seqlen_q ? DqAccum::at(p.dq_accum, seq.q_rows_before + row, head, p.nheads,
-                                                 args.accum_cols, dq_col0)
-                                   : nullptr;
-          }
+            for (int j = 0; j < kDqCols / 16; ++j)
+              *reinterpret_cast<float4*>(staged + h * 8 * kDqCols + j * DqAccum::kBlockFloats) =
+                  make_float4(acc_dq[0][2 * j][2 * h], acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
+                              acc_dq[0][2 * j + 1][2 * h + 1]);
+        }
+        // where each group of 8 rows goes (the writer keeps to 24 registers): none past the end
+        if (warp % 4 == 0 && lane < kGroups) {
+          const int row = m0 + dq_rows + 8 * lane;
+          shared.dq_destination(consumer)[lane] =
+              row < seq.seqlen_q
+                  ? DqAccum::at(p.dq_accum, seq.q_rows_before + row, head, p.nheads, args.accum_cols, dq_col0)
+                  : nullptr;
+        }
         fence_proxy_async();  // before the copy engine reads them
         shared.dq_staged(consumer).arrive();
+      } else if constexpr (kDqTransposed) {
+        const int col = dq_col0 + 16 * (warp % 4);
+#pragma unroll
+        for (int j = 0; j < kGroups; ++j) {
+          const float4 quad = dq_row_quad(acc_dq[0][j], g & 1);
+          const int row = m0 + 8 * j + 2 * t + (g & 1);
+          if (col < args.accum_cols && row < seq.seqlen_q)
+            atomic_add_quad(DqAccum::at(p.dq_accum, seq.q_rows_before + row, head, p.nheads, args.accum_cols,
+                                        col + (g & ~1)),
+                            quad.x, quad.y, quad.z, quad.w);
+        }
       } else {
         const int row = m0 + dq_rows + 16 * (warp % 4) + g;
 #pragma unroll

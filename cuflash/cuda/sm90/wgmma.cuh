@@ -93,9 +93,9 @@ __device__ __forceinline__ void as_a_operand(const float (&s)[1][kNTiles][4], un
 // be two of N = 128), for N = 64, 80, 128 and 176 (the key tiles and head dims of
 // _plan.SM90_TILES; 80 keys is FlashAttention-3's tile at d 256, 176 its tile at d 128
 // without a causal mask):
-//   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory (or, kMnMajor, both
-//                        MN-major: the transpose bits, A stored [k][m], B [k][n], each
-//                        with its m or n contiguous); D is overwritten where accumulate is 0.
+//   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory (or, kMnMajorA /
+//                        kMnMajorB, MN-major: the transpose bits, A stored [k][m], B [k][n],
+//                        each with its m or n contiguous); D is overwritten where accumulate is 0.
 //   Wgmma<T, N>::rs_bt   D += A B, A in registers (the mma.sync A fragment of each warp's
 //                        16 rows), B N-major in shared memory (the transpose bit).
 template <typename T, int N>
@@ -106,19 +106,19 @@ struct Wgmma;
 
 // One specialisation: the instruction's type and N, the accumulators as PTX operands and
 // as asm outputs, then the PTX operands that follow them (ss: a, b, accumulate, the
-// transpose bits; rs_bt: a's four registers, b).
-#define CUFLASH_WGMMA(T, TYPE, N, D_PTX, D_OUTPUTS, A, B, ACCUMULATE, TRANSPOSE, RS_OPERANDS)                    \
+// transpose bits of A and B; rs_bt: a's four registers, b).
+#define CUFLASH_WGMMA(T, TYPE, N, D_PTX, D_OUTPUTS, A, B, ACCUMULATE, TRANSPOSE_A, TRANSPOSE_B, RS_OPERANDS)      \
   template <>                                                                                                   \
   struct Wgmma<T, N> {                                                                                          \
-    template <bool kMnMajor = false, int kTiles>                                                                \
+    template <bool kMnMajorA = false, bool kMnMajorB = kMnMajorA, int kTiles>                                   \
     static __device__ __forceinline__ void ss(float (&d)[1][kTiles][4], unsigned long long a,                   \
                                               unsigned long long b, int accumulate) {                           \
       constexpr int kFirst = 0;                                                                                 \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACCUMULATE ", 0;\n"                                     \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_PTX ", " A ", " B       \
-                   ", p, 1, 1, " TRANSPOSE ", " TRANSPOSE ";\n}\n"                                               \
+                   ", p, 1, 1, " TRANSPOSE_A ", " TRANSPOSE_B ";\n}\n"                                           \
                    : D_OUTPUTS                                                                                  \
-                   : "l"(a), "l"(b), "r"(accumulate), "n"(kMnMajor ? 1 : 0));                                   \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kMnMajorA ? 1 : 0), "n"(kMnMajorB ? 1 : 0));          \
     }                                                                                                           \
     template <int kFirst, int kTiles>                                                                           \
     static __device__ __forceinline__ void rs_bt(float (&d)[1][kTiles][4], const unsigned (&a)[4],              \
@@ -135,9 +135,9 @@ struct Wgmma;
 // numbered K0 .. K4 (K0 = N / 2).
 #define CUFLASH_WGMMA_N(N, K0, K1, K2, K3, K4)                                                                \
   CUFLASH_WGMMA(half_t, "f16", N, "{" CUFLASH_WGMMA_R##N "}", CUFLASH_WGMMA_D##N, "%" #K0, "%" #K1, "%" #K2,   \
-                "%" #K3, "{%" #K0 ", %" #K1 ", %" #K2 ", %" #K3 "}, %" #K4)                                  \
+                "%" #K3, "%" #K4, "{%" #K0 ", %" #K1 ", %" #K2 ", %" #K3 "}, %" #K4)                         \
   CUFLASH_WGMMA(bfloat16_t, "bf16", N, "{" CUFLASH_WGMMA_R##N "}", CUFLASH_WGMMA_D##N, "%" #K0, "%" #K1,       \
-                "%" #K2, "%" #K3, "{%" #K0 ", %" #K1 ", %" #K2 ", %" #K3 "}, %" #K4)
+                "%" #K2, "%" #K3, "%" #K4, "{%" #K0 ", %" #K1 ", %" #K2 ", %" #K3 "}, %" #K4)
 
 // The accumulators of each N, each list the one before it and the tiles N adds; as asm
 // outputs (D) and as PTX operands (R).
@@ -171,6 +171,16 @@ CUFLASH_WGMMA_N(176, 88, 89, 90, 91, 92)
 #undef CUFLASH_WGMMA_N
 #undef CUFLASH_WGMMA
 #undef CUFLASH_WGMMA_D4
+
+// Four 8x8 matrices of 16-bit elements to shared memory, each transposed (stmatrix.x4.trans):
+// register i of lane 4r + c holds row r, columns 2c and 2c + 1 of matrix i (a 16x16 block
+// of an A operand: its rows 0-7 / 8-15 by columns 0-7, then by columns 8-15), and lane
+// 8i + r gives the 16-byte address that receives column r of matrix i.
+__device__ __forceinline__ void store_matrices_transposed(unsigned address, const unsigned (&a)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(a[0]),
+               "r"(a[1]), "r"(a[2]), "r"(a[3])
+               : "memory");
+}
 
 }  // namespace sm90
 }  // namespace cuflash
