@@ -62,27 +62,32 @@ def device_facts(device: int) -> _device.Device:
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
              dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, delta: ArrayInfo, options: Options, *, stream: int,
-             varlen: Varlen | None = None, dq_accum: ArrayInfo | None = None, dlse: ArrayInfo | None = None) -> None:
-    """dq, dk, dv of attention; delta and dq_accum come from ``_plan.backward_workspace``.
+             varlen: Varlen | None = None, dq_accum: ArrayInfo | None = None, dlse: ArrayInfo | None = None,
+             dq_semaphore: ArrayInfo | None = None) -> None:
+    """dq, dk, dv of attention; delta, dq_accum and dq_semaphore come from
+    ``_plan.backward_workspace``.
     ``dlse``: the loss's gradient with respect to lse (laid out like it), or None where
     the loss does not use lse.
     With dq_accum, where the one-pass kernel has an instance (head dim, no softcap,
     ALiBi or dropout, shared memory of the device), it computes all three, dQ through
     fp32 atomics; otherwise dQ has its own pass and every gradient is bitwise
-    reproducible. dK and dV always are."""
-    arrays = (dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, dq_accum)
+    reproducible (with dq_semaphore too, on the sm_90a backward). dK and dV always are."""
+    arrays = (dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, dq_accum, dq_semaphore)
     key = _plan_key(arrays, options, varlen)
     launcher = _warm.lookup(_launchers, key)
     if launcher is None:
-        launcher = _remember(key, backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen))
+        launcher = _remember(key, backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen,
+                                                    dq_semaphore))
     launcher(stream, *(0 if a is None else a.ptr for a in arrays))
 
 
-def backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options: Options, varlen: Varlen | None) -> Launcher:
+def backward_launcher(dout, q, k, v, out, dq, dk, dv, dq_accum, options: Options, varlen: Varlen | None,
+                      dq_semaphore: ArrayInfo | None = None) -> Launcher:
     """The backward of this call signature, ready to launch with (stream, dout, q, k, v,
-    out, lse, dlse, dq, dk, dv, delta, dq_accum pointers). (dlse, like every pointer, is
-    given at launch: the plan is the same with or without it.)"""
-    plan = _plan.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, device_facts(q.device))
+    out, lse, dlse, dq, dk, dv, delta, dq_accum, dq_semaphore pointers). (dlse, like every
+    pointer, is given at launch: the plan is the same with or without it.)"""
+    plan = _plan.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, device_facts(q.device),
+                          dq_semaphore)
     return Launcher(plan, q.device)
 
 

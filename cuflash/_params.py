@@ -37,7 +37,7 @@ class Params(_Struct):
     _fields_ = [
         ("q", ArrayView), ("k", ArrayView), ("v", ArrayView), ("o", ArrayView),
         ("dout", ArrayView), ("dq", ArrayView), ("dk", ArrayView), ("dv", ArrayView),
-        ("lse", _ptr), ("dlse", _ptr), ("delta", _ptr), ("dq_accum", _ptr),
+        ("lse", _ptr), ("dlse", _ptr), ("delta", _ptr), ("dq_accum", _ptr), ("dq_semaphore", _ptr),
         ("lse_batch_stride", _i64), ("lse_head_stride", _i64),
         ("cu_seqlens_q", _ptr), ("cu_seqlens_k", _ptr),
         ("alibi_slopes", _ptr), ("alibi_batch_stride", _i64),

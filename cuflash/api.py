@@ -255,18 +255,22 @@ def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, determi
     dq, dk, dv = grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
     workspace = warm and warm.workspace
     if not workspace:  # (the same for every call of a signature: q's shape, deterministic, options)
-        workspace = _plan.backward_workspace(q.shape, deterministic, options.extras)
+        extras = options.extras or options.mods is not None
+        ordered = deterministic and _plan.backward_orders(q.shape[-1], extras,
+                                                          _kernels.device_facts(q.device).sm90a)
+        workspace = _plan.backward_workspace(q.shape, deterministic, options.extras, ordered)
         if warm:
             warm.workspace = workspace
     work = {name: framework.empty(shape, dtype) for name, (shape, dtype) in workspace.items()}
-    dq_accum, dlse = work.get("dq_accum"), arrays.get("dlse")
+    dq_accum, dq_semaphore, dlse = work.get("dq_accum"), work.get("dq_semaphore"), arrays.get("dlse")
     launcher = warm and warm.launcher
     if not launcher:
         launcher = _kernels.backward_launcher(arrays["dout"], q, k, v, arrays["out"], dq, dk, dv, dq_accum, options,
-                                              varlen)
+                                              varlen, dq_semaphore)
         if warm:
             warm.launcher = launcher
-    pointers = (arrays["dout"], q, k, v, arrays["out"], arrays["lse"], dlse, dq, dk, dv, work["delta"], dq_accum)
+    pointers = (arrays["dout"], q, k, v, arrays["out"], arrays["lse"], dlse, dq, dk, dv, work["delta"], dq_accum,
+                dq_semaphore)
     launcher(framework.stream, *(0 if a is None else a.ptr for a in pointers))
     return tuple(framework.finish(g.obj) for g in grads)
 

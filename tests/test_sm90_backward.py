@@ -26,10 +26,13 @@ def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, causal=Tru
     q, k, v = dense(2, 300, 301, 4, 2, head_dim, dtype)
     q = info(q.shape, dtype, ptr)
     options = _options.make_options(q, k, causal, None, (-1, -1), softcap, None, 0.0, None, 0, backward=True)
-    work = _plan.backward_workspace(q.shape, deterministic, options.extras)
-    accum = info(work["dq_accum"][0], "float32") if "dq_accum" in work else None
+    ordered = deterministic and _plan.backward_orders(head_dim, options.extras, sm90a)
+    work = _plan.backward_workspace(q.shape, deterministic, options.extras, ordered)
+    accum, semaphore = (info(work[name][0], work[name][1]) if name in work else None
+                        for name in ("dq_accum", "dq_semaphore"))
     return _plan.backward(info(q.shape, dtype), q, k, v, info(q.shape, dtype), info(q.shape, dtype),
-                          info(k.shape, dtype), info(v.shape, dtype), accum, options, None, device(sm90a=sm90a))
+                          info(k.shape, dtype), info(v.shape, dtype), accum, options, None, device(sm90a=sm90a),
+                          semaphore)
 
 
 @pytest.mark.parametrize("head_dim,kernel_head_dim", [(64, 64), (80, 128), (96, 128), (128, 128)])
@@ -49,12 +52,28 @@ def test_the_planner_sends_the_sm90_backward_what_it_takes(no_compiler, head_dim
     assert params.batch == 2 and params.accum_cols == _plan.head_dim_bucket(head_dim)
 
 
-@pytest.mark.parametrize("case", [dict(deterministic=True), dict(softcap=5.0), dict(head_dim=256),
-                                  dict(head_dim=32), dict(sm90a=False), dict(ptr=(1 << 20) + 8)])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_calls_take_the_sm90_backward_in_order(no_compiler, head_dim, causal):
+    """dQ's additions take turns on semaphores laid out like D (zeroed by the preprocess)."""
+    plan = _backward_plan(head_dim, deterministic=True, causal=causal)
+    assert plan.struct is Sm90BackwardParams and "p.dq_semaphore" in plan.pointers
+    assert [s.kernel.kind for s in plan.steps] == ["backward_preprocess", "backward_sm90", "backward_convert_dq"]
+    work = _plan.backward_workspace((2, 300, 4, head_dim), True, False, ordered=True)
+    assert work["dq_semaphore"] == (work["delta"][0], "int32") and "dq_accum" in work
+
+
+@pytest.mark.parametrize("case", [dict(softcap=5.0), dict(head_dim=256), dict(head_dim=32), dict(sm90a=False),
+                                  dict(ptr=(1 << 20) + 8), dict(deterministic=True, head_dim=256),
+                                  dict(deterministic=True, sm90a=False), dict(deterministic=True, ptr=(1 << 20) + 8)])
 def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
-    """Deterministic calls, softcap / ALiBi / dropout, head dims outside 64-128, other GPUs
-    and arrays the copy engine cannot read."""
-    assert _backward_plan(**case).struct is not Sm90BackwardParams
+    """Softcap / ALiBi / dropout, head dims outside 64-128, other GPUs and arrays the copy
+    engine cannot read; deterministic ones there on the dQ pass (an ordered workspace the
+    sm_90a kernel cannot take included)."""
+    plan = _backward_plan(**case)
+    assert plan.struct is not Sm90BackwardParams
+    if case.get("deterministic"):
+        assert [s.kernel.kind for s in plan.steps] == ["backward_preprocess", "backward_dq", "backward_dkdv"]
 
 
 # -- on a Hopper GPU -----------------------------------------------------------------------
@@ -70,8 +89,10 @@ def sm90_plans(monkeypatch):
     assert planned and all(p.struct is Sm90BackwardParams for p in planned if p.steps)
 
 
-def _gradients(shape, dtype: str, seed: int, window_size=(-1, -1), dlse: bool = False):
-    """(dout, q, k, v), the gradients of a fresh forward's out (and lse), dlse."""
+def _gradients(shape, dtype: str, seed: int, window_size=(-1, -1), dlse: bool = False, repeats: int = 1,
+               deterministic: bool = False):
+    """(dout, q, k, v), the gradients of a fresh forward's out (and lse) ``repeats`` times
+    (one list of three each), dlse."""
     import cupy
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(shape, cupy_dtype(dtype), rng, xp=cupy)
@@ -79,14 +100,36 @@ def _gradients(shape, dtype: str, seed: int, window_size=(-1, -1), dlse: bool = 
     out, lse = cuflash.attention(q, k, v, causal=shape.causal, window_size=window_size, return_lse=True)
     gradient_of_lse = cupy.asarray(rng.standard_normal(lse.shape), dtype=cupy.float32) if dlse else None
     with poisoned_allocations():
-        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=shape.causal, window_size=window_size,
-                                           dlse=gradient_of_lse)
-    return (dout, q, k, v), grads, gradient_of_lse
+        runs = [cuflash.attention_backward(dout, q, k, v, out, lse, causal=shape.causal, window_size=window_size,
+                                           dlse=gradient_of_lse, deterministic=deterministic)
+                for _ in range(repeats)]
+    return (dout, q, k, v), runs[0] if repeats == 1 else runs, gradient_of_lse
 
 
 def _check(shape, dtype, seed, window_size=(-1, -1), dlse=False):
     (dout, q, k, v), grads, gradient_of_lse = _gradients(shape, dtype, seed, window_size, dlse)
     check_gradients(dout, q, k, v, grads, shape.causal, dlse=gradient_of_lse, window_size=window_size)
+
+
+def _bitwise_equal(first, second) -> bool:
+    import cupy
+    return all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(first, second))
+
+
+# Deterministic: the 80-row tile (d 128, no mask), the 64-row one (causal, window), the
+# 128-row one (d 64, dQ by red.v4), GQA, many key blocks taking turns on a query block.
+DETERMINISTIC = [(Shape(2, 777, 1029, 8, 2, 128, False), (-1, -1)), (Shape(1, 1500, 1300, 4, 1, 128, True), (-1, -1)),
+                 (Shape(2, 700, 900, 6, 2, 96, False), (100, 30)), (Shape(1, 1025, 2049, 4, 4, 64, False), (-1, -1)),
+                 (Shape(2, 333, 1100, 4, 2, 64, True), (-1, -1))]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("shape,window_size", DETERMINISTIC, ids=str)
+def test_deterministic_calls_match_the_oracle_bit_for_bit_each_time(sm90_plans, shape, window_size):
+    (dout, q, k, v), runs, _ = _gradients(shape, "bfloat16", 11, window_size, repeats=3, deterministic=True)
+    assert all(_bitwise_equal(runs[0], again) for again in runs[1:])
+    check_gradients(dout, q, k, v, runs[0], shape.causal, window_size=window_size)
 
 
 @pytest.mark.gpu
@@ -140,4 +183,8 @@ def test_packed_sequences_match_the_oracle(sm90_plans, head_dim, causal):
     out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=causal, return_lse=True)
     with poisoned_allocations():
         grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=causal)
+        ordered = [cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=causal,
+                                                     deterministic=True) for _ in range(2)]
     check_gradients(dout, q, k, v, grads, causal, varlen=(cu_q, cu_k))
+    check_gradients(dout, q, k, v, ordered[0], causal, varlen=(cu_q, cu_k))
+    assert _bitwise_equal(*ordered)

@@ -25,7 +25,7 @@ from .plan import (Plan, Step, TensorMapSpec, dropout_threshold, field_offset, g
 from .sm90 import (SM90_BACKWARD_HEAD_DIMS, SM90_BACKWARD_TILES, SM90_BANDED_EXTRAS_TILES, SM90_BANDED_TILES,
                    SM90_HEAD_DIMS, SM90_SECTION_BYTES, SM90_SECTION_ROWS, SM90_SHORT_CAUSAL_ROWS, SM90_SHORT_CAUSAL_TILES,
                    SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS, SM90_TILES, Sm90Backward,
-                   Sm90Forward, sm90_section, sm90_tail)
+                   Sm90Forward, backward_orders, sm90_section, sm90_tail)
 from .variants import (DTYPES, ELEMENTWISE, HEAD_DIM_BUCKETS, KINDS, MAX_HEAD_DIM, MERGES, SHARED_MEMORY_LIMIT,
                        Elementwise, Kernel, Kind, Merge, Tile, Variant, copy_run_rows, has_tile, head_dim_bucket,
                        kernel, shared_memory_limit)
@@ -48,14 +48,17 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
              dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo | None, options: Options, varlen: Varlen | None,
-             device: Device) -> Plan:
+             device: Device, dq_semaphore: ArrayInfo | None = None) -> Plan:
     """dq, dk, dv: the one-pass kernel (dQ by atomics into ``dq_accum``) where it has a
     tile, else the dQ pass and the dK/dV pass (bitwise reproducible); on a device with the
-    sm_90a kernels the sm_90a backward where it takes the call."""
-    one_pass = dq_accum is not None and has_tile("backward", q.shape[-1], options.extras, device.shared_limit)
-    if device.sm90a and one_pass and sm90.backward_takes(dout, q, k, v, dq, dk, dv, options):
+    sm_90a kernels the sm_90a backward where it takes the call, with ``dq_semaphore``
+    (deterministic) adding dQ in a fixed order."""
+    ordered = dq_semaphore is not None
+    usable = dq_accum is not None and (ordered or has_tile("backward", q.shape[-1], options.extras,
+                                                              device.shared_limit))
+    if device.sm90a and usable and sm90.backward_takes(dout, q, k, v, dq, dk, dv, options):
         return sm90.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen)
-    return mma_sync.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, device)
+    return mma_sync.backward(dout, q, k, v, out, dq, dk, dv, None if ordered else dq_accum, options, varlen, device)
 
 
 def all_kernels(arch: str) -> list[Variant]:

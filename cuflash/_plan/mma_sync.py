@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .._options import Options, Varlen
 
 FORWARD_POINTERS = ("q", "k", "v", "o", "lse")
-BACKWARD_POINTERS = ("dout", "q", "k", "v", "o", "lse", "dlse", "dq", "dk", "dv", "delta", "dq_accum")
+BACKWARD_POINTERS = ("dout", "q", "k", "v", "o", "lse", "dlse", "dq", "dk", "dv", "delta", "dq_accum", "dq_semaphore")
 PREPROCESS_ROWS = 4  # (row, head) tasks per thread of the backward's preprocess (bwd.cu, kPreprocessRows)
 
 
@@ -80,23 +80,30 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
             p.tile_group = tile_group(tiled, batch * nheads_kv, device)
     if tasks and one_pass:
         steps.append(Step(Elementwise("backward_convert_dq", q.dtype), rows.convert_grid, per_row))
-    # dq_accum stays unset without the one-pass kernel: nothing reads it then.
-    pointers = BACKWARD_POINTERS if one_pass else BACKWARD_POINTERS[:-1]
+    # dq_accum stays unset without the one-pass kernel: nothing reads it then (nor, here, dq_semaphore).
+    pointers = BACKWARD_POINTERS[:-1] if one_pass else BACKWARD_POINTERS[:-2]
     p, struct = with_mods(p, options)  # (the elementwise kernels read the Params at its start)
     return Plan(bytes(p), pointers, tuple(steps), struct)
 
 
-def backward_workspace(q_shape, deterministic: bool = False,
-                       extras: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+def backward_workspace(q_shape, deterministic: bool = False, extras: bool = False,
+                       ordered: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Scratch buffers of the backward (contents on entry do not matter): D = rowsum(dO * O),
-    laid out like the LSE, and, unless ``deterministic``, dQ's fp32 accumulator in blocks
-    of 8 x 16, (rows / 8, nheads, head-dim bucket / 16, 8, 16) (dq_accum.cuh, DqAccum), where the
-    one-pass kernel has a tile for this head dim and ``extras`` (softcap, ALiBi or dropout on)."""
+    laid out like the LSE, and dQ's fp32 accumulator in blocks of 8 x 16, (rows / 8, nheads,
+    head-dim bucket / 16, 8, 16) (dq_accum.cuh, DqAccum): unless ``deterministic``, where the
+    one-pass kernel has a tile for this head dim and ``extras`` (softcap, ALiBi or dropout
+    on); when ``deterministic`` and ``ordered`` (the device runs the sm_90a backward, which
+    adds dQ in a fixed order: ``sm90.backward_orders``), with the order's semaphores, int32
+    laid out like D."""
     *rows, nheads, head_dim = q_shape
-    work = {"delta": (((rows[0], nheads, rows[1]) if len(rows) == 2 else (nheads, rows[0])), "float32")}
+    delta_shape = (rows[0], nheads, rows[1]) if len(rows) == 2 else (nheads, rows[0])
+    work = {"delta": (delta_shape, "float32")}
     bucket = head_dim_bucket(head_dim)
+    accum = ((-(-math.prod(rows) // 8), nheads, bucket // 16, 8, 16), "float32")
     if not deterministic and KINDS["backward"].candidates(bucket, extras):
-        work["dq_accum"] = ((-(-math.prod(rows) // 8), nheads, bucket // 16, 8, 16), "float32")
+        work["dq_accum"] = accum
+    elif deterministic and ordered:
+        work["dq_accum"], work["dq_semaphore"] = accum, (delta_shape, "int32")
     return work
 
 

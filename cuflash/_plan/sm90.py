@@ -138,12 +138,12 @@ class Sm90Backward(NamedTuple):
     @property
     def shared_bytes(self) -> int:
         """``Sm90BackwardShared<...>::kBytes``: K and V, the Q and dO stages, two dS^T tiles,
-        each stage's LSE and D rows, dQ in fp32 and its blocks' 16 addresses, the barriers
+        each stage's LSE and D rows, dQ in fp32 and its groups' addresses, the dQ turn, the barriers
         (K/V's, a landed and a released one a stage, a staged and a drained one a consumer)
         and 1024 bytes of alignment."""
         d, m, n, stages = self.head_dim, self.block_m, self.block_n, self.stages
         return (2 * 2 * n * d + 2 * stages * 2 * m * d + 2 * 2 * n * m + 2 * stages * 4 * m + 4 * m * d + 2 * m
-                + (1 + 2 * stages + 4) * 8 + 1024)
+                + 16 + (1 + 2 * stages + 4) * 8 + 1024)
 
 
 # The sm_90a backward: (head dim, causal or window) -> (query rows a step, Q/dO stages). A
@@ -247,11 +247,18 @@ def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim
     return group_size(pairs, kv_heads * heads_per_kv)
 
 
+def backward_orders(head_dim: int, extras: bool, sm90a: bool) -> bool:
+    """May a deterministic backward of this head dim run on the sm_90a kernel (dQ added in
+    a fixed order; backward_workspace's ``ordered``)? ``extras``: softcap, ALiBi, dropout
+    or mods, which the kernel does not take."""
+    return sm90a and 64 <= head_dim <= max(SM90_BACKWARD_HEAD_DIMS) and not extras
+
+
 def backward_takes(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, dq: ArrayInfo, dk: ArrayInfo,
                    dv: ArrayInfo, options: Options) -> bool:
-    """Does the sm_90a backward take this call (dQ by atomics: not deterministic)? Head dims
-    64 to 128 without softcap, ALiBi or dropout; arrays the copy engine can read (16-byte
-    aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
+    """Does the sm_90a backward take this call? Head dims 64 to 128 without softcap, ALiBi
+    or dropout; arrays the copy engine can read (16-byte aligned, head dim contiguous, every
+    stride a multiple of 16 bytes)."""
     if not 64 <= q.shape[-1] <= max(SM90_BACKWARD_HEAD_DIMS) or q.dtype not in DTYPES or options.extras:
         return False
     if options.mods is not None:  # score_mod / mask_mod: the mma.sync kernels only

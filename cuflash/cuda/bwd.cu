@@ -125,6 +125,7 @@ attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int
     if (task.exists && lane == 0) {
       const int64 at = task.b * p.lse_batch_stride + task.head * p.lse_head_stride + task.i;
       p.delta[at] = sums[k] - (p.dlse != nullptr && p.lse[at] != kInf ? p.dlse[at] : 0.f);
+      if (p.dq_semaphore != nullptr) p.dq_semaphore[at] = 0;
     }
   }
 }

@@ -47,6 +47,20 @@ struct DqAccum {
   static __device__ __forceinline__ int64 eight_rows(int nheads, int cols) { return int64(8) * cols * nheads; }
 };
 
+// dQ's additions in a fixed order (deterministic): the key blocks that add to a query
+// block take turns, their turn counted on a semaphore in global memory. One thread waits
+// for its block's turn (acquire), its CTA's additions follow; once they are done, one
+// thread passes the turn on (release).
+__device__ __forceinline__ void wait_turn(const int* semaphore, int turn) {
+  int now;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(now) : "l"(semaphore) : "memory");
+  } while (now != turn);
+}
+__device__ __forceinline__ void pass_turn(int* semaphore) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(semaphore) : "memory");
+}
+
 // All of dQ's accumulator, (rows / 8 rounded up, nheads, accum_cols / 16, 8, 16) floats,
 // set to zero by the grid's threads, 16 contiguous bytes each at a time.
 __device__ __forceinline__ void zero_dq_accum(const Params& p, int64 rows, int accum_cols, int64 thread) {

@@ -26,6 +26,10 @@ struct Params {
   // (dq_accum.cuh, DqAccum), rows numbered as Sequence::q_rows_before counts them; null
   // when dQ has its own pass.
   float* dq_accum;
+  // Backward, dQ by atomics in a fixed order (deterministic, the sm_90a kernel): for each
+  // query head and query block, the key blocks that have added their dQ, at the block's
+  // first row in the LSE's layout; zeroed by the preprocess. Null otherwise.
+  int* dq_semaphore;
   int64 lse_batch_stride, lse_head_stride;
   const int* cu_seqlens_q;  // variable length: sequence b is rows [cu[b], cu[b+1]); null when dense
   const int* cu_seqlens_k;

@@ -84,7 +84,8 @@ struct Sm90SharedLayout {
 // while the other consumer may still read the one before), kStages rows of LSE (times
 // log2 e) and of D, each consumer's dQ (fp32, in DqAccum's order: 2 KB a group of 8 rows x 64
 // columns) for the copy engine's reduction and each group's address in the accumulator
-// (kBlockM / 8 a consumer), then the barriers: K/V's "landed", each stage's "landed", each
+// (kBlockM / 8 a consumer), the step's dQ turn (deterministic: a semaphore's address and
+// the turn to wait for), then the barriers: K/V's "landed", each stage's "landed", each
 // stage's "released", each consumer's dQ "staged" and "drained". A tile of R rows is
 // kHeadDim / 64 blocks of R x 128 bytes; dS is two blocks of kBlockM x 128 bytes (a
 // consumer's 64 keys each). The launch asks for 1024 bytes more (alignment).
@@ -100,7 +101,8 @@ struct Sm90BackwardSharedLayout {
   static constexpr int kDqSlice = kBlockM * kHeadDim * 2;  // a consumer's half of dQ: kBlockM x kHeadDim / 2 floats
   static constexpr int kDq = kDelta + kStages * kBlockM * 4;
   static constexpr int kDqDestination = kDq + 2 * kDqSlice;
-  static constexpr int kBarriers = kDqDestination + 2 * (kBlockM / 8) * 8;
+  static constexpr int kDqTurn = kDqDestination + 2 * (kBlockM / 8) * 8;
+  static constexpr int kBarriers = kDqTurn + 16;
   static constexpr int kBytes = kBarriers + (1 + 2 * kStages + 4) * 8 + 1024;
 };
 

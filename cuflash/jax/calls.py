@@ -544,11 +544,20 @@ def _forward(q, k, v, extras: dict, config: _Config):
 
 def _backward(dout, dlse, q, k, v, out, lse, extras: dict, config: _Config):
     grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    work = _plan.backward_workspace(tuple(q.shape), config.deterministic, config.extras)
+    ordered = config.deterministic and _plan.backward_orders(q.shape[-1], config.extras, _sm90a())
+    work = _plan.backward_workspace(tuple(q.shape), config.deterministic, config.extras, ordered)
     workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in work.items()}
     call = buffer_callback(_BackwardCallback(config), (grads, workspace), vmap_method="sequential")
     grads, _ = call(dout, dlse, q, k, v, out, lse, *(extras[name] for name in config.inputs))
     return tuple(_varying(g, _vma(q)) for g in grads)
+
+
+def _sm90a() -> bool:
+    """Does JAX's first device run the sm_90a kernels? At trace time a call's own device is
+    not known; a guess that proves wrong costs only the deterministic backward's speed (the
+    planner takes the workspace it is given)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and _device.facts(getattr(device, "local_hardware_id", device.id)).sm90a
 
 
 def _varying(x, axes):
@@ -611,10 +620,11 @@ class _BackwardCallback:
         options, varlen = _gpu_options(self.config, extras, q, ctx.stream)
         inputs = [_info(x, dtype) for x in (dout, q, k, v, out)] + [_info(lse, "float32")]
         grads = [_info(x, dtype) for x in grads]
-        accum = workspace.get("dq_accum")
+        accum, semaphore = workspace.get("dq_accum"), workspace.get("dq_semaphore")
         _kernels.backward(*inputs, *grads, _info(workspace["delta"], "float32"), options, stream=ctx.stream,
                           varlen=varlen, dq_accum=None if accum is None else _info(accum, "float32"),
-                          dlse=_info(dlse, "float32"))
+                          dlse=_info(dlse, "float32"),
+                          dq_semaphore=None if semaphore is None else _info(semaphore, "int32"))
 
 
 def _call_cpu(dense, packed, config: _Config, arrays: list, extras: dict, **kwargs):

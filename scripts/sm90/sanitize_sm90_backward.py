@@ -8,7 +8,8 @@ compute capability 9.0 GPU:
 Every tile (d 64: 128 x 128; d 128: 80 x 128 not causal, 64 x 128 causal or windowed,
 also serving d 72-120), causal and not,
 a sliding window, GQA and MQA, ragged lengths (sq != sk, a block + 1, a single query),
-the LSE's gradient, packed sequences with an empty one. Each call's gradients are checked
+the LSE's gradient, packed sequences with an empty one, deterministic calls (dQ added in
+turns). Each call's gradients are checked
 against the float64 reference.
 """
 import cupy
@@ -24,7 +25,7 @@ def _check(name, got, want):
     return err
 
 
-def call(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dlse=False, **kw):
+def call(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dlse=False, deterministic=False, **kw):
     rng = np.random.default_rng(batch * seqlen_q + seqlen_k + d)
     q = rng.standard_normal((batch, seqlen_q, nheads, d)).astype(np.float16)
     k, v = (rng.standard_normal((batch, seqlen_k, nheads_k, d)).astype(np.float16) for _ in "kv")
@@ -32,15 +33,16 @@ def call(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dlse=False, **kw):
     g = [cupy.asarray(x) for x in (dout, q, k, v)]
     out, lse = cuflash.attention(*g[1:], return_lse=True, **kw)
     lse_grad = cupy.asarray(rng.standard_normal(lse.shape).astype(np.float32)) if dlse else None
-    grads = cuflash.attention_backward(*g, out, lse, dlse=lse_grad, **kw)
+    grads = cuflash.attention_backward(*g, out, lse, dlse=lse_grad, deterministic=deterministic, **kw)
     want = attention_reference_backward(dout, q, k, v, dlse=None if lse_grad is None else cupy.asnumpy(lse_grad),
                                         **kw)
     errs = [_check(n, x, w) for n, x, w in zip(("dq", "dk", "dv"), grads, want)]
-    print(f"d {d:3} {batch}x{seqlen_q}x{seqlen_k} heads {nheads}/{nheads_k} {kw} dlse={dlse}: "
+    print(f"d {d:3} {batch}x{seqlen_q}x{seqlen_k} heads {nheads}/{nheads_k} {kw} dlse={dlse} "
+          f"deterministic={deterministic}: "
           f"max errors {' '.join(f'{e:.1e}' for e in errs)}")
 
 
-def packed(lengths, nheads, nheads_k, d, **kw):
+def packed(lengths, nheads, nheads_k, d, deterministic=False, **kw):
     rng = np.random.default_rng(sum(lengths) + d)
     total = sum(lengths)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -50,7 +52,8 @@ def packed(lengths, nheads, nheads_k, d, **kw):
     g = [cupy.asarray(x) for x in (dout, q, k, v)]
     cu_gpu = cupy.asarray(cu)
     out, lse = cuflash.attention_varlen(*g[1:], cu_gpu, cu_gpu, max(lengths), max(lengths), return_lse=True, **kw)
-    grads = cuflash.attention_varlen_backward(*g, out, lse, cu_gpu, cu_gpu, max(lengths), max(lengths), **kw)
+    grads = cuflash.attention_varlen_backward(*g, out, lse, cu_gpu, cu_gpu, max(lengths), max(lengths),
+                                             deterministic=deterministic, **kw)
     want = attention_reference_varlen_backward(dout, q, k, v, cu, cu, **kw)
     errs = [_check(n, x, w) for n, x, w in zip(("dq", "dk", "dv"), grads, want)]
     print(f"d {d:3} packed {lengths} heads {nheads}/{nheads_k} {kw}: max errors {' '.join(f'{e:.1e}' for e in errs)}")
@@ -67,6 +70,9 @@ def main() -> None:
         call(1, 257, 130, 4, 4, d, window_size=(70, 20))
         packed([100, 0, 129, 7], 4, 2, d, causal=True)
         packed([100, 0, 129, 7], 4, 2, d)
+        call(2, 300, 400, 4, 2, d, deterministic=True)
+        call(1, 257, 300, 4, 4, d, causal=True, deterministic=True)
+        packed([100, 0, 129, 7], 4, 2, d, deterministic=True)
 
 
 if __name__ == "__main__":

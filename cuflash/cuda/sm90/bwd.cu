@@ -41,7 +41,7 @@ template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
   using Layout = Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages>;
   using Layout::kBarriers, Layout::kColumnBlocks, Layout::kDelta, Layout::kDo, Layout::kDs, Layout::kDsTile,
-      Layout::kDq, Layout::kDqDestination, Layout::kDqSlice, Layout::kK, Layout::kKvBlock, Layout::kKvTile,
+      Layout::kDq, Layout::kDqDestination, Layout::kDqSlice, Layout::kDqTurn, Layout::kK, Layout::kKvBlock, Layout::kKvTile,
       Layout::kLse, Layout::kQ, Layout::kQBlock, Layout::kQTile, Layout::kV;
 
   unsigned char* base;
@@ -66,6 +66,13 @@ struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN,
   __device__ __forceinline__ float** dq_destination(int consumer) const {
     return reinterpret_cast<float**>(base + kDqDestination) + (kBlockM / 8) * consumer;
   }
+  // The step's turn in the dQ order (deterministic): written by the first consumer with
+  // its dQ, read by the writer.
+  struct DqTurn {
+    int* semaphore;
+    int turn;
+  };
+  __device__ __forceinline__ DqTurn* dq_turn() const { return reinterpret_cast<DqTurn*>(base + kDqTurn); }
   __device__ __forceinline__ sm90::Barrier barrier(int index) const {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
   }
@@ -167,6 +174,47 @@ __device__ __forceinline__ float4 dq_row_quad(const float (&d)[4], bool odd) {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// The copy engine's writes to global memory before this thread's next ordinary accesses.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// dQ added to the accumulator by red.v4, where the copy engine cannot take it (128 rows a
+// step, or a packed sequence that starts inside a group of 8 rows); rows past the end
+// left out. Not transposed: this warp's rows g and g + 8, 16 bytes of a lane's two
+// neighbouring 8-column fragments; transposed: dq_row_quad's 16 bytes of a query.
+template <bool kDqTransposed, int kDqCols, int kDqTiles>
+__device__ __forceinline__ void add_dq(const float (&acc_dq)[1][kDqTiles][4], const Params& p, int accum_cols,
+                                       const Sequence& seq, int head, int m0, int dq_rows, int dq_col0, int warp,
+                                       int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  if constexpr (kDqTransposed) {
+    const int col = dq_col0 + 16 * (warp % 4);
+#pragma unroll
+    for (int j = 0; j < kDqTiles; ++j) {
+      const float4 quad = dq_row_quad(acc_dq[0][j], g & 1);
+      const int row = m0 + 8 * j + 2 * t + (g & 1);
+      if (col < accum_cols && row < seq.seqlen_q)
+        atomic_add_quad(DqAccum::at(p.dq_accum, seq.q_rows_before + row, head, p.nheads, accum_cols,
+                                    col + (g & ~1)),
+                        quad.x, quad.y, quad.z, quad.w);
+    }
+  } else {
+    const int row = m0 + dq_rows + 16 * (warp % 4) + g;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row + 8 * h >= seq.seqlen_q) continue;
+      float* dst =
+          DqAccum::at(p.dq_accum, seq.q_rows_before + row + 8 * h, head, p.nheads, accum_cols, 2 * t);
+#pragma unroll
+      for (int j = 0; j < kDqCols / 16; ++j)
+        if (dq_col0 + 16 * j < accum_cols)
+          atomic_add_quad(dst + DqAccum::column(dq_col0 + 16 * j), acc_dq[0][2 * j][2 * h],
+                          acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
+                          acc_dq[0][2 * j + 1][2 * h + 1]);
+    }
+  }
+}
 
 // The two consumer warpgroups meet (named barrier 1): every key's dS^T is in shared memory.
 __device__ __forceinline__ void consumers_meet() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
@@ -225,7 +273,12 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
     if (m0 == (m_begin + m_blocks) * kBlockM) m0 = m_begin * kBlockM, ++head;
   };
 
-  if (threadIdx.x == 0) shared.init_barriers(256);
+  if (threadIdx.x == 0) {
+    unsigned launched;  // the launch's shared memory must hold the layout (_plan.Sm90Backward.shared_bytes)
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(launched));
+    if (launched < Shared::kBytes) __trap();
+    shared.init_barriers(256);
+  }
   __syncthreads();
 
   if (group == 0) {  // the producer
@@ -254,11 +307,27 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
       const unsigned bytes = min(kDqCols, args.accum_cols - col0) * 8 * 4;
       const float* staged = shared.dq(c) + (lane % kGroups) * 8 * kDqCols;
       float* const* destination = shared.dq_destination(c) + lane % kGroups;
+      // Deterministic: lane 0 waits for the step's turn, every writer lane adds its group,
+      // and once all of them are written lane 0 passes the turn on.
+      const bool ordered = p.dq_semaphore != nullptr;
+      constexpr unsigned kWriters = unsigned((1ull << (2 * kGroups)) - 1);
       for (int step = 0; step < steps; ++step) {
         shared.dq_staged(c).wait(step & 1);
+        int* semaphore = nullptr;
+        if (ordered) {
+          if (lane == 0) semaphore = shared.dq_turn()->semaphore, wait_turn(semaphore, shared.dq_turn()->turn);
+          __syncwarp(kWriters);
+        }
         if (*destination != nullptr) sm90::bulk_reduce_add(*destination, staged, bytes);
         sm90::bulk_commit();
-        sm90::bulk_wait_read<0>();
+        if (ordered) {
+          sm90::bulk_wait<0>();
+          fence_proxy_async_global();
+          __syncwarp(kWriters);
+          if (lane == 0) pass_turn(semaphore);
+        } else {
+          sm90::bulk_wait_read<0>();
+        }
         shared.dq_drained(c).arrive();
       }
       sm90::bulk_wait<0>();
@@ -333,6 +402,9 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();
       sm90::fence_operands(acc_dq);
+      // Deterministic: the key blocks before this one that add to this query block go first.
+      int* const semaphore = p.dq_semaphore ? p.dq_semaphore + seq.lse_offset(p, batch, head) + m0 : nullptr;
+      const int turn = n_block - mask.key_begin(m0) / kBlockN;
       // dQ in DqAccum's order. Not transposed: this warp's rows g and g + 8 (its groups
       // 2 (warp % 4) and 2 (warp % 4) + 1 of 8 rows), a lane's two neighbouring 8-column
       // fragments 16 bytes. Transposed: this warp's 16 columns (block warp % 4 of a group's
@@ -362,32 +434,21 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
                   ? DqAccum::at(p.dq_accum, seq.q_rows_before + row, head, p.nheads, args.accum_cols, dq_col0)
                   : nullptr;
         }
+        if (semaphore != nullptr && consumer == 0 && warp % 4 == 0 && lane == 0) *shared.dq_turn() = {semaphore, turn};
         fence_proxy_async();  // before the copy engine reads them
         shared.dq_staged(consumer).arrive();
-      } else if constexpr (kDqTransposed) {
-        const int col = dq_col0 + 16 * (warp % 4);
-#pragma unroll
-        for (int j = 0; j < kGroups; ++j) {
-          const float4 quad = dq_row_quad(acc_dq[0][j], g & 1);
-          const int row = m0 + 8 * j + 2 * t + (g & 1);
-          if (col < args.accum_cols && row < seq.seqlen_q)
-            atomic_add_quad(DqAccum::at(p.dq_accum, seq.q_rows_before + row, head, p.nheads, args.accum_cols,
-                                        col + (g & ~1)),
-                            quad.x, quad.y, quad.z, quad.w);
-        }
       } else {
-        const int row = m0 + dq_rows + 16 * (warp % 4) + g;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (row + 8 * h >= seq.seqlen_q) continue;
-          float* dst =
-              DqAccum::at(p.dq_accum, seq.q_rows_before + row + 8 * h, head, p.nheads, args.accum_cols, 2 * t);
-#pragma unroll
-          for (int j = 0; j < kDqCols / 16; ++j)
-            if (dq_col0 + 16 * j < args.accum_cols)
-              atomic_add_quad(dst + DqAccum::column(dq_col0 + 16 * j), acc_dq[0][2 * j][2 * h],
-                              acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
-                              acc_dq[0][2 * j + 1][2 * h + 1]);
+        // (deterministic: one thread waits for the turn, the consumers' additions follow,
+        // fenced, and one thread passes it on)
+        if (semaphore != nullptr) {
+          if (threadIdx.x == 128) wait_turn(semaphore, turn);
+          consumers_meet();
+        }
+        add_dq<kDqTransposed, kDqCols>(acc_dq, p, args.accum_cols, seq, head, m0, dq_rows, dq_col0, warp, lane);
+        if (semaphore != nullptr) {
+          __threadfence();
+          consumers_meet();
+          if (threadIdx.x == 128) pass_turn(semaphore);
         }
       }
       sm90::wgmma_wait<0>();
