@@ -291,8 +291,10 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
         // The step's LSE (in log2 units) and D; rows past the sequence see no key (LSE
         // +inf: P = 0). Each lane's arrival releases its own stores to the consumers' wait.
         const int64 at = seq.lse_offset(p, batch, head);
-#pragma unroll 1  // (unrolled, 80 rows spill the producer's 24 registers)
-        for (int i = lane; i < kBlockM; i += 32) {
+#pragma unroll  // (the loads in flight together)
+        for (int r = 0; r < (kBlockM + 31) / 32; ++r) {
+          const int i = 32 * r + lane;
+          if (kBlockM % 32 != 0 && i >= kBlockM) continue;
           const bool inside = m0 + i < seq.seqlen_q;
           shared.lse(stage)[i] = inside ? p.lse[at + m0 + i] * kLog2e : kInf;
           shared.delta(stage)[i] = inside ? p.delta[at + m0 + i] : 0.f;
