@@ -116,8 +116,8 @@ def _bitwise_equal(first, second) -> bool:
     return all(bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()) for a, b in zip(first, second))
 
 
-# Deterministic: the 80-row tile (d 128, no mask), the 64-row one (causal, window), the
-# 128-row one (d 64, dQ by red.v4), GQA, many key blocks taking turns on a query block.
+# Deterministic: d 128 (dQ by the copy engine) and d 64 (by red.v4), in order and, under a
+# causal mask or window, backwards; GQA; many key blocks taking turns on a query block.
 DETERMINISTIC = [(Shape(2, 777, 1029, 8, 2, 128, False), (-1, -1)), (Shape(1, 1500, 1300, 4, 1, 128, True), (-1, -1)),
                  (Shape(2, 700, 900, 6, 2, 96, False), (100, 30)), (Shape(1, 1025, 2049, 4, 4, 64, False), (-1, -1)),
                  (Shape(2, 333, 1100, 4, 2, 64, True), (-1, -1))]
@@ -145,8 +145,8 @@ def test_drawn_calls_match_the_oracle(sm90_plans, shape, dtype, window, dlse, se
     _check(shape, dtype, seed, window_size, dlse)
 
 
-# Ragged lengths around the 128-key block and the 64-, 80- and 128-row query blocks: 1, a
-# block + 1, primes; seqlen_q above and below seqlen_k; MQA; a long causal call.
+# Ragged lengths around the 128-key block and the 64- and 128-row query blocks: 1, a block
+# + 1, primes; seqlen_q above and below seqlen_k; MQA; a long causal call.
 LONG = [Shape(1, 1, 1, 1, 1, 128, False), Shape(2, 129, 129, 4, 2, 128, True), Shape(1, 257, 127, 6, 1, 64, True),
         Shape(1, 127, 1031, 4, 4, 96, False), Shape(2, 1999, 2047, 4, 2, 64, True),
         Shape(1, 81, 81, 2, 1, 128, False), Shape(2, 401, 160, 4, 2, 96, False), Shape(1, 79, 1000, 3, 1, 80, False),

@@ -124,7 +124,7 @@ class Sm90Backward(NamedTuple):
 
     @classmethod
     def of(cls, dtype: str, head_dim: int, local: bool) -> Sm90Backward:
-        return cls(dtype, head_dim, local, *SM90_BACKWARD_TILES[head_dim, local])
+        return cls(dtype, head_dim, local, *SM90_BACKWARD_TILES[head_dim])
 
     @property
     def instance(self) -> str:
@@ -146,13 +146,13 @@ class Sm90Backward(NamedTuple):
                 + 16 + (1 + 2 * stages + 4) * 8 + 1024)
 
 
-# The sm_90a backward: (head dim, causal or window) -> (query rows a step, Q/dO stages). A
-# consumer keeps dK and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and
-# dP^T of a step's query rows (2 x rows / 4): FlashAttention-3's tiles, 128 rows at d 64,
-# at d 128 80 without a mask (fewer steps for the same K and V reads) and 64 under one
-# (bwd.cu, kEarlyValues: the order of the products that fits the 240 registers).
-SM90_BACKWARD_TILES = {(64, False): (128, 2), (64, True): (128, 2), (128, False): (80, 2), (128, True): (64, 2)}
-SM90_BACKWARD_HEAD_DIMS = (64, 128)
+# The sm_90a backward: head dim -> (query rows a step, Q/dO stages). A consumer keeps dK
+# and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and dP^T of a step's
+# query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128 (its 80 without a mask
+# measured 0.91-0.94x here: tuning.md), 128 at d 64 (bwd.cu, kEarlyValues: the order of
+# the products that fits the 240 registers).
+SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
+SM90_BACKWARD_HEAD_DIMS = tuple(SM90_BACKWARD_TILES)
 
 
 def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options,

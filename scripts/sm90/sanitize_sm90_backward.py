@@ -5,8 +5,7 @@ compute capability 9.0 GPU:
     compute-sanitizer --tool racecheck python scripts/sm90/sanitize_sm90_backward.py
     compute-sanitizer --tool synccheck python scripts/sm90/sanitize_sm90_backward.py
 
-Every tile (d 64: 128 x 128; d 128: 80 x 128 not causal, 64 x 128 causal or windowed,
-also serving d 72-120), causal and not,
+Both tiles (d 64: 128 x 128; d 128: 64 x 128, also serving d 72-120), causal and not,
 a sliding window, GQA and MQA, ragged lengths (sq != sk, a block + 1, a single query),
 the LSE's gradient, packed sequences with an empty one, deterministic calls (dQ added in
 turns). Each call's gradients are checked

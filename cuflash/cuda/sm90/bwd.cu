@@ -16,8 +16,7 @@
 //                                         step under the next line, else after it)
 //   dS^T = P^T (dP^T - D)
 //   dS -> shared memory ([query][key], stmatrix transposing); both consumers' keys written
-//   dQ = dS K                             wgmma, K read MN-major; with 80 query rows a step
-//                                         dQ^T = K^T dS^T (wgmma's rows are the head dim)
+//   dQ = dS K                             wgmma, dS K-major, K MN-major
 //   dK += dS^T Q                          wgmma, dS^T from registers, running under the next line
 //   dQ -> shared memory (fp32)            the producer warpgroup's second warp adds it to
 //                                         the accumulator (dq_accum.cuh) by the copy
@@ -161,16 +160,6 @@ __device__ __forceinline__ void store_gradients(unsigned char* tile, const unsig
   for (int j = 0; j < kBlockM / 16; ++j) sm90::store_matrices_transposed(row + j * 16 * 128, a[j]);
 }
 
-// An n8 tile of dQ^T (this lane's head-dim columns g and g + 8, queries 2t and 2t + 1) as
-// 16 bytes of one query's row in DqAccum's order, columns (g, g + 1, g + 8, g + 9) for
-// lanes of even g (query 2t), (g - 1, g, g + 7, g + 8) for odd g (query 2t + 1): lanes
-// 4 apart swap halves.
-__device__ __forceinline__ float4 dq_row_quad(const float (&d)[4], bool odd) {
-  const float out0 = odd ? d[0] : d[1], out1 = odd ? d[2] : d[3];
-  const float in0 = __shfl_xor_sync(0xffffffffu, out0, 4), in1 = __shfl_xor_sync(0xffffffffu, out1, 4);
-  return odd ? make_float4(in0, d[1], in1, d[3]) : make_float4(d[0], in0, d[2], in1);
-}
-
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -180,39 +169,22 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 }
 
 // dQ added to the accumulator by red.v4, where the copy engine cannot take it (128 rows a
-// step, or a packed sequence that starts inside a group of 8 rows); rows past the end
-// left out. Not transposed: this warp's rows g and g + 8, 16 bytes of a lane's two
-// neighbouring 8-column fragments; transposed: dq_row_quad's 16 bytes of a query.
-template <bool kDqTransposed, int kDqCols, int kDqTiles>
-__device__ __forceinline__ void add_dq(const float (&acc_dq)[1][kDqTiles][4], const Params& p, int accum_cols,
+// step, or a packed sequence that starts inside a group of 8 rows): this warp's rows g and
+// g + 8 (none past the end), 16 bytes of a lane's two neighbouring 8-column fragments.
+template <int kDqCols>
+__device__ __forceinline__ void add_dq(const float (&acc_dq)[1][kDqCols / 8][4], const Params& p, int accum_cols,
                                        const Sequence& seq, int head, int m0, int dq_rows, int dq_col0, int warp,
                                        int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  if constexpr (kDqTransposed) {
-    const int col = dq_col0 + 16 * (warp % 4);
+  const int g = lane >> 2, t = lane & 3, row = m0 + dq_rows + 16 * (warp % 4) + g;
 #pragma unroll
-    for (int j = 0; j < kDqTiles; ++j) {
-      const float4 quad = dq_row_quad(acc_dq[0][j], g & 1);
-      const int row = m0 + 8 * j + 2 * t + (g & 1);
-      if (col < accum_cols && row < seq.seqlen_q)
-        atomic_add_quad(DqAccum::at(p.dq_accum, seq.q_rows_before + row, head, p.nheads, accum_cols,
-                                    col + (g & ~1)),
-                        quad.x, quad.y, quad.z, quad.w);
-    }
-  } else {
-    const int row = m0 + dq_rows + 16 * (warp % 4) + g;
+  for (int h = 0; h < 2; ++h) {
+    if (row + 8 * h >= seq.seqlen_q) continue;
+    float* dst = DqAccum::at(p.dq_accum, seq.q_rows_before + row + 8 * h, head, p.nheads, accum_cols, 2 * t);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (row + 8 * h >= seq.seqlen_q) continue;
-      float* dst =
-          DqAccum::at(p.dq_accum, seq.q_rows_before + row + 8 * h, head, p.nheads, accum_cols, 2 * t);
-#pragma unroll
-      for (int j = 0; j < kDqCols / 16; ++j)
-        if (dq_col0 + 16 * j < accum_cols)
-          atomic_add_quad(dst + DqAccum::column(dq_col0 + 16 * j), acc_dq[0][2 * j][2 * h],
-                          acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
-                          acc_dq[0][2 * j + 1][2 * h + 1]);
-    }
+    for (int j = 0; j < kDqCols / 16; ++j)
+      if (dq_col0 + 16 * j < accum_cols)
+        atomic_add_quad(dst + DqAccum::column(dq_col0 + 16 * j), acc_dq[0][2 * j][2 * h], acc_dq[0][2 * j][2 * h + 1],
+                        acc_dq[0][2 * j + 1][2 * h], acc_dq[0][2 * j + 1][2 * h + 1]);
   }
 }
 
@@ -224,23 +196,19 @@ __device__ __forceinline__ void consumers_meet() { asm volatile("bar.sync 1, 256
 // (240 registers: dK and dV of 64 keys stay in them). The producer refills a stage once
 // every consumer thread has released it (a fresh barrier counts as released: its waits
 // start on the other parity).
-// @tparam kBlockM  query rows a step: 64, 80 (d 128) or 128 (the registers of dK, dV, S^T,
-//                  dP^T and P^T's fragments: _plan.SM90_BACKWARD_TILES)
+// @tparam kBlockM  query rows a step: 64 or 128 (the registers of dK, dV, S^T, dP^T and
+//                  P^T's fragments: _plan.SM90_BACKWARD_TILES)
 // @tparam kStages  Q/dO stages in flight
 // @tparam kLocal   causal or sliding window
 template <typename T, int kHeadDim, int kBlockM, int kStages, bool kLocal>
 __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_constant__ Sm90BackwardParams args) {
-  static_assert((kHeadDim == 64 || kHeadDim == 128) &&
-                    (kBlockM == 64 || kBlockM == 128 || (kBlockM == 80 && kHeadDim == 128)),
-                "the products: m64n64 / m64n80 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
+  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128),
+                "the products: m64n64 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
   constexpr int kBlockN = 128, kGroups = kBlockM / 8;  // dQ's groups of 8 rows
   // dQ = dS K: with 64 query rows a step the consumers take half the head dim each, with
-  // 128 rows each its 64 rows. 80 rows are no multiple of wgmma's 64: dQ^T = K^T dS^T,
-  // each consumer its half of the head dim as the product's rows (FlashAttention-3's
-  // dQ swapAB).
-  constexpr bool kDqTransposed = kBlockM % 64 != 0;
-  constexpr int kDqCols = kBlockM == 128 ? kHeadDim : kHeadDim / 2, kDqN = kDqTransposed ? kBlockM : kDqCols;
-  static_assert(kDqCols == 64, "dQ's products: m64n64 / m64n80");
+  // 128 rows each its 64 rows.
+  constexpr int kDqCols = kBlockM == 128 ? kHeadDim : kHeadDim / 2;
+  static_assert(kDqCols == 64, "dQ's products: m64n64");
   // dV's product issued before dS^T is computed, running under it, where P^T's fragments
   // fit beside S^T, dP^T, dK and dV (64 rows a step); with 128 rows dS^T first, then dV
   // and dK together (P^T's fragments made once S^T's registers are free).
@@ -249,7 +217,14 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   const auto shared = Shared::of(dynamic_shared);
   const Params& p = args.p;
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  // Deterministic under a causal mask or window, the key blocks take their turns on a query
+  // block last first and walk their query blocks backwards (FlashAttention-3's shortest
+  // first): each block's first step is then the last query block, whose turns come one
+  // after another, where in the forward order key block n's first query block waits until
+  // key block 0 has walked down to it. Turns follow the launch order: the grid runs its
+  // key blocks in reverse.
+  const bool backwards = kLocal && p.dq_semaphore != nullptr;
+  const int n_block = backwards ? gridDim.x - 1 - blockIdx.x : blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
   const Sequence seq = Sequence::of(p, batch);
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.seqlen_k) return;  // packed: the grid covers the longest sequence
@@ -266,11 +241,13 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
   const int m_begin = query_blocks.x, m_blocks = query_blocks.y;
   const int steps = p.heads_per_kv * m_blocks;
   // A step's query head and first query row, counted along (no division in the producer's
-  // 24 registers): each query head's blocks in turn.
-  int head = kv_head * p.heads_per_kv, m0 = m_begin * kBlockM;
+  // 24 registers): each query head's blocks in turn, first to last (or backwards).
+  const int m_first = (backwards ? m_begin + m_blocks - 1 : m_begin) * kBlockM;
+  const int m_last = (backwards ? m_begin : m_begin + m_blocks - 1) * kBlockM;
+  int head = kv_head * p.heads_per_kv, m0 = m_first;
   auto advance = [&] {
-    m0 += kBlockM;
-    if (m0 == (m_begin + m_blocks) * kBlockM) m0 = m_begin * kBlockM, ++head;
+    if (m0 == m_last) m0 = m_first, ++head;
+    else m0 += backwards ? -kBlockM : kBlockM;
   };
 
   if (threadIdx.x == 0) {
@@ -383,10 +360,9 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
       }
       fence_proxy_async();  // dS's stores, before the products read them
       consumers_meet();
-      // dQ = dS K (or dQ^T = K^T dS^T): dS K-major, K read MN-major; keys in k16 steps (a
-      // dS block's 32 bytes, K's 16 rows of 2048 bytes). Then dK += dS^T Q, running while
-      // dQ is handed on.
-      float acc_dq[1][kDqN / 8][4];
+      // dQ = dS K: dS K-major, K read MN-major; keys in k16 steps (a dS block's 32 bytes,
+      // K's 16 rows of 2048 bytes). Then dK += dS^T Q, running while dQ is handed on.
+      float acc_dq[1][kDqCols / 8][4];
       const int dq_rows = kBlockM == 128 ? 64 * consumer : 0, dq_col0 = kBlockM == 128 ? 0 : 64 * consumer;
       sm90::wgmma_fence();
 #pragma unroll
@@ -394,40 +370,30 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
         const auto ds = sm90::SmemDesc::k_major(ds_tile + (k / 4) * Shared::kQBlock + dq_rows * 128 + (k % 4) * 32);
         const auto keys =
             sm90::SmemDesc::n_major(shared.k() + (dq_col0 / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock);
-        if constexpr (kDqTransposed)
-          sm90::Wgmma<T, kDqN>::template ss<true, false>(acc_dq, keys, ds, k > 0);
-        else
-          sm90::Wgmma<T, kDqN>::template ss<false, true>(acc_dq, ds, keys, k > 0);
+        sm90::Wgmma<T, kDqCols>::template ss<false, true>(acc_dq, ds, keys, k > 0);
       }
       sm90::wgmma_commit();
       issue_key_gradient<T, Shared, kBlockM>(shared.q(stage), ds_frag, acc_dk);
       sm90::wgmma_commit();
       sm90::wgmma_wait<1>();
       sm90::fence_operands(acc_dq);
-      // Deterministic: the key blocks before this one that add to this query block go first.
+      // Deterministic: the key blocks before this one (after it, backwards) that add to this
+      // query block go first.
       int* const semaphore = p.dq_semaphore ? p.dq_semaphore + seq.lse_offset(p, batch, head) + m0 : nullptr;
-      const int turn = n_block - mask.key_begin(m0) / kBlockN;
-      // dQ in DqAccum's order. Not transposed: this warp's rows g and g + 8 (its groups
-      // 2 (warp % 4) and 2 (warp % 4) + 1 of 8 rows), a lane's two neighbouring 8-column
-      // fragments 16 bytes. Transposed: this warp's 16 columns (block warp % 4 of a group's
-      // four) of every group, dq_row_quad's 16 bytes of a query.
+      const int turn = backwards ? (mask.key_end(min(m0 + kBlockM, seq.seqlen_q)) - 1) / kBlockN - n_block
+                                 : n_block - mask.key_begin(m0) / kBlockN;
+      // dQ: this warp's rows g and g + 8 (its groups 2 (warp % 4) and 2 (warp % 4) + 1 of 8
+      // rows), a lane's two neighbouring 8-column fragments 16 bytes in DqAccum's order
       if (staged_dq) {
         shared.dq_drained(consumer).wait((step & 1) ^ 1);
-        if constexpr (kDqTransposed) {
-          float* staged = shared.dq(consumer) + (warp % 4) * DqAccum::kBlockFloats + (2 * t + (g & 1)) * 16 + (g >> 1) * 4;
+        float* staged = shared.dq(consumer) + 16 * (warp % 4) * kDqCols + 16 * g + 4 * t;
 #pragma unroll
-          for (int j = 0; j < kGroups; ++j)
-            *reinterpret_cast<float4*>(staged + j * 8 * kDqCols) = dq_row_quad(acc_dq[0][j], g & 1);
-        } else {
-          float* staged = shared.dq(consumer) + 16 * (warp % 4) * kDqCols + 16 * g + 4 * t;
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int j = 0; j < kDqCols / 16; ++j)
-              *reinterpret_cast<float4*>(staged + h * 8 * kDqCols + j * DqAccum::kBlockFloats) =
-                  make_float4(acc_dq[0][2 * j][2 * h], acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
-                              acc_dq[0][2 * j + 1][2 * h + 1]);
-        }
+          for (int j = 0; j < kDqCols / 16; ++j)
+            *reinterpret_cast<float4*>(staged + h * 8 * kDqCols + j * DqAccum::kBlockFloats) =
+                make_float4(acc_dq[0][2 * j][2 * h], acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
+                            acc_dq[0][2 * j + 1][2 * h + 1]);
         // where each group of 8 rows goes (the writer keeps to 24 registers): none past the end
         if (warp % 4 == 0 && lane < kGroups) {
           const int row = m0 + dq_rows + 8 * lane;
@@ -446,7 +412,7 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
           if (threadIdx.x == 128) wait_turn(semaphore, turn);
           consumers_meet();
         }
-        add_dq<kDqTransposed, kDqCols>(acc_dq, p, args.accum_cols, seq, head, m0, dq_rows, dq_col0, warp, lane);
+        add_dq<kDqCols>(acc_dq, p, args.accum_cols, seq, head, m0, dq_rows, dq_col0, warp, lane);
         if (semaphore != nullptr) {
           __threadfence();
           consumers_meet();
