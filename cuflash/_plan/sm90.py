@@ -137,7 +137,7 @@ class Sm90Backward(NamedTuple):
 
     @property
     def shared_bytes(self) -> int:
-        """``Sm90BackwardShared<...>::kBytes``: K and V, the Q and dO stages, two dS^T tiles,
+        """``Sm90BackwardShared<...>::kBytes``: K and V, the Q and dO stages, two dS tiles,
         each stage's LSE and D rows, dQ in fp32 and its groups' addresses, the dQ turn, the barriers
         (K/V's, a landed and a released one a stage, a staged and a drained one a consumer)
         and 1024 bytes of alignment."""
