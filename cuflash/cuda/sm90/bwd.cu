@@ -40,8 +40,8 @@ template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
   using Layout = Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages>;
   using Layout::kBarriers, Layout::kColumnBlocks, Layout::kDelta, Layout::kDo, Layout::kDs, Layout::kDsTile,
-      Layout::kDq, Layout::kDqDestination, Layout::kDqSlice, Layout::kDqTurn, Layout::kK, Layout::kKvBlock, Layout::kKvTile,
-      Layout::kLse, Layout::kQ, Layout::kQBlock, Layout::kQTile, Layout::kV;
+      Layout::kDq, Layout::kDqDestination, Layout::kDqSlice, Layout::kDqTurn, Layout::kK, Layout::kKvBlock,
+      Layout::kKvTile, Layout::kLse, Layout::kQ, Layout::kQBlock, Layout::kQTile, Layout::kV;
 
   unsigned char* base;
 
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
         else
           shared.landed(stage).arrive();
       }
-    } else if (warp == 1 && staged_dq && lane < 2 * kGroups) {  // the dQ writer: lane kGroups c + r, consumer c's rows 8r ..
+    } else if (warp == 1 && staged_dq && lane < 2 * kGroups) {  // the dQ writer: lane kGroups c + r, rows 8r ..
       const int c = lane / kGroups, col0 = 64 * c;
       const unsigned bytes = min(kDqCols, args.accum_cols - col0) * 8 * 4;
       const float* staged = shared.dq(c) + (lane % kGroups) * 8 * kDqCols;
