@@ -1,9 +1,9 @@
 """The kernels' one argument as ctypes structures with the same fields in the same order
 as their CUDA structs: ``Params`` (cuda/params.cuh), ``DecodeParams`` and ``MergeParams``
-(cuda/decode/decode_params.cuh), ``ModParams`` (cuda/mods.cuh), ``Sm90Params`` (cuda/sm90/fwd_params.cuh),
-``Sm90BackwardParams`` (cuda/sm90/bwd_params.cuh). The C ABI
-lays both sides out alike (tests/test_compile.py checks every offset against NVRTC's
-own)."""
+(cuda/decode/decode_params.cuh), ``ModParams`` (cuda/mods.cuh), ``Sm90Params`` and
+``Sm90ModParams`` (cuda/sm90/fwd_params.cuh), ``Sm90BackwardParams`` and
+``Sm90BackwardModParams`` (cuda/sm90/bwd_params.cuh). The C ABI lays both sides out alike
+(tests/test_compile.py checks every offset against NVRTC's own)."""
 from __future__ import annotations
 
 import ctypes
@@ -79,29 +79,45 @@ class TensorMap(ctypes.Structure):
     _fields_ = [("v", ctypes.c_uint64 * 16)]
 
 
+def _sm90_fields(params: type) -> list:
+    """``cuflash::Sm90ParamsOf`` (cuda/sm90/fwd_params.cuh) over ``params``: the forward's
+    Params (or ModParams), the batch, the scheduler's section, tile counter and tail cut (its
+    first tile, its CTAs, the pieces' workspace), then the tensor maps of Q, K and V from the
+    next 64-byte boundary (the CUDA struct aligns them to 64)."""
+    return [("p", params), ("batch", ctypes.c_int), ("section", ctypes.c_int), ("tile_counter", _ptr),
+            ("tail_start", ctypes.c_int), ("tail_ctas", ctypes.c_int), ("tail_key_tiles", ctypes.c_int),
+            ("partial_o", _ptr), ("partial_lse", _ptr), ("arrivals", _ptr),
+            ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(params) + 56) % 64)),
+            ("q", TensorMap), ("k", TensorMap), ("v", TensorMap)]
+
+
 class Sm90Params(_Struct):
-    """``cuflash::Sm90Params``: the forward's Params, the batch, the scheduler's section,
-    tile counter and tail cut (its first tile, its CTAs, the pieces' workspace), then the
-    tensor maps of Q, K and V from the next 64-byte boundary (the CUDA struct aligns them
-    to 64)."""
-    _fields_ = [
-        ("p", Params), ("batch", ctypes.c_int), ("section", ctypes.c_int), ("tile_counter", _ptr),
-        ("tail_start", ctypes.c_int), ("tail_ctas", ctypes.c_int), ("tail_key_tiles", ctypes.c_int),
-        ("partial_o", _ptr), ("partial_lse", _ptr), ("arrivals", _ptr),
-        ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(Params) + 56) % 64)),
-        ("q", TensorMap), ("k", TensorMap), ("v", TensorMap),
-    ]
+    """``cuflash::Sm90Params``: the sm_90a forward's argument (_sm90_fields)."""
+    _fields_ = _sm90_fields(Params)
+
+
+class Sm90ModParams(_Struct):
+    """``cuflash::Sm90ModParams``: the same with the mods' ModParams."""
+    _fields_ = _sm90_fields(ModParams)
+
+
+def _sm90_backward_fields(params: type) -> list:
+    """``cuflash::Sm90BackwardParamsOf`` (cuda/sm90/bwd_params.cuh) over ``params``: the
+    backward's Params (or ModParams), the batch, the columns of dQ's accumulator, then the
+    tensor maps of Q, K, V and dO from the next 64-byte boundary."""
+    return [("p", params), ("batch", ctypes.c_int), ("accum_cols", ctypes.c_int),
+            ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(params) + 8) % 64)),
+            ("q", TensorMap), ("k", TensorMap), ("v", TensorMap), ("dout", TensorMap)]
 
 
 class Sm90BackwardParams(_Struct):
-    """``cuflash::Sm90BackwardParams`` (cuda/sm90/bwd_params.cuh): the backward's Params,
-    the batch, the columns of dQ's accumulator, then the tensor maps of Q, K, V and dO from
-    the next 64-byte boundary."""
-    _fields_ = [
-        ("p", Params), ("batch", ctypes.c_int), ("accum_cols", ctypes.c_int),
-        ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(Params) + 8) % 64)),
-        ("q", TensorMap), ("k", TensorMap), ("v", TensorMap), ("dout", TensorMap),
-    ]
+    """``cuflash::Sm90BackwardParams``: the sm_90a backward's argument (_sm90_backward_fields)."""
+    _fields_ = _sm90_backward_fields(Params)
+
+
+class Sm90BackwardModParams(_Struct):
+    """``cuflash::Sm90BackwardModParams``: the same with the mods' ModParams."""
+    _fields_ = _sm90_backward_fields(ModParams)
 
 
 class MergeParams(_Struct):

@@ -255,8 +255,8 @@ def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, determi
     dq, dk, dv = grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
     workspace = warm and warm.workspace
     if not workspace:  # (the same for every call of a signature: q's shape, deterministic, options)
-        extras = options.extras or options.mods is not None
-        ordered = deterministic and _plan.backward_orders(q.shape[-1], extras,
+        block_mask = options.mods is not None and options.mods.blocks is not None
+        ordered = deterministic and _plan.backward_orders(q.shape[-1], block_mask,
                                                           _kernels.device_facts(q.device).sm90a)
         workspace = _plan.backward_workspace(q.shape, deterministic, options.extras, ordered)
         if warm:

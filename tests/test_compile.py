@@ -103,13 +103,17 @@ def test_tile_table_fits_every_arch():
 
 
 def _leaves(struct, prefix=""):
-    """(dotted name, C member expression) of every scalar field, nested structs walked."""
+    """(dotted name, C member expression) of every scalar field, nested structs (and their
+    bases' fields) walked."""
     from cuflash._params import ArrayView
-    for name, kind in struct._fields_:
+    fields = [field for base in reversed(struct.__mro__) for field in base.__dict__.get("_fields_", ())]
+    for name, kind in fields:
         if name.startswith("_"):  # padding
             continue
         if kind is ArrayView:
             yield prefix + name, f"{prefix}{name}.ptr"
+        elif issubclass(kind, ctypes.Array) and issubclass(kind._type_, ctypes.Structure):  # its first's first
+            yield prefix + name, f"{prefix}{name}[0].{kind._type_._fields_[0][0]}"
         elif issubclass(kind, ctypes.Array):  # its first element
             yield prefix + name, f"{prefix}{name}[0]"
         elif isinstance(kind, type) and issubclass(kind, ctypes.Structure):
@@ -147,7 +151,9 @@ def struct_layout(header: str, struct: str, members: list[str]) -> tuple[int, li
 @pytest.mark.parametrize("struct,header", [("Params", "params.cuh"), ("DecodeParams", "decode/decode_params.cuh"),
                                            ("MergeParams", "decode/decode_params.cuh"),
                                            ("Sm90Params", "sm90/fwd_params.cuh"),
-                                           ("Sm90BackwardParams", "sm90/bwd_params.cuh")])
+                                           ("Sm90ModParams", "sm90/fwd_params.cuh"),
+                                           ("Sm90BackwardParams", "sm90/bwd_params.cuh"),
+                                           ("Sm90BackwardModParams", "sm90/bwd_params.cuh")])
 def test_params_layout_matches_the_cuda_struct(struct, header):
     """cuflash._params' structs must lay out exactly like their CUDA structs."""
     from cuflash import _params

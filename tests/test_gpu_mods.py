@@ -200,8 +200,8 @@ def test_a_fully_masked_row_gives_zero_and_infinite_lse():
 
 
 def test_plans_stay_on_the_mma_sync_kernels(monkeypatch):
-    """On any GPU (a Hopper one included) a call with mods launches the mma.sync kernels
-    compiled with its functions."""
+    """On any GPU (a Hopper one included) a forward with mods launches the mma.sync kernels
+    compiled with its functions (the sm_90a forward does not take them)."""
     import cupy
     from cuflash import _kernels
     q, k, v = (cupy.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 128)).astype(np.float16))

@@ -1,7 +1,7 @@
 """Programmable attention's kernel side without a GPU: the mod variants of each mma.sync kernel
-kind compile for sm_80 and sm_90 with no spills, their argument lays out as the CUDA struct,
-the planner sends calls with mods to the mma.sync family (a Hopper GPU included) and keys
-their kernels by the functions' text, and every error is raised before any launch."""
+kind compile for sm_80 and sm_90, and the sm_90a ones for sm_90a, with no spills, their
+argument lays out as the CUDA struct, the planner sends calls with mods to their kernels and
+keys them by the functions' text, and every error is raised before any launch."""
 import ctypes
 
 import numpy as np
@@ -42,6 +42,38 @@ def test_mod_variants_compile_without_spills(kind, head_dim, arch):
     compiled = _compile.compile_kernel(kernel.source, kernel.instance, arch, prelude=SOURCE)
     print(arch, kernel.instance, compiled.resources)
     assert 0 < compiled.resources.registers <= 255
+    assert compiled.resources.spill_stores == compiled.resources.spill_loads == 0
+
+
+def t5_bias(s, b, h, q_idx, kv_idx, table, doc_q, doc_k):
+    return s + table[h, mod.minimum(mod.maximum(q_idx - kv_idx, -16), 16) + 16]
+
+
+def same_document(b, h, q_idx, kv_idx, table, doc_q, doc_k):
+    return doc_q[b, q_idx] == doc_k[b, kv_idx]
+
+
+T5_SPECS = (TensorSpec(0, None, (4, 33), "float32"), TensorSpec(1, None, (2, 300), "int32"),
+            TensorSpec(2, None, (2, 300), "int64"))
+T5_DOCUMENTS = kernel_source(trace(t5_bias, "score", T5_SPECS), trace(same_document, "mask", T5_SPECS))
+# The sm_90a kernels with mods: a T5 bias and a document mask, with a block mask or not, and the
+# backward with SOURCE's heavier functions (the forward's 64-key tiles spill a few registers
+# with those where no block mask splits the score and mask passes).
+SM90 = (("forward", 64, True, T5_DOCUMENTS), ("forward", 128, False, T5_DOCUMENTS.replace("kBlocks = false",
+                                                                                          "kBlocks = true")),
+        ("backward", 128, False, SOURCE), ("backward", 64, True, T5_DOCUMENTS.replace("kBlocks = false",
+                                                                                     "kBlocks = true")))
+
+
+@pytest.mark.parametrize("kind,head_dim,local,source", SM90, ids=[f"{k}-{d}-{c}" for k, d, c, _ in SM90])
+def test_sm90_mod_variants_compile_without_spills(kind, head_dim, local, source):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (the cuda12/cuda13 extra) is not installed")
+    if kind == "forward":
+        kernel = _plan.Sm90Forward.of("bfloat16", head_dim, local, True, False, source)
+    else:
+        kernel = _plan.Sm90Backward.of("bfloat16", head_dim, local, True, source)
+    assert kernel.instance.endswith(", cuflash::UserMods>") and kernel.extras
+    compiled = _compile.compile_kernel(kernel.source, kernel.instance, "sm_90a", prelude=source)
     assert compiled.resources.spill_stores == compiled.resources.spill_loads == 0
 
 
@@ -93,7 +125,10 @@ def pretend_gpu(monkeypatch) -> dict:
 QKV = tuple(np.ones((2, 100, 4, 128), np.float32) for _ in range(3))
 
 
-def test_mod_calls_plan_onto_the_mma_sync_kernels_keyed_by_their_text(fake_gpu):
+def test_mod_calls_plan_their_kernels_keyed_by_their_text(fake_gpu):
+    """The mma.sync kernels, or on a Hopper GPU the sm_90a forward (and, where dq_accum is
+    given, backward: test_sm90_backward), compiled with the functions' text, their mod
+    tensors after Params."""
     bias = _on_the_gpu(np.zeros((4, 199), np.float32), "bias")
     with pytest.raises(RuntimeError, match="launched"):
         cuflash.attention(*QKV, causal=True, score_mod=lambda s, b, h, i, j, t: s + t[h, i - j + 99],
@@ -101,17 +136,21 @@ def test_mod_calls_plan_onto_the_mma_sync_kernels_keyed_by_their_text(fake_gpu):
     options = fake_gpu["options"]
     assert options.extras and options.mods.tensors == (bias,)
     q = _on_the_gpu(QKV[0])
-    for sm90a in (False, True):  # (a Hopper GPU: the sm_90a kernels refuse mods)
+    for sm90a in (False, True):  # (no dq_accum: the two-kernel backward)
         forward = _plan.forward(q, q, q, q, options, None, device(227 * 1024, 132, sm90a=sm90a))
         backward = _plan.backward(q, q, q, q, q, q, q, q, None, options, None, device(227 * 1024, sm90a=sm90a))
-        tiled = [s.kernel for s in forward.steps + backward.steps if isinstance(s.kernel, _plan.Kernel)]
-        assert [k.kind for k in tiled] == ["forward", "backward_dq", "backward_dkdv"]
+        tiled = [s.kernel for s in forward.steps + backward.steps if not isinstance(s.kernel, _plan.Elementwise)]
+        kinds = [getattr(k, "kind", type(k).__name__) for k in tiled]
+        assert kinds == ["Sm90Forward" if sm90a else "forward", "backward_dq", "backward_dkdv"]
         assert all(k.mods == options.mods.source and "UserMods" in k.instance for k in tiled)
-        assert forward.struct is backward.struct is _params.ModParams
-        for plan in (forward, backward):  # the launcher finds every pointer inside Params
-            assert _plan.pointer_offsets(plan.struct, plan.pointers) == \
-                _plan.pointer_offsets(_params.Params, plan.pointers)
-        params = _params.ModParams.from_buffer_copy(forward.params)
+        assert forward.struct is (_params.Sm90ModParams if sm90a else _params.ModParams)
+        assert backward.struct is _params.ModParams
+        for plan in (forward, backward):  # the launcher finds every pointer of Params where Params has it
+            base = _params.Sm90Params if plan.struct is _params.Sm90ModParams else _params.Params
+            inside = tuple(name for name in plan.pointers if not sm90a or name.startswith("p."))
+            assert _plan.pointer_offsets(plan.struct, inside) == _plan.pointer_offsets(base, inside)
+        params = forward.struct.from_buffer_copy(forward.params)
+        params = params.p if sm90a else params
         assert (params.tensors[0].ptr, list(params.tensors[0].size[:2]), list(params.tensors[0].stride[:2])) == \
             (4096, [4, 199], [199, 1])
     plain = _plan.forward(q, q, q, q, options._replace(mods=None), None, device(227 * 1024, 132))

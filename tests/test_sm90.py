@@ -2,21 +2,23 @@
 and no ptxas C75xx warning (setmaxnreg ignored, wgmma serialised); the planner sends it
 the calls it takes and no other; on a Hopper GPU its output and LSE, and the mma.sync
 kernels' (CUFLASH_PORTABLE=1) on the same calls, match the float64 oracle by flash-attn's
-rule (tests/rule.py), in NaN-poisoned memory. The forward and variant suites run on both
-families too (the forward_family fixture)."""
+rule (tests/rule.py), in NaN-poisoned memory, score_mod / mask_mod and block masks
+included. The forward and variant suites run on both families too (the forward_family
+fixture)."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _arrays, _compile, _device, _kernels, _options, _plan, _sass, api
-from cuflash._params import Sm90Params
+from cuflash import _arrays, _compile, _device, _kernels, _options, _plan, _sass, api, mod
+from cuflash._params import Sm90ModParams, Sm90Params
+from cuflash.reference import attention_lowp, attention_reference
 
 from .conftest import hopper
-from .rule import check_attention, check_output, lowp_error, tile_marked
+from .rule import check_attention, check_lse, check_output, lowp_error, tile_marked
 from .strategies import record_calls
-from .test_plan import device
+from .test_plan import device, info
 
 
 def _compiled_sample(kernel) -> bool:
@@ -275,7 +277,7 @@ def paths(monkeypatch):
         forget_plans()
         planned.clear()
         result = fn()
-        assert planned and all((p.struct is Sm90Params) != portable for p in planned if p.steps)
+        assert planned and all((p.struct in (Sm90Params, Sm90ModParams)) != portable for p in planned if p.steps)
         return result
 
     yield run
@@ -506,3 +508,65 @@ def test_a_cut_tail_matches_the_oracle_on_both_families(paths, head_dim, dtype, 
         check_forward(q, k, v, out, lse, options)
     out, lse = results[0]
     assert (out.view(np.uint16) == again.view(np.uint16)).all() and (lse == again_lse).all()
+
+
+def test_mods_take_the_sm90_forward_with_their_tiles():
+    """score_mod / mask_mod at head dims up to 128: two consumers, 64 keys a tile (a tile
+    inside one of a block mask's blocks), no tail cut, the mod tensors after Params; d 256
+    keeps the mma.sync kernels."""
+    def plan(d, blocks=False, causal=False):
+        infos = [_arrays.inspect(np.zeros((2, 1000, 4, d), np.float16), name) for name in ("q", "k", "v")]
+        made = _options.make_options(infos[0], infos[1], causal, None, (-1, -1), 0.0, None, 0.0, None, 0,
+                                     backward=False)
+        mods = _options.DeviceMods("struct UserMods;", (infos[0],), info((2, 4, 8, 8), "int8", 4096) if blocks else None)
+        return _plan.forward(*infos, infos[0], made._replace(mods=mods), None, device(sm90a=True))
+
+    for d, blocks, causal in ((64, False, False), (96, True, False), (128, True, True), (128, False, False)):
+        p = plan(d, blocks, causal)
+        kernel = p.steps[0].kernel
+        assert isinstance(kernel, _plan.Sm90Forward) and p.struct is Sm90ModParams
+        assert (kernel.consumers, kernel.block_n, kernel.extras) == (2, 64, True)
+        assert kernel.instance.endswith(", true, cuflash::UserMods>") and kernel.mods == "struct UserMods;"
+        params = Sm90ModParams.from_buffer_copy(p.params)
+        assert params.tail_start == -(-1000 // 128) * 4 * 2 and params.tail_ctas == 0  # (whole tiles)
+        assert bool(params.p.blocks.status) == blocks
+    assert isinstance(plan(256).steps[0].kernel, _plan.Kernel)
+
+
+def _t5_bias(s, b, h, q_idx, kv_idx, table, doc_q, doc_k):
+    return s + table[h, mod.minimum(mod.maximum(q_idx - kv_idx, -16), 16) + 16]
+
+
+def _same_document(b, h, q_idx, kv_idx, table, doc_q, doc_k):
+    return doc_q[b, q_idx] == doc_k[b, kv_idx]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bfloat16"), (96, "float16"), (128, "bfloat16")])
+@pytest.mark.parametrize("block_mask", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mods_on_both_families(paths, head_dim, dtype, block_mask, causal):
+    """A T5 bias and a document mask (rows whose document has no keys among them), with a
+    block mask (its empty key tiles never loaded) or without, on each path against the oracle."""
+    import cupy
+
+    rng = np.random.default_rng(head_dim)
+    host, (q, k, v) = _arrays_of(rng, dtype, (2, 300, 4, head_dim), (2, 517, 2, head_dim), (2, 517, 2, head_dim))
+    tensors = (rng.standard_normal((4, 33)).astype(np.float32), np.sort(rng.integers(0, 6, (2, 300)), axis=1),
+               np.sort(rng.integers(1, 7, (2, 517)), axis=1))
+    device_tensors = tuple(cupy.asarray(t) for t in tensors)
+    options = dict(causal=causal, score_mod=_t5_bias)
+    if block_mask:
+        options["block_mask"] = mod.create_block_mask(_same_document, 2, 4, 300, 517, mod_tensors=device_tensors,
+                                                      like=q)
+        statuses = cupy.asnumpy(options["block_mask"].statuses)
+        assert (statuses == mod.EMPTY).any() and (statuses == mod.PARTIAL).any()
+    else:
+        options.update(mask_mod=_same_document, mod_tensors=device_tensors)
+    ref, ref_lse = attention_reference(*host, causal=causal, score_mod=_t5_bias, mask_mod=_same_document,
+                                       mod_tensors=tensors)
+    error = lowp_error(attention_lowp(*host, causal=causal), attention_reference(*host, causal=causal)[0])
+    for out, lse in _both_paths(paths, lambda: cuflash.attention(q, k, v, return_lse=True, **options)):
+        check_output(out, ref, error, dtype)
+        check_lse(lse, ref_lse)

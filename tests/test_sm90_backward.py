@@ -3,7 +3,8 @@ other (no GPU needed); on a Hopper GPU its gradients meet flash-attn's rule agai
 float64 oracle (test_gpu_backward.check_gradients) in NaN-poisoned memory, on ragged
 lengths (1, a block + 1, primes), seqlen_q != seqlen_k, GQA and MQA, causal masks and
 windows, head dims 64 to 128 (those between on the copy engine's zero columns), packed
-sequences and the LSE's gradient, with every launch planned on the sm_90a path."""
+sequences, the LSE's gradient, softcap, ALiBi, dropout, score_mod / mask_mod and block
+masks, with every launch planned on the sm_90a path."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,22 +12,26 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _kernels, _options, _plan, api
-from cuflash._params import Sm90BackwardParams
+from cuflash._params import Sm90BackwardModParams, Sm90BackwardParams
 
 from .conftest import hopper
 from .strategies import (Shape, VarlenShape, attention_shapes, random_dout, random_qkv, record_calls,
                          window_sizes)
 from .test_gpu_backward import check_gradients, packed_inputs
 from .test_gpu_forward import cupy_dtype, poisoned_allocations
+from .test_gpu_mods import _run as run_mods
+from .test_gpu_mods import _run_blocks as run_blocks
+from .test_gpu_variants import FEATURES, api_options, run_dense, run_varlen
 from .test_plan import dense, device, info, no_compiler  # noqa: F401 (a fixture)
 
 
-def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, causal=True, sm90a=True, ptr=1 << 20,
-                   dtype="bfloat16"):
+def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, dropout_p=0.0, alibi=False, mods=None,
+                   causal=True, sm90a=True, ptr=1 << 20, dtype="bfloat16"):
     q, k, v = dense(2, 300, 301, 4, 2, head_dim, dtype)
     q = info(q.shape, dtype, ptr)
-    options = _options.make_options(q, k, causal, None, (-1, -1), softcap, None, 0.0, None, 0, backward=True)
-    ordered = deterministic and _plan.backward_orders(head_dim, options.extras, sm90a)
+    options = _options.make_options(q, k, causal, None, (-1, -1), softcap, None, dropout_p, 1, 0, backward=True)
+    options = options._replace(alibi=info((4,), "float32") if alibi else None, mods=mods)
+    ordered = deterministic and _plan.backward_orders(head_dim, mods is not None and mods.blocks is not None, sm90a)
     work = _plan.backward_workspace(q.shape, deterministic, options.extras, ordered)
     accum, semaphore = (info(work[name][0], work[name][1]) if name in work else None
                         for name in ("dq_accum", "dq_semaphore"))
@@ -63,15 +68,44 @@ def test_deterministic_calls_take_the_sm90_backward_in_order(no_compiler, head_d
     assert work["dq_semaphore"] == (work["delta"][0], "int32") and "dq_accum" in work
 
 
-@pytest.mark.parametrize("case", [dict(softcap=5.0), dict(head_dim=256), dict(head_dim=32), dict(sm90a=False),
-                                  dict(ptr=(1 << 20) + 8), dict(deterministic=True, head_dim=256),
-                                  dict(deterministic=True, sm90a=False), dict(deterministic=True, ptr=(1 << 20) + 8)])
-def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
-    """Softcap / ALiBi / dropout, head dims outside 64-128, other GPUs and arrays the copy
-    engine cannot read; deterministic ones there on the dQ pass (an ordered workspace the
-    sm_90a kernel cannot take included)."""
+MODS = _options.DeviceMods("struct UserMods;", (info((4, 9), "float32"),))  # (text the planner only passes on)
+BLOCK_MASK = MODS._replace(blocks=info((1, 1, 3, 3), "int8"))
+
+
+@pytest.mark.parametrize("case", [dict(softcap=5.0), dict(alibi=True, causal=False), dict(dropout_p=0.1),
+                                  dict(mods=MODS, head_dim=64), dict(mods=BLOCK_MASK),
+                                  dict(softcap=5.0, deterministic=True), dict(mods=MODS, deterministic=True)])
+def test_softcap_alibi_dropout_and_mods_take_the_sm90_backward_with_extras(no_compiler, case):
+    """The extras' instance (P^T and dS^T made together), the mods' text compiled in front
+    of it and their tensors after Params; deterministic too where no block mask leaves
+    steps out."""
     plan = _backward_plan(**case)
-    assert plan.struct is not Sm90BackwardParams
+    mods = case.get("mods")
+    assert plan.struct is (Sm90BackwardParams if mods is None else Sm90BackwardModParams)
+    assert [s.kernel.kind for s in plan.steps] == ["backward_preprocess", "backward_sm90", "backward_convert_dq"]
+    kernel = plan.steps[1].kernel
+    head_dim = case.get("head_dim", 128)
+    assert kernel == _plan.Sm90Backward.of("bfloat16", head_dim, case.get("causal", True), True,
+                                           "" if mods is None else mods.source)
+    assert kernel.extras and kernel.instance.endswith(", true, cuflash::UserMods>" if mods else ", true>")
+    params = plan.struct.from_buffer_copy(plan.params)
+    assert (params.p.softcap, params.batch) == (case.get("softcap", 0.0), 2)
+    if mods is not None:
+        assert params.p.tensors[0].ptr == mods.tensors[0].ptr and (mods.blocks is None) == (not params.p.blocks.status)
+        assert _plan.pointer_offsets(plan.struct, plan.pointers) == \
+            _plan.pointer_offsets(Sm90BackwardParams, plan.pointers)  # (the pointers are Params' either way)
+
+
+@pytest.mark.parametrize("case", [dict(head_dim=256), dict(head_dim=32), dict(sm90a=False),
+                                  dict(ptr=(1 << 20) + 8), dict(deterministic=True, head_dim=256),
+                                  dict(deterministic=True, sm90a=False), dict(deterministic=True, ptr=(1 << 20) + 8),
+                                  dict(deterministic=True, mods=BLOCK_MASK)])
+def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
+    """Head dims outside 64-128, other GPUs and arrays the copy engine cannot read;
+    deterministic ones there on the dQ pass (an ordered workspace the sm_90a kernel cannot
+    take included), and deterministic calls with a block mask."""
+    plan = _backward_plan(**case)
+    assert plan.struct not in (Sm90BackwardParams, Sm90BackwardModParams)
     if case.get("deterministic"):
         assert [s.kernel.kind for s in plan.steps] == ["backward_preprocess", "backward_dq", "backward_dkdv"]
 
@@ -86,7 +120,7 @@ def sm90_plans(monkeypatch):
     monkeypatch.setattr(_kernels, "_launchers", {})
     monkeypatch.setenv("CUFLASH_PORTABLE", "0")
     yield planned
-    assert planned and all(p.struct is Sm90BackwardParams for p in planned if p.steps)
+    assert planned and all(p.struct in (Sm90BackwardParams, Sm90BackwardModParams) for p in planned if p.steps)
 
 
 def _gradients(shape, dtype: str, seed: int, window_size=(-1, -1), dlse: bool = False, repeats: int = 1,
@@ -188,3 +222,44 @@ def test_packed_sequences_match_the_oracle(sm90_plans, head_dim, causal):
     check_gradients(dout, q, k, v, grads, causal, varlen=(cu_q, cu_k))
     check_gradients(dout, q, k, v, ordered[0], causal, varlen=(cu_q, cu_k))
     assert _bitwise_equal(*ordered)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("feature", ["softcap", "alibi_heads", "alibi_batch_heads", "dropout", "everything"])
+@pytest.mark.parametrize("head_dim,deterministic", [(64, False), (128, False), (96, True)])
+def test_softcap_alibi_and_dropout_match_the_oracle(sm90_plans, feature, head_dim, deterministic):
+    """The extras' instance: P^T and dS^T made together, dropout's keep mask drawn by query
+    and key as the forward's (GQA, lopsided, ragged; deterministic: in order)."""
+    causal, variant = FEATURES[feature]
+    run_dense(Shape(2, 333, 517, 4, 2, head_dim, causal), "bfloat16", 5, api_options(variant, causal),
+              deterministic)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("feature", ["softcap", "dropout", "everything"])
+def test_packed_sequences_with_extras_match_the_oracle(sm90_plans, feature):
+    causal, variant = FEATURES[feature]
+    shape = VarlenShape((300, 0, 129, 65), (517, 7, 0, 200), 4, 2, 64, causal)
+    run_varlen(shape, "float16", 12, api_options(variant, causal))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("case", ["t5", "alibi", "softcap", "document", "document_varlen", "prefix", "bias"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mods_match_the_oracle(sm90_plans, case, deterministic):
+    """score_mod / mask_mod compiled into the sm_90a backward (the forward stays on the
+    mma.sync kernels), dense and packed, GQA, ragged."""
+    run_mods(case, (2, 257, 131, 2, 2), 7, deterministic)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("case", ["causal", "document", "t5_document", "sinks", "hidden"])
+@pytest.mark.parametrize("shape", [(1, 383, 512, 2, 2), (2, 129, 300, 1, 2)], ids=str)
+def test_block_masks_match_the_oracle(sm90_plans, case, shape):
+    """The steps leave out the block mask's empty (query head, query block) pairs and skip
+    mask_mod in its full ones."""
+    run_blocks(case, shape, 8, False)

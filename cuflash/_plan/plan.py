@@ -153,7 +153,9 @@ def vectorizable(*arrays: ArrayInfo) -> bool:
 
 def tensor_map(name: str, a: ArrayInfo, varlen: Varlen | None, rows: int) -> TensorMapSpec:
     """The map of the struct's field ``name`` over ``a`` (packed arrays as one batch of all rows)."""
-    shape, strides = (a.shape, a.strides) if varlen is None else ((1, *a.shape), (a.shape[0] * a.strides[0], *a.strides))
+    shape, strides = a.shape, a.strides
+    if varlen is not None:
+        shape, strides = (1, *a.shape), (a.shape[0] * a.strides[0], *a.strides)
     return TensorMapSpec(name, f"p.{name}", a.dtype, tuple(shape), tuple(strides), rows)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from .._params import Sm90BackwardParams, Sm90Params
+from .._params import Params, Sm90BackwardModParams, Sm90BackwardParams, Sm90ModParams, Sm90Params
 from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, backward_rows
-from .plan import Plan, Step, call_params, group_size, tensor_map, vectorizable
+from .plan import Plan, Step, call_params, group_size, tensor_map, vectorizable, with_mods
 from .variants import DTYPES, Elementwise
 
 if TYPE_CHECKING:
@@ -19,7 +19,8 @@ class Sm90Forward(NamedTuple):
     """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma) for head dims up to ``head_dim``
     (64, 128 or 256; a smaller one rides on the copy engine's zero columns): a producer
     warpgroup and ``consumers`` consumer warpgroups of 64 query rows, key tiles and K/V
-    stages (SM90_TILES); ``extras``: softcap, ALiBi or dropout may be on."""
+    stages (SM90_TILES); ``extras``: softcap, ALiBi, dropout or mods may be on, ``mods`` the
+    call's score_mod / mask_mod as CUDA text (cuflash.mod.kernel_source) or ""."""
     dtype: str
     head_dim: int
     local: bool
@@ -27,21 +28,25 @@ class Sm90Forward(NamedTuple):
     block_n: int  # keys a tile
     stages: int  # K/V tiles in flight
     consumers: int  # consumer warpgroups: 2 or 3
+    mods: str = ""
     source = "sm90/fwd.cu"
     arch = "sm_90a"
 
     @classmethod
-    def of(cls, dtype: str, head_dim: int, local: bool, extras: bool, short: bool = False) -> Sm90Forward:
+    def of(cls, dtype: str, head_dim: int, local: bool, extras: bool, short: bool = False,
+           mods: str = "") -> Sm90Forward:
         """The variant with the planner's tile (SM90_TILES; under a causal mask or a window
         SM90_BANDED_TILES, with softcap, ALiBi or dropout SM90_BANDED_EXTRAS_TILES, and
         ``short``, a causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows,
-        SM90_SHORT_CAUSAL_TILES, where they name the head dim)."""
+        SM90_SHORT_CAUSAL_TILES, where they name the head dim; with mods SM90_MODS_TILES)."""
         tile = SM90_TILES[head_dim]
         if local:
             tile = SM90_BANDED_TILES.get(head_dim, tile)
             tile = SM90_BANDED_EXTRAS_TILES.get(head_dim, tile) if extras else tile
             tile = SM90_SHORT_CAUSAL_TILES.get(head_dim, tile) if short else tile
-        return cls(dtype, head_dim, local, extras, *tile)
+        if mods:
+            tile = SM90_MODS_TILES[head_dim]
+        return cls(dtype, head_dim, local, extras or bool(mods), *tile, mods)
 
     @property
     def block_m(self) -> int:
@@ -49,9 +54,10 @@ class Sm90Forward(NamedTuple):
 
     @property
     def instance(self) -> str:
+        mods = ", cuflash::UserMods" if self.mods else ""  # (the struct self.mods defines; mods.cuh)
         return (f"cuflash::attention_forward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_n}, "
                 f"{self.consumers}, {self.stages}, {'true' if self.local else 'false'}, "
-                f"{'true' if self.extras else 'false'}>")
+                f"{'true' if self.extras else 'false'}{mods}>")
 
     @property
     def threads(self) -> int:
@@ -103,6 +109,9 @@ SM90_BANDED_EXTRAS_TILES = {256: (64, 2, 2)}
 # three consumers' 192-row tiles are too few, and too long, to share out (tuning.md, "The Hopper forward").
 SM90_SHORT_CAUSAL_TILES = {64: (128, 3, 2)}
 SM90_SHORT_CAUSAL_ROWS = 2048
+# With score_mod / mask_mod: two consumers and 64 keys a tile (a tile lies in one of a block mask's
+# 128 x 128 blocks; with 128 keys the mods' evaluation spilled), head dims up to 128.
+SM90_MODS_TILES = {64: (64, 4, 2), 128: (64, 3, 2)}
 SM90_HEAD_DIMS = tuple(SM90_TILES)
 
 
@@ -110,12 +119,16 @@ class Sm90Backward(NamedTuple):
     """The sm_90a backward (cuda/sm90/bwd.cu: TMA, wgmma) for head dims up to ``head_dim``
     (64 or 128; one between rides on the copy engine's zero columns): a producer warpgroup
     and two consumer warpgroups of 64 keys each (a block of 128), ``block_m`` query rows a
-    step in ``stages`` Q/dO stages (SM90_BACKWARD_TILES)."""
+    step in ``stages`` Q/dO stages (SM90_BACKWARD_TILES); ``extras``: softcap, ALiBi,
+    dropout or mods may be on, ``mods`` the call's score_mod / mask_mod as CUDA text
+    (cuflash.mod.kernel_source) or ""."""
     dtype: str
     head_dim: int
     local: bool
+    extras: bool
     block_m: int
     stages: int
+    mods: str = ""
     kind = "backward_sm90"
     source = "sm90/bwd.cu"
     arch = "sm_90a"
@@ -123,13 +136,16 @@ class Sm90Backward(NamedTuple):
     threads = 384
 
     @classmethod
-    def of(cls, dtype: str, head_dim: int, local: bool) -> Sm90Backward:
-        return cls(dtype, head_dim, local, *SM90_BACKWARD_TILES[head_dim])
+    def of(cls, dtype: str, head_dim: int, local: bool, extras: bool = False, mods: str = "") -> Sm90Backward:
+        tiles = SM90_BACKWARD_EXTRAS_TILES if extras or mods else SM90_BACKWARD_TILES
+        return cls(dtype, head_dim, local, extras or bool(mods), *tiles[head_dim], mods)
 
     @property
     def instance(self) -> str:
+        flags = ", ".join("true" if flag else "false" for flag in (self.local, self.extras))
+        mods = ", cuflash::UserMods" if self.mods else ""  # (the struct self.mods defines; mods.cuh)
         return (f"cuflash::attention_backward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
-                f"{self.stages}, {'true' if self.local else 'false'}>")
+                f"{self.stages}, {flags}{mods}>")
 
     @property
     def shared_layout(self) -> str:
@@ -152,6 +168,8 @@ class Sm90Backward(NamedTuple):
 # measured 0.91-0.94x here: tuning.md), 128 at d 64 (bwd.cu, kEarlyValues: the order of
 # the products that fits the 240 registers).
 SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
+# With softcap, ALiBi, dropout or mods (P^T and dS^T made together, their arithmetic beside them).
+SM90_BACKWARD_EXTRAS_TILES = {64: (128, 2), 128: (64, 2)}
 SM90_BACKWARD_HEAD_DIMS = tuple(SM90_BACKWARD_TILES)
 
 
@@ -162,7 +180,7 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
     and that hold keys."""
     if not 64 <= q.shape[-1] <= 256 or q.dtype not in DTYPES or not vectorizable(q, k, v, out):
         return False
-    if options.mods is not None:  # score_mod / mask_mod: the mma.sync kernels only
+    if options.mods is not None and q.shape[-1] > 128:  # (d 256: O's registers leave the mods too few)
         return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
@@ -172,20 +190,21 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
 
 def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options, varlen: Varlen | None,
             multiprocessors: int) -> Plan:
-    """The sm_90a forward's plan (``takes`` said it takes the call): its Params, and the maps of Q, K and V (packed arrays as
-    one batch of all rows; each tile starts at its sequence's first); at most
-    ``multiprocessors`` CTAs (0: no limit). Under a causal mask or a window the CTAs take
-    tiles from a counter (fwd.cu, Sm90Tiles), the plan's workspace, which the launcher
-    zeroes."""
+    """The sm_90a forward's plan (``takes`` said it takes the call): its Params, and the maps
+    of Q, K and V (packed arrays as one batch of all rows; each tile starts at its
+    sequence's first); at most ``multiprocessors`` CTAs (0: no limit). Under a causal mask
+    or a window the CTAs take tiles from a counter (fwd.cu, Sm90Tiles), the plan's
+    workspace, which the launcher zeroes."""
     p, batch = call_params(q, k, v, options, varlen, o=out)
     head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
     short = options.window == (-1, 0) and p.seqlen_q < SM90_SHORT_CAUSAL_ROWS  # (packed: the longest sequence)
-    kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras, short)
+    kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras, short,
+                            "" if options.mods is None else options.mods.source)
     maps = [tensor_map(name, a, varlen, rows) for name, a, rows in
             (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n))]
     tiles, key_tiles = -(-p.seqlen_q // kernel.block_m) * p.nheads * batch, -(-p.seqlen_k // kernel.block_n)
     tail_start, tail_ctas = tiles, 0
-    if not options.local and varlen is None:
+    if not options.local and varlen is None and options.mods is None:  # (a block mask's walk: whole tiles)
         tail_start, tail_ctas = sm90_tail(tiles, key_tiles, multiprocessors)
     steps = ()
     if batch and p.seqlen_q and p.nheads:
@@ -201,10 +220,12 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
         workspace = (("partial_o", (slots, kernel.block_m, head_dim), "float32"),
                      ("partial_lse", (slots, kernel.block_m), "float32"),
                      ("arrivals", (tiles - tail_start, warps), "int32"))
-    params = Sm90Params(p=p, batch=batch, section=section, tail_start=tail_start, tail_ctas=tail_ctas,
-                        tail_key_tiles=key_tiles)
+    p, struct = with_mods(p, options)
+    struct = Sm90Params if struct is Params else Sm90ModParams
+    params = struct(p=p, batch=batch, section=section, tail_start=tail_start, tail_ctas=tail_ctas,
+                    tail_key_tiles=key_tiles)
     counters = tuple(name for name, _, _ in workspace if name in ("tile_counter", "arrivals"))
-    return Plan(bytes(params), pointers, steps, Sm90Params, workspace, tuple(maps), counters)
+    return Plan(bytes(params), pointers, steps, struct, workspace, tuple(maps), counters)
 
 
 # Without a mask the tiles short of a full last wave are cut along their keys (sm90/tile_scheduler.cuh),
@@ -247,21 +268,18 @@ def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim
     return group_size(pairs, kv_heads * heads_per_kv)
 
 
-def backward_orders(head_dim: int, extras: bool, sm90a: bool) -> bool:
+def backward_orders(head_dim: int, block_mask: bool, sm90a: bool) -> bool:
     """May a deterministic backward of this head dim run on the sm_90a kernel (dQ added in
-    a fixed order; backward_workspace's ``ordered``)? ``extras``: softcap, ALiBi, dropout
-    or mods, which the kernel does not take."""
-    return sm90a and 64 <= head_dim <= max(SM90_BACKWARD_HEAD_DIMS) and not extras
+    a fixed order; backward_workspace's ``ordered``)? Not with a block mask (``block_mask``):
+    its steps leave out pairs that the turns count."""
+    return sm90a and 64 <= head_dim <= max(SM90_BACKWARD_HEAD_DIMS) and not block_mask
 
 
 def backward_takes(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, dq: ArrayInfo, dk: ArrayInfo,
                    dv: ArrayInfo, options: Options) -> bool:
-    """Does the sm_90a backward take this call? Head dims 64 to 128 without softcap, ALiBi
-    or dropout; arrays the copy engine can read (16-byte aligned, head dim contiguous, every
-    stride a multiple of 16 bytes)."""
-    if not 64 <= q.shape[-1] <= max(SM90_BACKWARD_HEAD_DIMS) or q.dtype not in DTYPES or options.extras:
-        return False
-    if options.mods is not None:  # score_mod / mask_mod: the mma.sync kernels only
+    """Does the sm_90a backward take this call? Head dims 64 to 128; arrays the copy engine
+    can read (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
+    if not 64 <= q.shape[-1] <= max(SM90_BACKWARD_HEAD_DIMS) or q.dtype not in DTYPES:
         return False
     return vectorizable(dout, q, k, v, dq, dk, dv) and all(a.strides[-1] == 1 for a in (dout, q, k, v))
 
@@ -276,7 +294,8 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     accum_cols = dq_accum.shape[2] * dq_accum.shape[-1]  # (rows / 8, nheads, cols / 16, 8, 16)
     rows = backward_rows(p, batch, q, varlen, accum_cols)
     per_row, tasks = rows.args, rows.tasks
-    tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= p.headdim), options.local)
+    tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= p.headdim), options.local,
+                            options.extras, "" if options.mods is None else options.mods.source)
     steps = []
     if tasks:
         steps.append(Step(Elementwise("backward_preprocess", q.dtype), rows.preprocess_grid, per_row, argument="p"))
@@ -287,6 +306,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     maps = tuple(tensor_map(name, a, varlen, rows) for name, a, rows in
                  (("q", q, tiled.block_m), ("k", k, tiled.block_n), ("v", v, tiled.block_n),
                   ("dout", dout, tiled.block_m)))
-    params = Sm90BackwardParams(p=p, batch=batch, accum_cols=accum_cols)
-    return Plan(bytes(params), tuple(f"p.{n}" for n in BACKWARD_POINTERS), tuple(steps), Sm90BackwardParams,
-                maps=maps)
+    p, struct = with_mods(p, options)
+    struct = Sm90BackwardParams if struct is Params else Sm90BackwardModParams
+    params = struct(p=p, batch=batch, accum_cols=accum_cols)
+    return Plan(bytes(params), tuple(f"p.{n}" for n in BACKWARD_POINTERS), tuple(steps), struct, maps=maps)

@@ -140,7 +140,7 @@ struct ModsAt {
 // mods has none to spare.)
 template <typename Mods, int kBlockN>
 struct KeyTiles {
-  static_assert(kBlockMaskSize % kBlockN == 0, "a key tile lies in one block");
+  static_assert(!kBlockSparse<Mods> || kBlockMaskSize % kBlockN == 0, "a key tile lies in one block");
   static constexpr int kPerBlock = kBlockMaskSize / kBlockN;
   const ParamsOf<Mods>& p;
   int batch, head, m0;  // the query tile's

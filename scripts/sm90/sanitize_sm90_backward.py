@@ -8,13 +8,15 @@ compute capability 9.0 GPU:
 Both tiles (d 64: 128 x 128; d 128: 64 x 128, also serving d 72-120), causal and not,
 a sliding window, GQA and MQA, ragged lengths (sq != sk, a block + 1, a single query),
 the LSE's gradient, packed sequences with an empty one, deterministic calls (dQ added in
-turns). Each call's gradients are checked
-against the float64 reference.
+turns), softcap, ALiBi, dropout, score_mod / mask_mod and a block mask (the extras'
+instances). Each call's gradients are checked against the float64 reference (dropout's
+run only).
 """
 import cupy
 import numpy as np
 
 import cuflash
+from cuflash import mod
 from cuflash.reference import attention_reference_backward, attention_reference_varlen_backward
 
 
@@ -24,7 +26,9 @@ def _check(name, got, want):
     return err
 
 
-def call(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dlse=False, deterministic=False, **kw):
+def call(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dlse=False, deterministic=False, host=None, **kw):
+    """One call on the GPU with options ``kw``, checked against the reference with ``host``
+    in their place (NumPy arrays: ALiBi's slopes, mod tensors) where given."""
     rng = np.random.default_rng(batch * seqlen_q + seqlen_k + d)
     q = rng.standard_normal((batch, seqlen_q, nheads, d)).astype(np.float16)
     k, v = (rng.standard_normal((batch, seqlen_k, nheads_k, d)).astype(np.float16) for _ in "kv")
@@ -33,9 +37,12 @@ def call(batch, seqlen_q, seqlen_k, nheads, nheads_k, d, dlse=False, determinist
     out, lse = cuflash.attention(*g[1:], return_lse=True, **kw)
     lse_grad = cupy.asarray(rng.standard_normal(lse.shape).astype(np.float32)) if dlse else None
     grads = cuflash.attention_backward(*g, out, lse, dlse=lse_grad, deterministic=deterministic, **kw)
-    want = attention_reference_backward(dout, q, k, v, dlse=None if lse_grad is None else cupy.asnumpy(lse_grad),
-                                        **kw)
-    errs = [_check(n, x, w) for n, x, w in zip(("dq", "dk", "dv"), grads, want)]
+    errs = []
+    if not kw.get("dropout_p"):
+        options = {n: x for n, x in {**kw, **(host or {})}.items() if n != "block_mask"}  # (mask_mod's instead)
+        want = attention_reference_backward(dout, q, k, v, dlse=None if lse_grad is None else cupy.asnumpy(lse_grad),
+                                            **options)
+        errs = [_check(n, x, w) for n, x, w in zip(("dq", "dk", "dv"), grads, want)]
     print(f"d {d:3} {batch}x{seqlen_q}x{seqlen_k} heads {nheads}/{nheads_k} {kw} dlse={dlse} "
           f"deterministic={deterministic}: "
           f"max errors {' '.join(f'{e:.1e}' for e in errs)}")
@@ -72,6 +79,30 @@ def main() -> None:
         call(2, 300, 400, 4, 2, d, deterministic=True)
         call(1, 257, 300, 4, 4, d, causal=True, deterministic=True)
         packed([100, 0, 129, 7], 4, 2, d, deterministic=True)
+        extras(d)
+
+
+def relative_bias(s, b, h, q_idx, kv_idx, bias):
+    return s + bias[h, mod.minimum(mod.maximum(q_idx - kv_idx, -8), 8) + 8]
+
+
+def sinks_and_window(b, h, q_idx, kv_idx):
+    return ((q_idx >= kv_idx) & (q_idx - kv_idx < 100)) | (kv_idx < 4)
+
+
+def extras(d):
+    """Softcap, ALiBi, dropout, score_mod / mask_mod and a block mask (a block column and row
+    left out), on the extras' instances."""
+    slopes = np.array([0.3, 0.1, 0.05, 0.02], np.float32)
+    bias = np.random.default_rng(d).standard_normal((4, 17)).astype(np.float32)
+    call(2, 300, 300, 4, 2, d, softcap=5.0, causal=True)
+    call(1, 257, 400, 4, 4, d, alibi_slopes=cupy.asarray(slopes), host=dict(alibi_slopes=slopes))
+    call(2, 300, 300, 4, 2, d, dropout_p=0.2, seed=5, causal=True)
+    call(1, 300, 300, 4, 2, d, softcap=5.0, deterministic=True)
+    call(1, 257, 300, 4, 2, d, score_mod=relative_bias, mod_tensors=(cupy.asarray(bias),),
+         host=dict(mod_tensors=(bias,)))
+    blocks = mod.create_block_mask(sinks_and_window, None, None, 400, 400, like=cupy.zeros(1, cupy.float16))
+    call(1, 400, 400, 4, 2, d, block_mask=blocks, host=dict(mask_mod=sinks_and_window))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
 //
 //   S^T = K Q^T,  dP^T = V dO^T           wgmma, all operands from shared memory
 //   P^T = exp(S^T - LSE)                  softmax_bwd.cuh (mask.cuh), under dP^T's product
+//                                         (with softcap, ALiBi, dropout or mods, P^T and dS^T
+//                                         together once dP^T has landed)
 //   dV += P^T dO                          wgmma, P^T from registers (with 64 query rows a
 //                                         step under the next line, else after it)
 //   dS^T = P^T (dP^T - D)
@@ -26,6 +28,7 @@
 #include "common.cuh"
 #include "dq_accum.cuh"
 #include "mask.cuh"
+#include "mods.cuh"
 #include "score.cuh"
 #include "shared_memory.cuh"
 #include "sm90/bwd_params.cuh"
@@ -98,7 +101,8 @@ struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN,
   // K and V of the block's rows from `row`, and a step's Q and dO (rows from `row`), each
   // by one thread; boxes past a packed sequence's end bring the next one's rows, which
   // the mask and the LSE of +inf take out.
-  __device__ __forceinline__ void load_kv(const Sm90BackwardParams& args, int row, int kv_head, int batch) const {
+  template <typename Args>
+  __device__ __forceinline__ void load_kv(const Args& args, int row, int kv_head, int batch) const {
     kv_landed().arrive_expecting(2 * kKvTile);
 #pragma unroll
     for (int c = 0; c < kColumnBlocks; ++c) {
@@ -106,8 +110,8 @@ struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN,
       sm90::tma_load(v() + c * kKvBlock, args.v, kv_landed(), 64 * c, row, kv_head, batch);
     }
   }
-  __device__ __forceinline__ void load_step(const Sm90BackwardParams& args, int stage, int row, int head,
-                                            int batch) const {
+  template <typename Args>
+  __device__ __forceinline__ void load_step(const Args& args, int stage, int row, int head, int batch) const {
     landed(stage).arrive_expecting(2 * kQTile);
 #pragma unroll
     for (int c = 0; c < kColumnBlocks; ++c) {
@@ -200,23 +204,29 @@ __device__ __forceinline__ void consumers_meet() { asm volatile("bar.sync 1, 256
 //                  P^T's fragments: _plan.SM90_BACKWARD_TILES)
 // @tparam kStages  Q/dO stages in flight
 // @tparam kLocal   causal or sliding window
-template <typename T, int kHeadDim, int kBlockM, int kStages, bool kLocal>
-__global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_constant__ Sm90BackwardParams args) {
+// @tparam kExtras  softcap, ALiBi, dropout or mods may be on: P and dS in one step
+//                  (softmax_bwd.cuh, probabilities_and_gradients) once dP^T has landed
+// @tparam Mods     score_mod / mask_mod (mods.cuh; with a block mask the steps leave out its
+//                  empty blocks)
+template <typename T, int kHeadDim, int kBlockM, int kStages, bool kLocal, bool kExtras, typename Mods = NoMods>
+__global__ void __launch_bounds__(384, 1)
+    attention_backward_sm90(const __grid_constant__ Sm90BackwardParamsOf<kHasMods<Mods>> args) {
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128),
                 "the products: m64n64 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
+  static_assert(kExtras || !kHasMods<Mods>, "mods take the scores in natural units: the extras' instances");
   constexpr int kBlockN = 128, kGroups = kBlockM / 8;  // dQ's groups of 8 rows
   // dQ = dS K: with 64 query rows a step the consumers take half the head dim each, with
   // 128 rows each its 64 rows.
   constexpr int kDqCols = kBlockM == 128 ? kHeadDim : kHeadDim / 2;
   static_assert(kDqCols == 64, "dQ's products: m64n64");
   // dV's product issued before dS^T is computed, running under it, where P^T's fragments
-  // fit beside S^T, dP^T, dK and dV (64 rows a step); with 128 rows dS^T first, then dV
-  // and dK together (P^T's fragments made once S^T's registers are free).
-  constexpr bool kEarlyValues = kBlockM == 64;
+  // fit beside S^T, dP^T, dK and dV (64 rows a step); with 128 rows (or extras, P and dS
+  // made together) dS^T first, then dV and dK together.
+  constexpr bool kEarlyValues = kBlockM == 64 && !kExtras;
   using Shared = Sm90BackwardShared<kHeadDim, kBlockM, kBlockN, kStages>;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   const auto shared = Shared::of(dynamic_shared);
-  const Params& p = args.p;
+  const ParamsOf<Mods>& p = args.p;
   // Deterministic under a causal mask or window, the key blocks take their turns on a query
   // block last first and walk their query blocks backwards (FlashAttention-3's shortest
   // first): each block's first step is then the last query block, whose turns come one
@@ -239,15 +249,30 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
   const auto mask = Mask<kLocal>::of(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
   const int2 query_blocks = mask.template query_tiles<kBlockM>(n0, min(n0 + kBlockN, seq.seqlen_k), seq.seqlen_q);
   const int m_begin = query_blocks.x, m_blocks = query_blocks.y;
-  const int steps = p.heads_per_kv * m_blocks;
+  // With a block mask the steps leave out the (query head, query block) pairs of its empty
+  // blocks (and the calls with one are never deterministic: the turns count every pair).
+  const auto pairs = QueryTiles<Mods, kBlockM>::of(p, batch, n0, (kv_head + 1) * p.heads_per_kv, m_begin,
+                                                   m_begin + m_blocks);
+  const int steps = kBlockSparse<Mods> ? pairs.count(kv_head * p.heads_per_kv) : p.heads_per_kv * m_blocks;
   // A step's query head and first query row, counted along (no division in the producer's
   // 24 registers): each query head's blocks in turn, first to last (or backwards).
   const int m_first = (backwards ? m_begin + m_blocks - 1 : m_begin) * kBlockM;
   const int m_last = (backwards ? m_begin : m_begin + m_blocks - 1) * kBlockM;
   int head = kv_head * p.heads_per_kv, m0 = m_first;
+  auto skip_empty = [&](int from_head, int from_block) {
+    const int2 visible = pairs.from(from_head, from_block);
+    head = visible.x, m0 = visible.y * kBlockM;
+  };
+  if constexpr (kBlockSparse<Mods>) skip_empty(head, m_begin);
   auto advance = [&] {
-    if (m0 == m_last) m0 = m_first, ++head;
-    else m0 += backwards ? -kBlockM : kBlockM;
+    if constexpr (kBlockSparse<Mods>) {
+      const bool last = m0 == m_last;
+      skip_empty(head + last, last ? m_begin : m0 / kBlockM + 1);
+    } else if (m0 == m_last) {
+      m0 = m_first, ++head;
+    } else {
+      m0 += backwards ? -kBlockM : kBlockM;
+    }
   };
 
   if (threadIdx.x == 0) {
@@ -328,27 +353,42 @@ __global__ void __launch_bounds__(384, 1) attention_backward_sm90(const __grid_c
       float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];
       issue_transposed_scores<T, Shared, kBlockM>(shared.k(), shared.q(stage), consumer, acc_s);
       issue_transposed_scores<T, Shared, kBlockM>(shared.v(), shared.dout(stage), consumer, acc_dp);
-      // P^T = exp(S^T - LSE), while dP^T is in flight
-      sm90::wgmma_wait<1>();
-      sm90::fence_operands(acc_s);
       const float* lse = shared.lse(stage);
       const float* delta = shared.delta(stage);
-      probabilities<true, kLocal>(acc_s, p.scale_log2,
-                                  !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN), mask,
-                                  [=](int c, int) { return lse[c]; }, n0 + key_row, m0, lane);
-      // dV += P^T dO;  dS^T = P^T (dP^T - D) -> shared memory;  dK += dS^T Q
+      const bool masked = !mask.covers(m0, min(m0 + kBlockM, seq.seqlen_q), n0, n0 + kBlockN);
       unsigned p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-      if constexpr (kEarlyValues) {
-        sm90::as_a_operand<T>(acc_s, p_frag);
-        sm90::wgmma_fence();
-        issue_key_gradient<T, Shared, kBlockM>(shared.dout(stage), p_frag, acc_dv);
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<1>();
-      } else {
+      if constexpr (kExtras) {
+        // P^T = dropout(exp(mod(S^T) - LSE));  dS^T = P^T (dropout(dP^T) - D) mod'(S^T)
         sm90::wgmma_wait<0>();
+        sm90::fence_operands(acc_s);
+        sm90::fence_operands(acc_dp);
+        ScoreMod mod{};
+        Dropout dropout{};
+        score_extras<true>(p, mask, batch, head, mod, dropout);
+        probabilities_and_gradients<true, kLocal, true, Mods>(
+            acc_s, acc_dp, kLog2e, masked, mask, mod,
+            ModsAt<Mods>::of(p, batch, head).in_block(pairs.status(head, m0 / kBlockM) == kBlockFull), dropout,
+            p.dropout_threshold > 0, p.dropout_scale, [=](int c, int) { return lse[c]; },
+            [=](int c, int) { return delta[c]; }, n0 + key_row, m0, lane);
+      } else {
+        // P^T = exp(S^T - LSE), while dP^T is in flight
+        sm90::wgmma_wait<1>();
+        sm90::fence_operands(acc_s);
+        probabilities<true, kLocal>(acc_s, p.scale_log2, masked, mask, [=](int c, int) { return lse[c]; },
+                                    n0 + key_row, m0, lane);
+        // dV += P^T dO;  dS^T = P^T (dP^T - D) -> shared memory;  dK += dS^T Q
+        if constexpr (kEarlyValues) {
+          sm90::as_a_operand<T>(acc_s, p_frag);
+          sm90::wgmma_fence();
+          issue_key_gradient<T, Shared, kBlockM>(shared.dout(stage), p_frag, acc_dv);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<1>();
+        } else {
+          sm90::wgmma_wait<0>();
+        }
+        sm90::fence_operands(acc_dp);
+        score_gradients<true>(acc_s, acc_dp, [=](int c, int) { return delta[c]; }, lane);
       }
-      sm90::fence_operands(acc_dp);
-      score_gradients<true>(acc_s, acc_dp, [=](int c, int) { return delta[c]; }, lane);
       if constexpr (!kEarlyValues) sm90::as_a_operand<T>(acc_s, p_frag);
       sm90::as_a_operand<T>(acc_dp, ds_frag);
       unsigned char* ds_tile = shared.ds(step & 1);

@@ -12,7 +12,9 @@
 // mma.sync forward):
 //
 //   S = Q K_n^T                    wgmma, Q and K from shared memory
-//   S = mod(S);  S = mask(S)       score.cuh, mask.cuh (the accumulator layout is mma.sync's)
+//   S = mod(S);  S = mask(S)       score.cuh, mods.cuh, mask.cuh (the accumulator layout is
+//                                  mma.sync's); with a block mask its empty key tiles are
+//                                  never loaded
 //   m, P, l, O rescaled            softmax.cuh
 //   P = dropout(P)                 score.cuh
 //   O += P V_n                     wgmma, P from registers, V read N-major
@@ -25,6 +27,7 @@
 // (Sm90Output; a piece's: finish_piece, merge_pieces) and the entry that ties them together.
 #include "common.cuh"
 #include "mask.cuh"
+#include "mods.cuh"
 #include "partial.cuh"
 #include "score.cuh"
 #include "shared_memory.cuh"
@@ -54,7 +57,9 @@ struct Sm90Shared : Sm90SharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
   __device__ __forceinline__ unsigned char* v(int stage) const { return base + kV + stage * kKvTile; }
   __device__ __forceinline__ volatile int& tile() const { return *reinterpret_cast<int*>(base + kTile); }
   // A word of each warp's that its first lane writes and nobody reads (sm90::keep_before_wait).
-  __device__ __forceinline__ volatile float& sink(int warp) const { return reinterpret_cast<float*>(base + kSinks)[warp]; }
+  __device__ __forceinline__ volatile float& sink(int warp) const {
+    return reinterpret_cast<float*>(base + kSinks)[warp];
+  }
   __device__ __forceinline__ sm90::Barrier barrier(int index) const {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
   }
@@ -79,13 +84,15 @@ struct Sm90Shared : Sm90SharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
   // The loads, each by one thread: Q's rows from `row`, and key tile n's K, V or both
   // (rows from `row`) into a stage. (A packed sequence's box may reach into the next one's
   // rows: they are masked, and never written.)
-  __device__ __forceinline__ void load_q(const Sm90Params& args, int row, int head, int batch) const {
+  template <typename Args>
+  __device__ __forceinline__ void load_q(const Args& args, int row, int head, int batch) const {
     q_landed().arrive_expecting(kBlockM * kHeadDim * 2);
 #pragma unroll
     for (int c = 0; c < kColumnBlocks; ++c)
       sm90::tma_load(q() + c * kQBlock, args.q, q_landed(), 64 * c, row, head, batch);
   }
-  __device__ __forceinline__ void load(Operand x, const Sm90Params& args, int row, int stage, int kv_head,
+  template <typename Args>
+  __device__ __forceinline__ void load(Operand x, const Args& args, int row, int stage, int kv_head,
                                        int batch) const {
     const sm90::Barrier landing = landed(x, stage);
     landing.arrive_expecting((x == kBoth ? 2 : 1) * kKvTile);
@@ -224,7 +231,8 @@ __device__ __forceinline__ void write_columns(const Params& p, const Sm90Output&
 #pragma unroll
     for (int dt = 0; dt < kTiles; ++dt)  // (a head dim the kernel's rounds up to: its columns only)
       if ((dt0 + dt) * 8 < p.headdim)
-        *reinterpret_cast<unsigned*>(o + dt * 8) = DType<T>::pack(acc[dt][2 * h] * scale[h], acc[dt][2 * h + 1] * scale[h]);
+        *reinterpret_cast<unsigned*>(o + dt * 8) =
+            DType<T>::pack(acc[dt][2 * h] * scale[h], acc[dt][2 * h + 1] * scale[h]);
   }
 }
 
@@ -242,8 +250,8 @@ __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_re
 // tiles at a time, a piece's loads of a chunk in flight at once. A function of its own: the
 // consumers' loop keeps its registers (inlined, it spilled at d 64 with softcap, ALiBi or
 // dropout).
-template <typename T, int kWarps, int kDTiles>
-__device__ __noinline__ void merge_pieces(const Sm90Params& args, Sm90Work work, Sm90Output out, int warp, int lane) {
+template <typename T, int kWarps, int kDTiles, typename Args>
+__device__ __noinline__ void merge_pieces(const Args& args, Sm90Work work, Sm90Output out, int warp, int lane) {
   constexpr int kChunk = kDTiles < 8 ? kDTiles : 8;
   constexpr int64 kSlotO = int64(kWarps) * kDTiles * 32;  // float4s a slot
   constexpr int kSlotLse = kWarps * 16;                   // rows a slot
@@ -286,8 +294,8 @@ __device__ __noinline__ void merge_pieces(const Sm90Params& args, Sm90Work work,
 // (the PTX memory model's release and acquire patterns; __syncwarp carries the other lanes'
 // stores and loads to and from lane 0's). O's registers are zeroed once stored: free (and
 // nothing to save) for the merge.
-template <typename T, int kWarps, int kDTiles>
-__device__ __forceinline__ void finish_piece(const Sm90Params& args, const Sm90Work& work, const Sm90Output& out,
+template <typename T, int kWarps, int kDTiles, typename Args>
+__device__ __forceinline__ void finish_piece(const Args& args, const Sm90Work& work, const Sm90Output& out,
                                              int warp, int lane, float (&acc_o)[1][kDTiles][4]) {
   constexpr int kSlotLse = kWarps * 16;  // rows a slot
   float4* mine = reinterpret_cast<float4*>(args.partial_o) + (int64(work.slot) * kWarps + warp) * kDTiles * 32 + lane;
@@ -334,18 +342,25 @@ __device__ __forceinline__ void finish_piece(const Sm90Params& args, const Sm90W
 // @tparam kConsumers  warpgroups, 64 query rows each: 2 or 3
 // @tparam kStages     K/V tiles in flight
 // @tparam kLocal      causal or sliding window
-// @tparam kExtras     softcap, ALiBi or dropout may be on
-template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras>
+// @tparam kExtras     softcap, ALiBi, dropout or mods may be on
+// @tparam Mods        score_mod / mask_mod (mods.cuh); with a block mask the key tiles of its
+//                     empty blocks are left out (the producer's and the consumers' walks
+//                     alike: KeyTiles::before) and mask_mod is skipped in its full ones
+template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras,
+          typename Mods = NoMods>
 __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
-    attention_forward_sm90(const __grid_constant__ Sm90Params args) {
+    attention_forward_sm90(const __grid_constant__ Sm90ParamsOf<kHasMods<Mods>> args) {
   static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
                     (kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176),
                 "the products: m64n64, m64n80, m64n128, m64n176 (S); m64n64, m64n128 (O; two at d 256)");
   static_assert(kConsumers == 2 || kConsumers == 3, "turn taking among two or three consumers");
+  static_assert(kExtras || !kHasMods<Mods>, "mods take the scores in natural units: the extras' instances");
   constexpr int kBlockM = 64 * kConsumers;
+  constexpr bool kSparse = kBlockSparse<Mods>;
+  static_assert(!kSparse || kBlockMaskSize % kBlockM == 0, "a tile's rows lie in one block of the block mask");
   // A tile's output written under the next tile's first S; at d 256 O's 128 registers a
-  // thread, kept that long, spill: written at once.
-  constexpr bool kDeferOutput = kHeadDim < 256;
+  // thread, kept that long, spill, and with mods their evaluation's: written at once.
+  constexpr bool kDeferOutput = kHeadDim < 256 && !kHasMods<Mods>;
   // The softmax kept ahead of P V's wait (sm90::keep_before_wait), but at d 256 under a
   // mask: there its registers beside O's 128 spill.
   constexpr bool kOverlapSoftmax = kHeadDim < 256 || !kLocal;
@@ -355,7 +370,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
   static_assert((kConsumers + 1) * 4 <= Shared::kMaxWarps, "a sink word a warp");
   const auto shared = Shared::of(dynamic_shared);
-  const Params& p = args.p;
+  const ParamsOf<Mods>& p = args.p;
   const auto schedule = Sm90Tiles<kBlockM, kLocal>::of(args);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
   // Work t's rows and key tiles (a piece's share of its tile's); false where they are past
@@ -367,6 +382,11 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     const int n_end = block.n_end;
     block.n_end = n_end - work.first_turn, block.n_begin = max(block.n_begin, n_end - work.last_turn);
     return block.m0 < block.seq.seqlen_q;
+  };
+  // With a block mask a tile's key tiles are those not empty, from the last down (a block
+  // mask comes without the tail's cut: a tile is whole).
+  auto key_tiles = [&](const Block& block) {
+    return KeyTiles<Mods, kBlockN>::of(p, block.batch, block.head, block.m0);
   };
 
   if (threadIdx.x == 0) shared.init_barriers(kConsumers * 128);
@@ -388,15 +408,30 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
           shared.released(x, i % kStages).wait(((i / kStages) & 1) ^ 1);
           if (leader) shared.load(x, args, block.k_row(n), i % kStages, block.kv_head, block.tma_batch);
         };
-        for (int n = block.n_end - 1; n >= block.n_begin; --n, ++loaded) {
-          if constexpr (Shared::kApart) {
-            load(Shared::kKeys, n, loaded);
-            if (n < block.n_end - 1) load(Shared::kValues, n + 1, loaded - 1);
-          } else {
-            load(Shared::kBoth, n, loaded);
+        if constexpr (kSparse) {
+          const auto keys = key_tiles(block);
+          int before = -1;  // the tile loaded before n
+          for (int n = keys.before(block.n_end, block.n_begin); n >= block.n_begin;
+               before = n, n = keys.before(n, block.n_begin), ++loaded) {
+            if constexpr (Shared::kApart) {
+              load(Shared::kKeys, n, loaded);
+              if (before >= 0) load(Shared::kValues, before, loaded - 1);
+            } else {
+              load(Shared::kBoth, n, loaded);
+            }
           }
+          if (Shared::kApart && before >= 0) load(Shared::kValues, before, loaded - 1);
+        } else {
+          for (int n = block.n_end - 1; n >= block.n_begin; --n, ++loaded) {
+            if constexpr (Shared::kApart) {
+              load(Shared::kKeys, n, loaded);
+              if (n < block.n_end - 1) load(Shared::kValues, n + 1, loaded - 1);
+            } else {
+              load(Shared::kBoth, n, loaded);
+            }
+          }
+          if (Shared::kApart && block.n_end > block.n_begin) load(Shared::kValues, block.n_begin, loaded - 1);
         }
-        if (Shared::kApart && block.n_end > block.n_begin) load(Shared::kValues, block.n_begin, loaded - 1);
       }
       shared.q_released().wait((round & 1) ^ 1);  // none left: a Q "landed" with no tile
       if (leader) shared.tile() = -1, shared.q_landed().arrive();
@@ -422,7 +457,14 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
       }
       Block block;
       tile(schedule.work(t, args), block);
-      const int tiles = max(0, block.n_end - block.n_begin);  // key tiles n_end - 1 down to n_begin
+      // key tiles n_end - 1 down to n_begin (with a block mask those not empty: n, the one
+      // the turn at hand takes)
+      const auto keys = key_tiles(block);
+      int tiles = max(0, block.n_end - block.n_begin), n = keys.before(block.n_end, block.n_begin);
+      if constexpr (kSparse) {
+        tiles = 0;
+        for (int m = n; m >= block.n_begin; m = keys.before(m, block.n_begin)) ++tiles;
+      }
       const int row0 = block.m0 + warp_row0;
       OnlineSoftmax<1, true> softmax;
       softmax.init();
@@ -440,12 +482,16 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
       // P = exp(S - m); then, once O += P_{j-1} V_{j-1} has landed (its stage released),
       // O scaled and P = dropout(P). After the tile's last S, Q is released.
       auto softmax_step = [&](int j, bool values_in_flight) {
-        const int n0 = (block.n_end - 1 - j) * kBlockN;
+        const int n0 = (kSparse ? n : block.n_end - 1 - j) * kBlockN;
         if (values_in_flight) sm90::wgmma_wait<1>(); else sm90::wgmma_wait<0>();
         sm90::fence_operands(acc_s);
         if constexpr (Shared::kApart) shared.released(Shared::kKeys, stage_of(j)).arrive();
         if (j == tiles - 1) shared.q_released().arrive();
         if constexpr (kExtras) block.mod.template apply<false>(acc_s, row0, n0, lane);  // (per tile: d 64 spills)
+        if constexpr (kHasMods<Mods>)  // score_mod, -inf where mask_mod hides (not in a block mask's full blocks)
+          ModsAt<Mods>::of(p, block.batch, block.head)
+              .in_block(kSparse && keys.status(n) == kBlockFull)
+              .apply(acc_s, row0, n0, lane);
         if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
         const bool moves = softmax.update_scores(acc_s, block.scale_log2, alpha);
         if (values_in_flight) {
@@ -477,6 +523,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         write_pending();
         softmax_step(0, false);
         for (int j = 1; j < tiles; ++j) {
+          if constexpr (kSparse) n = keys.before(n, block.n_begin);
           shared.landed(Shared::kKeys, stage_of(j)).wait(phase_of(j));
           if constexpr (Shared::kApart) shared.landed(Shared::kValues, stage_of(j - 1)).wait(phase_of(j - 1));
           turns.wait_turn();

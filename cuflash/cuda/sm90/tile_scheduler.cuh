@@ -51,7 +51,8 @@ struct Sm90Work {
 struct Sm90Tail {
   int start, ctas, key_tiles, units;
 
-  static __device__ __forceinline__ Sm90Tail of(const Sm90Params& args, int count) {
+  template <typename Args>
+  static __device__ __forceinline__ Sm90Tail of(const Args& args, int count) {
     return {args.tail_start, args.tail_ctas, args.tail_key_tiles, (count - args.tail_start) * args.tail_key_tiles};
   }
   // The first unit of CTA c's share (c <= ctas; units at c == ctas). (The planner keeps
@@ -69,28 +70,33 @@ template <int kBlockM, bool kLocal>
 struct Sm90Tiles {
   int m_blocks, heads, count, section;
 
-  static __device__ __forceinline__ Sm90Tiles of(const Sm90Params& args) {
+  template <typename Args>
+  static __device__ __forceinline__ Sm90Tiles of(const Args& args) {
     const int m_blocks = ceil_div(args.p.seqlen_q, kBlockM);  // packed: the longest sequence's
     return {m_blocks, args.p.nheads, m_blocks * args.p.nheads * args.batch, args.section};
   }
 
   // Past the last work.
-  __device__ __forceinline__ int end(const Sm90Params& args) const {
+  template <typename Args>
+  __device__ __forceinline__ int end(const Args& args) const {
     return kLocal ? count : count + Sm90Tail::of(args, count).units;
   }
   // CTA c's first piece of the tail, or end where it has none.
-  __device__ __forceinline__ int tail_of(int c, const Sm90Params& args) const {
+  template <typename Args>
+  __device__ __forceinline__ int tail_of(int c, const Args& args) const {
     const Sm90Tail tail = Sm90Tail::of(args, count);
     return c < tail.ctas && tail.unit_start(c) < tail.unit_start(c + 1) ? count + tail.unit_start(c)
                                                                           : count + tail.units;
   }
   // This CTA's first work.
-  __device__ __forceinline__ int first(const Sm90Params& args) const {
+  template <typename Args>
+  __device__ __forceinline__ int first(const Args& args) const {
     return kLocal || int(blockIdx.x) < args.tail_start ? int(blockIdx.x) : tail_of(blockIdx.x, args);
   }
   // The work this warp takes after t (kLocal: lane 0 takes it from the launch's counter,
   // of the tiles taken past the first gridDim.x).
-  __device__ __forceinline__ int next(int t, const Sm90Params& args, int lane) const {
+  template <typename Args>
+  __device__ __forceinline__ int next(int t, const Args& args, int lane) const {
     if constexpr (kLocal) {
       return gridDim.x + __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(args.tile_counter, 1) : 0, 0);
     } else {
@@ -104,14 +110,16 @@ struct Sm90Tiles {
   }
 
   // Work t: a whole tile or a piece of one.
-  __device__ __forceinline__ Sm90Work work(int t, const Sm90Params& args) const {
+  template <typename Args>
+  __device__ __forceinline__ Sm90Work work(int t, const Args& args) const {
     if (kLocal || t < count) return {t, 0, 1 << 30, 1, 0, 0, 0};
     const Sm90Tail tail = Sm90Tail::of(args, count);
     const int u = t - count;
     return piece(tail, u / tail.key_tiles, tail.cta_of(u));
   }
   // This CTA's piece of tail tile `tile` (its work's number not kept: a register less).
-  __device__ __forceinline__ Sm90Work piece_of(int tile, const Sm90Params& args) const {
+  template <typename Args>
+  __device__ __forceinline__ Sm90Work piece_of(int tile, const Args& args) const {
     return piece(Sm90Tail::of(args, count), tile - args.tail_start, blockIdx.x);
   }
   // CTA c's piece of the tail's tile i.
