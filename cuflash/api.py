@@ -256,7 +256,7 @@ def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, determi
     workspace = warm and warm.workspace
     if not workspace:  # (the same for every call of a signature: q's shape, deterministic, options)
         block_mask = options.mods is not None and options.mods.blocks is not None
-        ordered = deterministic and _plan.backward_orders(q.shape[-1], block_mask,
+        ordered = deterministic and _plan.backward_orders(q.shape[-1], options.extras, block_mask,
                                                           _kernels.device_facts(q.device).sm90a)
         workspace = _plan.backward_workspace(q.shape, deterministic, options.extras, ordered)
         if warm:

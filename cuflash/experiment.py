@@ -37,7 +37,9 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
              tiles: dict[str, dict[int, tuple]] | None = None, sm90_tiles: dict[int, tuple] | None = None,
              sm90_banded_tiles: dict[int, tuple] | None = None,
              sm90_banded_extras_tiles: dict[int, tuple] | None = None,
-             sm90_short_causal_tiles: dict[int, tuple] | None = None, sm90_section_bytes: int | None = None,
+             sm90_short_causal_tiles: dict[int, tuple] | None = None,
+             sm90_mods_tiles: dict[int, tuple] | None = None,
+             sm90_backward_extras_tiles: dict[int, tuple] | None = None, sm90_section_bytes: int | None = None,
              sm90_section_rows: int | None = None,
              sm90_tail: Callable[[int, int, int], tuple[int, int]] | None = None,
              tile_group: Callable[[object, int, object], int] | None = None, shared_limit: int | None = None,
@@ -56,6 +58,12 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
         {head dim: (keys a tile, stages, consumers)} entries of the sm_90a forward's tables
         (``_plan.SM90_TILES``: no mask; under a mask or window; with extras too; short
         causal calls).
+    sm90_mods_tiles: {head dim: (keys a tile, stages, consumers)} of the sm_90a forward for
+        calls with score_mod / mask_mod (``_plan.SM90_MODS_TILES``; a head dim it names
+        takes them there rather than on the mma.sync forward).
+    sm90_backward_extras_tiles: {head dim: (query rows a step, stages)} of the sm_90a
+        backward for calls with softcap, ALiBi, dropout or mods
+        (``_plan.SM90_BACKWARD_EXTRAS_TILES``; the head dims it takes them at).
     sm90_section_bytes, sm90_section_rows: the sm_90a causal scheduler's sections
         (``_plan.sm90_section``).
     sm90_tail: ``(tiles, key_tiles, multiprocessors) -> (tail_start, tail_ctas)``, in
@@ -84,7 +92,9 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
                                                 for d, t in entries.items()}))
         for table, entries in ((_plan.SM90_TILES, sm90_tiles), (_plan.SM90_BANDED_TILES, sm90_banded_tiles),
                                (_plan.SM90_BANDED_EXTRAS_TILES, sm90_banded_extras_tiles),
-                               (_plan.SM90_SHORT_CAUSAL_TILES, sm90_short_causal_tiles)):
+                               (_plan.SM90_SHORT_CAUSAL_TILES, sm90_short_causal_tiles),
+                               (_plan.SM90_MODS_TILES, sm90_mods_tiles),
+                               (_plan.SM90_BACKWARD_EXTRAS_TILES, sm90_backward_extras_tiles)):
             if entries:
                 undo.enter_context(_entries(table, {d: tuple(tile) for d, tile in entries.items()}))
         for name, value in (("SM90_SECTION_BYTES", sm90_section_bytes), ("SM90_SECTION_ROWS", sm90_section_rows),

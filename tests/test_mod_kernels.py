@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _arrays, _compile, _kernels, _params, _plan, api, mod
+from cuflash import _arrays, _compile, _kernels, _params, _plan, api, experiment, mod
 from cuflash.mod import TensorSpec, index_ranges, kernel_source, trace
 
 from .test_compile import struct_layout
@@ -58,18 +58,20 @@ T5_SPECS = (TensorSpec(0, None, (4, 33), "float32"), TensorSpec(1, None, (2, 300
 T5_DOCUMENTS = kernel_source(trace(t5_bias, "score", T5_SPECS), trace(same_document, "mask", T5_SPECS))
 # The sm_90a kernels with mods: a T5 bias and a document mask, with a block mask or not, and the
 # backward with SOURCE's heavier functions (the forward's 64-key tiles spill a few registers
-# with those where no block mask splits the score and mask passes).
+# with those where no block mask splits the score and mask passes); the forward's tile is the
+# one experiment.override(sm90_mods_tiles=...) gives it, the backward's d 128 (the head dims
+# it takes mods at).
 SM90 = (("forward", 64, True, T5_DOCUMENTS), ("forward", 128, False, T5_DOCUMENTS.replace("kBlocks = false",
                                                                                           "kBlocks = true")),
-        ("backward", 128, False, SOURCE), ("backward", 64, True, T5_DOCUMENTS.replace("kBlocks = false",
-                                                                                     "kBlocks = true")))
+        ("backward", 128, False, SOURCE), ("backward", 128, True, T5_DOCUMENTS.replace("kBlocks = false",
+                                                                                      "kBlocks = true")))
 
 
 @pytest.mark.parametrize("kind,head_dim,local,source", SM90, ids=[f"{k}-{d}-{c}" for k, d, c, _ in SM90])
 def test_sm90_mod_variants_compile_without_spills(kind, head_dim, local, source):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (the cuda12/cuda13 extra) is not installed")
     if kind == "forward":
-        kernel = _plan.Sm90Forward.of("bfloat16", head_dim, local, True, False, source)
+        kernel = _plan.Sm90Forward("bfloat16", head_dim, local, True, 64, 3, 2, source)
     else:
         kernel = _plan.Sm90Backward.of("bfloat16", head_dim, local, True, source)
     assert kernel.instance.endswith(", cuflash::UserMods>") and kernel.extras
@@ -126,9 +128,9 @@ QKV = tuple(np.ones((2, 100, 4, 128), np.float32) for _ in range(3))
 
 
 def test_mod_calls_plan_their_kernels_keyed_by_their_text(fake_gpu):
-    """The mma.sync kernels, or on a Hopper GPU the sm_90a forward (and, where dq_accum is
-    given, backward: test_sm90_backward), compiled with the functions' text, their mod
-    tensors after Params."""
+    """The mma.sync kernels (on a Hopper GPU too: SM90_MODS_TILES is empty; where dq_accum
+    is given its backward takes the sm_90a kernel: test_sm90_backward), compiled with the
+    functions' text, their mod tensors after Params."""
     bias = _on_the_gpu(np.zeros((4, 199), np.float32), "bias")
     with pytest.raises(RuntimeError, match="launched"):
         cuflash.attention(*QKV, causal=True, score_mod=lambda s, b, h, i, j, t: s + t[h, i - j + 99],
@@ -136,21 +138,23 @@ def test_mod_calls_plan_their_kernels_keyed_by_their_text(fake_gpu):
     options = fake_gpu["options"]
     assert options.extras and options.mods.tensors == (bias,)
     q = _on_the_gpu(QKV[0])
-    for sm90a in (False, True):  # (no dq_accum: the two-kernel backward)
-        forward = _plan.forward(q, q, q, q, options, None, device(227 * 1024, 132, sm90a=sm90a))
+    for sm90a, routed in ((False, False), (True, False), (True, True)):  # (no dq_accum: the two-kernel backward)
+        sm90 = sm90a and routed  # (experiment.override sends mods to the sm_90a forward)
+        with experiment.override(sm90_mods_tiles={128: (64, 3, 2)} if routed else None):
+            forward = _plan.forward(q, q, q, q, options, None, device(227 * 1024, 132, sm90a=sm90a))
         backward = _plan.backward(q, q, q, q, q, q, q, q, None, options, None, device(227 * 1024, sm90a=sm90a))
         tiled = [s.kernel for s in forward.steps + backward.steps if not isinstance(s.kernel, _plan.Elementwise)]
         kinds = [getattr(k, "kind", type(k).__name__) for k in tiled]
-        assert kinds == ["Sm90Forward" if sm90a else "forward", "backward_dq", "backward_dkdv"]
+        assert kinds == ["Sm90Forward" if sm90 else "forward", "backward_dq", "backward_dkdv"]
         assert all(k.mods == options.mods.source and "UserMods" in k.instance for k in tiled)
-        assert forward.struct is (_params.Sm90ModParams if sm90a else _params.ModParams)
+        assert forward.struct is (_params.Sm90ModParams if sm90 else _params.ModParams)
         assert backward.struct is _params.ModParams
         for plan in (forward, backward):  # the launcher finds every pointer of Params where Params has it
             base = _params.Sm90Params if plan.struct is _params.Sm90ModParams else _params.Params
-            inside = tuple(name for name in plan.pointers if not sm90a or name.startswith("p."))
+            inside = tuple(name for name in plan.pointers if not sm90 or name.startswith("p."))
             assert _plan.pointer_offsets(plan.struct, inside) == _plan.pointer_offsets(base, inside)
         params = forward.struct.from_buffer_copy(forward.params)
-        params = params.p if sm90a else params
+        params = params.p if sm90 else params
         assert (params.tensors[0].ptr, list(params.tensors[0].size[:2]), list(params.tensors[0].stride[:2])) == \
             (4096, [4, 199], [199, 1])
     plain = _plan.forward(q, q, q, q, options._replace(mods=None), None, device(227 * 1024, 132))

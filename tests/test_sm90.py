@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _arrays, _compile, _device, _kernels, _options, _plan, _sass, api, mod
+from cuflash import _arrays, _compile, _device, _kernels, _options, _plan, _sass, api, experiment, mod
 from cuflash._params import Sm90ModParams, Sm90Params
 from cuflash.reference import attention_lowp, attention_reference
 
@@ -510,27 +510,34 @@ def test_a_cut_tail_matches_the_oracle_on_both_families(paths, head_dim, dtype, 
     assert (out.view(np.uint16) == again.view(np.uint16)).all() and (lse == again_lse).all()
 
 
-def test_mods_take_the_sm90_forward_with_their_tiles():
-    """score_mod / mask_mod at head dims up to 128: two consumers, 64 keys a tile (a tile
-    inside one of a block mask's blocks), no tail cut, the mod tensors after Params; d 256
-    keeps the mma.sync kernels."""
+MODS_TILES = {64: (64, 4, 2), 128: (64, 3, 2)}  # (the sm_90a forward's tiles for mods, where it takes them)
+
+
+def test_mods_take_the_sm90_forward_only_where_its_mods_table_says():
+    """By default calls with score_mod / mask_mod keep the mma.sync forward (SM90_MODS_TILES
+    is empty); where the table names the head dim (experiment.override): two consumers, 64
+    keys a tile (a tile inside one of a block mask's blocks), no tail cut, the mod tensors
+    after Params."""
     def plan(d, blocks=False, causal=False):
         infos = [_arrays.inspect(np.zeros((2, 1000, 4, d), np.float16), name) for name in ("q", "k", "v")]
         made = _options.make_options(infos[0], infos[1], causal, None, (-1, -1), 0.0, None, 0.0, None, 0,
                                      backward=False)
-        mods = _options.DeviceMods("struct UserMods;", (infos[0],), info((2, 4, 8, 8), "int8", 4096) if blocks else None)
+        blocks = info((2, 4, 8, 8), "int8", 4096) if blocks else None
+        mods = _options.DeviceMods("struct UserMods;", (infos[0],), blocks)
         return _plan.forward(*infos, infos[0], made._replace(mods=mods), None, device(sm90a=True))
 
-    for d, blocks, causal in ((64, False, False), (96, True, False), (128, True, True), (128, False, False)):
-        p = plan(d, blocks, causal)
-        kernel = p.steps[0].kernel
-        assert isinstance(kernel, _plan.Sm90Forward) and p.struct is Sm90ModParams
-        assert (kernel.consumers, kernel.block_n, kernel.extras) == (2, 64, True)
-        assert kernel.instance.endswith(", true, cuflash::UserMods>") and kernel.mods == "struct UserMods;"
-        params = Sm90ModParams.from_buffer_copy(p.params)
-        assert params.tail_start == -(-1000 // 128) * 4 * 2 and params.tail_ctas == 0  # (whole tiles)
-        assert bool(params.p.blocks.status) == blocks
-    assert isinstance(plan(256).steps[0].kernel, _plan.Kernel)
+    assert all(isinstance(plan(d).steps[0].kernel, _plan.Kernel) for d in (64, 128, 256))
+    with experiment.override(sm90_mods_tiles=MODS_TILES):
+        for d, blocks, causal in ((64, False, False), (96, True, False), (128, True, True), (128, False, False)):
+            p = plan(d, blocks, causal)
+            kernel = p.steps[0].kernel
+            assert isinstance(kernel, _plan.Sm90Forward) and p.struct is Sm90ModParams
+            assert (kernel.consumers, kernel.block_n, kernel.extras) == (2, 64, True)
+            assert kernel.instance.endswith(", true, cuflash::UserMods>") and kernel.mods == "struct UserMods;"
+            params = Sm90ModParams.from_buffer_copy(p.params)
+            assert params.tail_start == -(-1000 // 128) * 4 * 2 and params.tail_ctas == 0  # (whole tiles)
+            assert bool(params.p.blocks.status) == blocks
+        assert isinstance(plan(256).steps[0].kernel, _plan.Kernel)
 
 
 def _t5_bias(s, b, h, q_idx, kv_idx, table, doc_q, doc_k):
@@ -548,7 +555,8 @@ def _same_document(b, h, q_idx, kv_idx, table, doc_q, doc_k):
 @pytest.mark.parametrize("causal", [False, True])
 def test_mods_on_both_families(paths, head_dim, dtype, block_mask, causal):
     """A T5 bias and a document mask (rows whose document has no keys among them), with a
-    block mask (its empty key tiles never loaded) or without, on each path against the oracle."""
+    block mask (its empty key tiles never loaded) or without, on each path against the oracle
+    (the sm_90a one as experiment.override sends mods there)."""
     import cupy
 
     rng = np.random.default_rng(head_dim)
@@ -567,6 +575,7 @@ def test_mods_on_both_families(paths, head_dim, dtype, block_mask, causal):
     ref, ref_lse = attention_reference(*host, causal=causal, score_mod=_t5_bias, mask_mod=_same_document,
                                        mod_tensors=tensors)
     error = lowp_error(attention_lowp(*host, causal=causal), attention_reference(*host, causal=causal)[0])
-    for out, lse in _both_paths(paths, lambda: cuflash.attention(q, k, v, return_lse=True, **options)):
-        check_output(out, ref, error, dtype)
-        check_lse(lse, ref_lse)
+    with experiment.override(sm90_mods_tiles=MODS_TILES):
+        for out, lse in _both_paths(paths, lambda: cuflash.attention(q, k, v, return_lse=True, **options)):
+            check_output(out, ref, error, dtype)
+            check_lse(lse, ref_lse)

@@ -23,7 +23,8 @@ from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, PREPROCESS_ROWS, back
 from .plan import (Plan, Step, TensorMapSpec, dropout_threshold, field_offset, group_size, pointer_offsets, scale_log2,
                    tile_group, vectorizable)
 from .sm90 import (SM90_BACKWARD_EXTRAS_TILES, SM90_BACKWARD_HEAD_DIMS, SM90_BACKWARD_TILES, SM90_BANDED_EXTRAS_TILES,
-                   SM90_BANDED_TILES, SM90_HEAD_DIMS, SM90_SECTION_BYTES, SM90_SECTION_ROWS, SM90_SHORT_CAUSAL_ROWS,
+                   SM90_BANDED_TILES, SM90_HEAD_DIMS, SM90_MODS_TILES, SM90_SECTION_BYTES, SM90_SECTION_ROWS,
+                   SM90_SHORT_CAUSAL_ROWS,
                    SM90_SHORT_CAUSAL_TILES, SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS,
                    SM90_TILES, Sm90Backward, Sm90Forward, backward_orders, sm90_section, sm90_tail)
 from .variants import (DTYPES, ELEMENTWISE, HEAD_DIM_BUCKETS, KINDS, MAX_HEAD_DIM, MERGES, SHARED_MEMORY_LIMIT,
@@ -67,7 +68,9 @@ def all_kernels(arch: str) -> list[Variant]:
     if arch == "sm_90a":
         flags = [(False, True)] * 3  # (local, extras and, for the forward, short: the same but for some causal ones)
         forwards = dict.fromkeys(Sm90Forward.of(*v) for v in itertools.product(DTYPES, SM90_HEAD_DIMS, *flags))
-        backwards = [Sm90Backward.of(*v) for v in itertools.product(DTYPES, SM90_BACKWARD_HEAD_DIMS, *flags[:2])]
+        backwards = [Sm90Backward.of(dtype, d, local, extras)
+                     for dtype, d, local, extras in itertools.product(DTYPES, SM90_BACKWARD_HEAD_DIMS, *flags[:2])
+                     if not extras or d in SM90_BACKWARD_EXTRAS_TILES]
         return [*forwards, *backwards]
     limit = shared_memory_limit(arch)
     flags = (False, True)

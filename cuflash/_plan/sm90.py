@@ -38,7 +38,8 @@ class Sm90Forward(NamedTuple):
         """The variant with the planner's tile (SM90_TILES; under a causal mask or a window
         SM90_BANDED_TILES, with softcap, ALiBi or dropout SM90_BANDED_EXTRAS_TILES, and
         ``short``, a causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows,
-        SM90_SHORT_CAUSAL_TILES, where they name the head dim; with mods SM90_MODS_TILES)."""
+        SM90_SHORT_CAUSAL_TILES, where they name the head dim; with mods SM90_MODS_TILES, which
+        names the head dims whose calls with mods it takes)."""
         tile = SM90_TILES[head_dim]
         if local:
             tile = SM90_BANDED_TILES.get(head_dim, tile)
@@ -109,9 +110,11 @@ SM90_BANDED_EXTRAS_TILES = {256: (64, 2, 2)}
 # three consumers' 192-row tiles are too few, and too long, to share out (tuning.md, "The Hopper forward").
 SM90_SHORT_CAUSAL_TILES = {64: (128, 3, 2)}
 SM90_SHORT_CAUSAL_ROWS = 2048
-# With score_mod / mask_mod: two consumers and 64 keys a tile (a tile lies in one of a block mask's
-# 128 x 128 blocks; with 128 keys the mods' evaluation spilled), head dims up to 128.
-SM90_MODS_TILES = {64: (64, 4, 2), 128: (64, 3, 2)}
+# With score_mod / mask_mod: head dim -> tile, two consumers and 64 keys a tile (a tile lies in
+# one of a block mask's 128 x 128 blocks; with 128 keys the mods' evaluation spilled), head dims
+# up to 128. Empty: calls with mods take the mma.sync forward, which ran them 1.5-1.7x faster
+# (tuning.md); experiment.override(sm90_mods_tiles={64: (64, 4, 2), 128: (64, 3, 2)}) sends them here.
+SM90_MODS_TILES: dict[int, tuple[int, int, int]] = {}
 SM90_HEAD_DIMS = tuple(SM90_TILES)
 
 
@@ -168,8 +171,11 @@ class Sm90Backward(NamedTuple):
 # measured 0.91-0.94x here: tuning.md), 128 at d 64 (bwd.cu, kEarlyValues: the order of
 # the products that fits the 240 registers).
 SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
-# With softcap, ALiBi, dropout or mods (P^T and dS^T made together, their arithmetic beside them).
-SM90_BACKWARD_EXTRAS_TILES = {64: (128, 2), 128: (64, 2)}
+# With softcap, ALiBi, dropout or mods (P^T and dS^T made together, their arithmetic beside them):
+# the head dims it takes such calls at. At d 64 the mma.sync backward ran them 1.2-1.7x faster
+# (its elementwise work per product twice d 128's; tuning.md): experiment.override's
+# sm90_backward_extras_tiles={64: (128, 2)} sends them here.
+SM90_BACKWARD_EXTRAS_TILES = {128: (64, 2)}
 SM90_BACKWARD_HEAD_DIMS = tuple(SM90_BACKWARD_TILES)
 
 
@@ -180,7 +186,7 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
     and that hold keys."""
     if not 64 <= q.shape[-1] <= 256 or q.dtype not in DTYPES or not vectorizable(q, k, v, out):
         return False
-    if options.mods is not None and q.shape[-1] > 128:  # (d 256: O's registers leave the mods too few)
+    if options.mods is not None and next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]) not in SM90_MODS_TILES:
         return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
@@ -268,18 +274,28 @@ def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim
     return group_size(pairs, kv_heads * heads_per_kv)
 
 
-def backward_orders(head_dim: int, block_mask: bool, sm90a: bool) -> bool:
+def backward_orders(head_dim: int, extras: bool, block_mask: bool, sm90a: bool) -> bool:
     """May a deterministic backward of this head dim run on the sm_90a kernel (dQ added in
-    a fixed order; backward_workspace's ``ordered``)? Not with a block mask (``block_mask``):
-    its steps leave out pairs that the turns count."""
-    return sm90a and 64 <= head_dim <= max(SM90_BACKWARD_HEAD_DIMS) and not block_mask
+    a fixed order; backward_workspace's ``ordered``)? ``extras``: softcap, ALiBi, dropout or
+    mods (SM90_BACKWARD_EXTRAS_TILES' head dims). Not with a block mask (``block_mask``): its
+    steps leave out pairs that the turns count."""
+    return sm90a and not block_mask and _backward_head_dim(head_dim, extras) is not None
+
+
+def _backward_head_dim(head_dim: int, extras: bool) -> int | None:
+    """The sm_90a backward's head dim for this one (None: it has none), with extras or not."""
+    if not 64 <= head_dim <= max(SM90_BACKWARD_HEAD_DIMS):
+        return None
+    bucket = next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= head_dim)
+    return bucket if not extras or bucket in SM90_BACKWARD_EXTRAS_TILES else None
 
 
 def backward_takes(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, dq: ArrayInfo, dk: ArrayInfo,
                    dv: ArrayInfo, options: Options) -> bool:
-    """Does the sm_90a backward take this call? Head dims 64 to 128; arrays the copy engine
-    can read (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
-    if not 64 <= q.shape[-1] <= max(SM90_BACKWARD_HEAD_DIMS) or q.dtype not in DTYPES:
+    """Does the sm_90a backward take this call? Head dims 64 to 128 (with softcap, ALiBi,
+    dropout or mods those of SM90_BACKWARD_EXTRAS_TILES); arrays the copy engine can read
+    (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
+    if _backward_head_dim(q.shape[-1], options.extras) is None or q.dtype not in DTYPES:
         return False
     return vectorizable(dout, q, k, v, dq, dk, dv) and all(a.strides[-1] == 1 for a in (dout, q, k, v))
 

@@ -544,7 +544,8 @@ def _forward(q, k, v, extras: dict, config: _Config):
 
 def _backward(dout, dlse, q, k, v, out, lse, extras: dict, config: _Config):
     grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    ordered = config.deterministic and _plan.backward_orders(q.shape[-1], "block_mask" in config.inputs, _sm90a())
+    ordered = config.deterministic and _plan.backward_orders(q.shape[-1], config.extras, "block_mask" in config.inputs,
+                                                             _sm90a())
     work = _plan.backward_workspace(tuple(q.shape), config.deterministic, config.extras, ordered)
     workspace = {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in work.items()}
     call = buffer_callback(_BackwardCallback(config), (grads, workspace), vmap_method="sequential")
