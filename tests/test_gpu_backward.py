@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _device, _kernels, _plan, api, experiment
+from cuflash import _device, _plan, experiment
 from cuflash.reference import (attention_lowp_backward, attention_lowp_varlen_backward, attention_reference_backward,
                                attention_reference_varlen_backward)
 
@@ -101,16 +101,17 @@ def launched_kinds(monkeypatch) -> list[str]:
     """The kinds of kernel the next backward launches (its launch plan is built afresh)."""
     kinds = []
     real = _plan.backward
-    forget_warm_calls(monkeypatch)
+    forget_warm_calls()
     monkeypatch.setattr(_plan, "backward", lambda *args: kinds.extend(s.kernel.kind for s in real(*args).steps)
                         or real(*args))
     return kinds
 
 
-def forget_warm_calls(monkeypatch) -> None:
-    """The next calls plan and bind their launches afresh."""
-    monkeypatch.setattr(api, "_warm", {})
-    monkeypatch.setattr(_kernels, "_launchers", {})
+def forget_warm_calls() -> None:
+    """The next calls plan and bind their launches afresh (entering and leaving an
+    experiment.override forgets every plan, launcher and warm call)."""
+    with experiment.override():
+        pass
 
 
 @pytest.mark.parametrize("head_dim,deterministic,softcap,one_pass", [
@@ -121,13 +122,13 @@ def forget_warm_calls(monkeypatch) -> None:
 def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_pass):
     """The one-pass kernel (dQ by atomics) by default, at every head dim, extras too; the
     dK/dV + dQ passes when deterministic. On a Hopper GPU the sm_90a backward in their place
-    from d 64 to 128 (with extras from 72), deterministic too (dQ added in a fixed order)."""
+    from d 64 to 128, extras too, deterministic too (dQ added in a fixed order)."""
     import cupy
     q = cupy.ones((1, 70, 2, head_dim), dtype=cupy.float16)
     out, lse = cuflash.attention(q, q, q, softcap=softcap, return_lse=True)
     kinds = launched_kinds(monkeypatch)
     cuflash.attention_backward(q, q, q, q, out, lse, softcap=softcap, deterministic=deterministic)
-    sm90 = _device.facts(0).sm90a and (72 if softcap else 64) <= head_dim <= 128
+    sm90 = _device.facts(0).sm90a and 64 <= head_dim <= 128
     expected = (["backward_preprocess", "backward_sm90" if sm90 else "backward", "backward_convert_dq"]
                 if one_pass or sm90 else ["backward_preprocess", "backward_dq", "backward_dkdv"])
     assert kinds == expected

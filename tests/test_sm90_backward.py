@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _kernels, _options, _plan, api
+from cuflash import _options, _plan, experiment
 from cuflash._params import Sm90BackwardModParams, Sm90BackwardParams
 
 from .conftest import hopper
@@ -74,19 +74,20 @@ BLOCK_MASK = MODS._replace(blocks=info((1, 1, 3, 3), "int8"))
 
 
 @pytest.mark.parametrize("case", [dict(softcap=5.0), dict(alibi=True, causal=False), dict(dropout_p=0.1),
-                                  dict(mods=MODS, head_dim=96), dict(mods=BLOCK_MASK),
+                                  dict(mods=MODS, head_dim=96), dict(mods=BLOCK_MASK), dict(softcap=5.0, head_dim=64),
+                                  dict(mods=MODS, head_dim=64), dict(dropout_p=0.1, deterministic=True, head_dim=64),
                                   dict(softcap=5.0, deterministic=True), dict(mods=MODS, deterministic=True)])
 def test_softcap_alibi_dropout_and_mods_take_the_sm90_backward_with_extras(no_compiler, case):
-    """At d 72-128 the extras' instance (P^T and dS^T made together), the mods' text
-    compiled in front of it and their tensors after Params; deterministic too where no
-    block mask leaves steps out."""
+    """The extras' instance (P^T and dS^T made together), the mods' text compiled in front
+    of it and their tensors after Params; deterministic too where no block mask leaves
+    steps out."""
     plan = _backward_plan(**case)
     mods = case.get("mods")
     assert plan.struct is (Sm90BackwardParams if mods is None else Sm90BackwardModParams)
     assert [s.kernel.kind for s in plan.steps] == ["backward_preprocess", "backward_sm90", "backward_convert_dq"]
     kernel = plan.steps[1].kernel
-    head_dim = case.get("head_dim", 128)
-    assert kernel == _plan.Sm90Backward.of("bfloat16", 128, case.get("causal", True), True,
+    assert kernel == _plan.Sm90Backward.of("bfloat16", 64 if case.get("head_dim") == 64 else 128,
+                                           case.get("causal", True), True,
                                            "" if mods is None else mods.source)
     assert kernel.extras and kernel.instance.endswith(", true, cuflash::UserMods>" if mods else ", true>")
     params = plan.struct.from_buffer_copy(plan.params)
@@ -100,13 +101,11 @@ def test_softcap_alibi_dropout_and_mods_take_the_sm90_backward_with_extras(no_co
 @pytest.mark.parametrize("case", [dict(head_dim=256), dict(head_dim=32), dict(sm90a=False),
                                   dict(ptr=(1 << 20) + 8), dict(deterministic=True, head_dim=256),
                                   dict(deterministic=True, sm90a=False), dict(deterministic=True, ptr=(1 << 20) + 8),
-                                  dict(deterministic=True, mods=BLOCK_MASK), dict(softcap=5.0, head_dim=64),
-                                  dict(mods=MODS, head_dim=64), dict(dropout_p=0.1, deterministic=True, head_dim=64)])
+                                  dict(deterministic=True, mods=BLOCK_MASK)])
 def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
     """Head dims outside 64-128, other GPUs and arrays the copy engine cannot read;
     deterministic ones there on the dQ pass (an ordered workspace the sm_90a kernel cannot
-    take included), deterministic calls with a block mask, and softcap, ALiBi, dropout or
-    mods at d 64 (SM90_BACKWARD_EXTRAS_TILES)."""
+    take included), and deterministic calls with a block mask."""
     plan = _backward_plan(**case)
     assert plan.struct not in (Sm90BackwardParams, Sm90BackwardModParams)
     if case.get("deterministic"):
@@ -119,10 +118,9 @@ def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
 def sm90_plans(monkeypatch):
     """Every backward planned inside is checked to take the sm_90a kernel (plans made afresh)."""
     planned = record_calls(monkeypatch, _plan, "backward")
-    monkeypatch.setattr(api, "_warm", {})
-    monkeypatch.setattr(_kernels, "_launchers", {})
     monkeypatch.setenv("CUFLASH_PORTABLE", "0")
-    yield planned
+    with experiment.override():  # (no plan made before, nor kept after)
+        yield planned
     assert planned and all(p.struct in (Sm90BackwardParams, Sm90BackwardModParams) for p in planned if p.steps)
 
 
@@ -230,7 +228,7 @@ def test_packed_sequences_match_the_oracle(sm90_plans, head_dim, causal):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("feature", ["softcap", "alibi_heads", "alibi_batch_heads", "dropout", "everything"])
-@pytest.mark.parametrize("head_dim,deterministic", [(80, False), (128, False), (96, True)])
+@pytest.mark.parametrize("head_dim,deterministic", [(64, False), (128, False), (96, True), (64, True)])
 def test_softcap_alibi_and_dropout_match_the_oracle(sm90_plans, feature, head_dim, deterministic):
     """The extras' instance: P^T and dS^T made together, dropout's keep mask drawn by query
     and key as the forward's (GQA, lopsided, ragged; deterministic: in order)."""
@@ -250,7 +248,7 @@ def test_packed_sequences_with_extras_match_the_oracle(sm90_plans, feature):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("case", ["alibi", "softcap", "prefix", "bias"])  # (test_gpu_mods' cases at d 96 and 128)
+@pytest.mark.parametrize("case", ["t5", "alibi", "softcap", "document", "document_varlen", "prefix", "bias"])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_mods_match_the_oracle(sm90_plans, case, deterministic):
     """score_mod / mask_mod compiled into the sm_90a backward (the forward stays on the
@@ -260,7 +258,7 @@ def test_mods_match_the_oracle(sm90_plans, case, deterministic):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("case", ["document", "sinks", "hidden"])  # (test_gpu_mods' cases at d 96 and 128)
+@pytest.mark.parametrize("case", ["causal", "document", "t5_document", "sinks", "hidden"])
 @pytest.mark.parametrize("shape", [(1, 383, 512, 2, 2), (2, 129, 300, 1, 2)], ids=str)
 def test_block_masks_match_the_oracle(sm90_plans, case, shape):
     """The steps leave out the block mask's empty (query head, query block) pairs and skip

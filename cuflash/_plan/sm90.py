@@ -172,10 +172,9 @@ class Sm90Backward(NamedTuple):
 # the products that fits the 240 registers).
 SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
 # With softcap, ALiBi, dropout or mods (P^T and dS^T made together, their arithmetic beside them):
-# the head dims it takes such calls at. At d 64 the mma.sync backward ran them 1.2-1.7x faster
-# (its elementwise work per product twice d 128's; tuning.md): experiment.override's
-# sm90_backward_extras_tiles={64: (128, 2)} sends them here.
-SM90_BACKWARD_EXTRAS_TILES = {128: (64, 2)}
+# the head dims it takes such calls at (faster than the mma.sync backward at both, 1.3-2.2x at
+# d 64: tuning.md); experiment.override(sm90_backward_extras_tiles=...) changes them.
+SM90_BACKWARD_EXTRAS_TILES = {64: (128, 2), 128: (64, 2)}
 SM90_BACKWARD_HEAD_DIMS = tuple(SM90_BACKWARD_TILES)
 
 

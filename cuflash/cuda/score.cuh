@@ -45,11 +45,17 @@ struct ScoreMod {
         s[mt][nt][e] -= slope * float(abs(row + diagonal - col));
       });
   }
-  // d score / d (scale q.k): softcap's 1 - tanh^2 (ALiBi adds a constant).
-  __device__ __forceinline__ float chain(float s) const {
-    if (softcap <= 0.f) return 1.f;
-    const float t = tanhf(s * scale / softcap);
-    return 1.f - t * t;
+  // The score as operator() gives it, and d score / d (scale q.k) in `chain`: softcap's
+  // 1 - tanh^2 from the same tanh (ALiBi adds a constant).
+  __device__ __forceinline__ float with_chain(float s, int row, int col, float& chain) const {
+    s *= scale;
+    chain = 1.f;
+    if (softcap > 0.f) {
+      const float t = tanhf(s / softcap);
+      s = softcap * t, chain = 1.f - t * t;
+    }
+    if (slope != 0.f) s -= slope * float(abs(row + diagonal - col));
+    return s;
   }
 };
 
@@ -96,6 +102,45 @@ struct Dropout {
     const uint4 w = words(row, col);
     first = ((col & 2) ? w.z : w.x) >= threshold;
     second = ((col & 2) ? w.w : w.y) >= threshold;
+  }
+};
+
+// Dropout's keep bits of a transposed fragment (mma C layout, kMTiles x kNTiles; its rows keys
+// from row0, a multiple of 4, its columns queries from col0), drawn once a draw: the lanes
+// g = 4i .. 4i + 3 of a t hold keys 4i' .. 4i' + 3 of the same queries, the four words of one
+// draw (col / 4 = the key's group), so each lane draws a quarter of the fragment's draws and
+// the four swap their keep bits (32 draws a word, four bits a draw: lane g % 4 = j's is bit j).
+template <int kMTiles, int kNTiles>
+struct TransposedKeep {
+  static constexpr int kDraws = 4 * kMTiles * kNTiles, kWords = kDraws / 32;
+  static_assert(kDraws % 32 == 0, "whole words of keep bits");
+  unsigned bits[4][kWords];  // [source lane's g % 4][word], shifted down by this lane's g % 4
+
+  // Draw d = ((2 mt + h) kNTiles + nt) 2 + e % 2 (h = e / 2: the row's half) is source lane
+  // d % 4's, bits 4 (d / 4) .. + 3 of its words.
+  static __device__ __forceinline__ TransposedKeep of(const Dropout& dropout, int row0, int col0, int lane) {
+    const int g = lane >> 2, t = lane & 3, j = g & 3;
+    unsigned own[kWords] = {};
+#pragma unroll
+    for (int q = 0; q < kDraws / 4; ++q) {
+      const int d = 4 * q + j, pair = d >> 1, line = pair / kNTiles, nt = pair % kNTiles;
+      const int key = row0 + 16 * (line >> 1) + 8 * (line & 1) + 4 * (g >> 2);  // (the group's first)
+      const uint4 w = dropout.words(col0 + 8 * nt + 2 * t + (d & 1), key);
+      const unsigned keep = unsigned(w.x >= dropout.threshold) | unsigned(w.y >= dropout.threshold) << 1 |
+                            unsigned(w.z >= dropout.threshold) << 2 | unsigned(w.w >= dropout.threshold) << 3;
+      own[(4 * q) / 32] |= keep << ((4 * q) % 32);
+    }
+    TransposedKeep k;
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) k.bits[s][w] = __shfl_xor_sync(0xffffffffu, own[w], (s ^ j) << 2) >> j;
+    return k;
+  }
+  // Element e of n8 tile nt of m16 tile mt kept?
+  __device__ __forceinline__ bool keep(int mt, int nt, int e) const {
+    const int d = ((2 * mt + (e >> 1)) * kNTiles + nt) * 2 + (e & 1), position = 4 * (d >> 2);
+    return (bits[d & 3][position / 32] >> (position % 32)) & 1u;
   }
 };
 

@@ -31,6 +31,12 @@ __device__ __forceinline__ void probabilities_and_gradients(
   // tests (folded into it, they doubled the integer work of every tile). (A modified
   // score of -inf need not be -inf, so extras mask P.)
   if (!kExtras && masked) mask.template apply<kTransposed>(s, row0, col0, lane);
+  // (transposed, a dropout draw serves four lanes' scores: TransposedKeep)
+  constexpr bool kSharedDraws = kExtras && kTransposed && (kMTiles * kNTiles) % 8 == 0;
+  TransposedKeep<kSharedDraws ? kMTiles : 1, kSharedDraws ? kNTiles : 8> drawn;
+  if constexpr (kSharedDraws) {
+    if (dropping) drawn = decltype(drawn)::of(dropout, row0, col0, lane);
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -41,20 +47,21 @@ __device__ __forceinline__ void probabilities_and_gradients(
         const int query = kTransposed ? col0 + c : row0 + r, key = kTransposed ? row0 + r : col0 + c;
         const int local = kTransposed ? c : r;  // the query's index for lse_log2 / delta
         const float raw = s[mt][nt][e];
-        float prob, modified;
+        float prob, modified, chain = 1.f;
         if constexpr (kHasMods<Mods>) {
-          modified = mod(raw, query, key);
+          modified = mod.with_chain(raw, query, key, chain);
           const float score = mods.score(modified, query, key);
           const bool hidden = (masked && !mask.visible(query, key)) || !mods.visible(query, key);
           prob = hidden ? 0.f : fast_exp2(score * scale_log2 - lse_log2(local, e));
         } else {
-          prob = fast_exp2((kExtras ? mod(raw, query, key) : raw) * scale_log2 - lse_log2(local, e));
+          prob = fast_exp2((kExtras ? mod.with_chain(raw, query, key, chain) : raw) * scale_log2 - lse_log2(local, e));
           if (kExtras && masked && !mask.visible(query, key)) prob = 0.f;
         }
         float kept = 1.f;
-        if (kExtras && dropping) kept = dropout.keep(query, key) ? dropout_scale : 0.f;
+        if (kExtras && dropping)
+          kept = (kSharedDraws ? drawn.keep(mt, nt, e) : dropout.keep(query, key)) ? dropout_scale : 0.f;
         float ds = prob * (dp[mt][nt][e] * kept - delta(local, e));
-        if constexpr (kExtras) ds *= mod.chain(raw);
+        if constexpr (kExtras) ds *= chain;
         // (Where P is 0, score_mod's derivative may be NaN: hidden, or a row past the end.)
         if constexpr (Mods::kScore) ds = prob == 0.f ? 0.f : ds * mods.gradient(modified, query, key);
         s[mt][nt][e] = prob * kept;
