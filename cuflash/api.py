@@ -23,13 +23,15 @@ _OPTIONS_DOC = """
     arrays ``mod_tensors`` (of q's kind, on its device): programmable attention, traced by
     ``cuflash.mod``; score_mod applies after softcap and ALiBi, mask_mod ANDs with causal
     and the window. On CUDA arrays the traced functions are compiled into the mma.sync
-    kernels (every GPU); indices into mod tensors are checked over the call's positions
-    before any launch.
-    ``block_mask`` (dense calls): a ``cuflash.mod.BlockMask`` made for the call's shapes by
-    ``cuflash.mod.create_block_mask``, which carries mask_mod and mod_tensors (a call may pass
-    them too: the same function and arrays). The kernels skip the tiles of its empty
-    blocks and evaluate mask_mod only in its partial ones (a full block shows every key:
-    causal and the window still apply); the NumPy path applies the same rule.
+    kernels (every GPU) and, on Hopper, the sm_90a backward; indices into mod tensors are
+    checked over the call's positions before any launch.
+    ``block_mask``: a ``cuflash.mod.BlockMask`` made for the call's shapes by
+    ``cuflash.mod.create_block_mask`` (packed calls: batch the sequences, seqlen_q and
+    seqlen_k max_seqlen_q and max_seqlen_k, positions within each sequence), which carries
+    mask_mod and mod_tensors (a call may pass them too: the same function and arrays). The
+    kernels skip the tiles of its empty blocks and evaluate mask_mod only in its partial
+    ones (a full block shows every key: causal and the window still apply); the NumPy path
+    applies the same rule.
 """
 
 
@@ -76,7 +78,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                      seed=None, rng_offset=0, return_lse=False, block_table=None, score_mod=None, mask_mod=None,
-                     mod_tensors=()):
+                     mod_tensors=(), block_mask=None):
     """``attention`` over packed sequences of different lengths, with no padding.
 
     q: (total_q, nheads, headdim), k and v: (total_k, nheads_kv, headdim); sequence b
@@ -91,8 +93,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (flash-attn 2.8's paged varlen
     call; forward only, no dropout, no score_mod or mask_mod;
     ``cuflash.kvcache.attention_varlen_paged``). score_mod and mask_mod see b, the sequence
-    index, and positions within the sequence.
+    index, and positions within the sequence; so does a block mask, made over (sequences,
+    heads, max_seqlen_q, max_seqlen_k).
     """
+    if block_mask is not None:
+        mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
     if block_table is not None:
         if mods:
@@ -112,12 +117,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                     seqlen_k=varlen.max_seqlen_k)
     if mods:
         options = _with_mods(options, arrays["q"], score_mod, mask_mod, mod_tensors, varlen.batch,
-                             varlen.max_seqlen_q, varlen.max_seqlen_k)
+                             varlen.max_seqlen_q, varlen.max_seqlen_k, block_mask)
     if arrays["q"].device is None:
         from . import cpu
         out, lse = cpu.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 **_cpu_options(options, alibi_slopes),
-                                                **_mod_options(score_mod, mask_mod, mod_tensors))
+                                                **_mod_options(score_mod, mask_mod, mod_tensors, block_mask))
     else:
         out, lse = _forward_gpu(*arrays.values(), options, varlen, return_lse)
     return (out, lse) if return_lse else out
@@ -175,9 +180,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, dropout_p=0.0, seed=None, rng_offset=0, deterministic=False,
-                              dlse=None, score_mod=None, mask_mod=None, mod_tensors=()):
+                              dlse=None, score_mod=None, mask_mod=None, mod_tensors=(), block_mask=None):
     """Gradients (dq, dk, dv) of ``attention_varlen``; see ``attention_backward``
     (``dlse`` is laid out like lse, (nheads, total_q))."""
+    if block_mask is not None:
+        mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
     _options.check_qkv(qi, ki, vi, packed=True)
@@ -189,12 +196,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     _options.check_bool("deterministic", deterministic)
     if _options.has_mods(score_mod, mask_mod, mod_tensors):
         options = _with_mods(options, qi, score_mod, mask_mod, mod_tensors, varlen.batch, varlen.max_seqlen_q,
-                             varlen.max_seqlen_k)
+                             varlen.max_seqlen_k, block_mask)
     if qi.device is None:
         from . import cpu
         return cpu.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, dlse=dlse, **_cpu_options(options, alibi_slopes),
-                                             **_mod_options(score_mod, mask_mod, mod_tensors))
+                                             **_mod_options(score_mod, mask_mod, mod_tensors, block_mask))
     return _backward_gpu(arrays, options, varlen, deterministic)
 
 

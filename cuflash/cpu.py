@@ -406,13 +406,17 @@ def _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
 
 
 def _varlen_variant(q, k, b, rows_q, rows_k, *, causal, softmax_scale, window_size, softcap,
-                    alibi_slopes, dropout_p, seed, rng_offset, mods):
+                    alibi_slopes, dropout_p, seed, rng_offset, mods, blocks=None):
+    """Sequence b's options; ``blocks`` the block mask's statuses over (sequences or 1, ...),
+    positions within each sequence: b's row of them."""
     nheads, nheads_kv = q.shape[1], k.shape[1]
+    if blocks is not None and blocks.shape[0] > 1:
+        blocks = blocks[b:b + 1]
     return _Variant(
         rows_q.stop - rows_q.start, rows_k.stop - rows_k.start, nheads, nheads_kv,
         _acc_dtype(q), causal=causal, scale=_scale(softmax_scale, q), window_size=window_size,
         softcap=softcap, alibi=_alibi_rows(alibi_slopes, [b], nheads), dropout_p=dropout_p,
-        seed=seed, rng_offset=rng_offset, batch_index=np.array([b]), mods=mods,
+        seed=seed, rng_offset=rng_offset, batch_index=np.array([b]), mods=mods, blocks=blocks,
     )
 
 
@@ -420,6 +424,7 @@ def attention_varlen_forward(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
     softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
     seed=None, rng_offset=0, block_q=128, block_k=128, score_mod=None, mask_mod=None, mod_tensors=(),
+    block_statuses=None,
 ):
     """attention_forward of a packed variable-length batch: returns (out, lse).
 
@@ -428,13 +433,15 @@ def attention_varlen_forward(
     than max_seqlen_q / max_seqlen_k. Each sequence b is attention_forward of its own rows
     with its own seqlen_q and seqlen_k (causal/window diagonal, window normalisation), ALiBi
     row b of (batch, nheads) slopes and batch index b in the dropout counter and in
-    score_mod / mask_mod (rows and columns counted within the sequence). out like q; lse
-    float32 (nheads, total_q).
+    score_mod / mask_mod (rows and columns counted within the sequence), and row b of
+    block_statuses (a block mask over (sequences, heads, max_seqlen_q, max_seqlen_k)). out
+    like q; lse float32 (nheads, total_q).
     """
     _check_options(dropout_p, seed)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                   rng_offset=rng_offset, mods=mod.prepare(score_mod, mask_mod, mod_tensors))
+                   rng_offset=rng_offset, mods=mod.prepare(score_mod, mask_mod, mod_tensors),
+                   blocks=None if block_statuses is None else np.asarray(block_statuses))
     out = np.zeros(q.shape[:2] + v.shape[-1:], dtype=q.dtype)
     lse = np.full((q.shape[1], q.shape[0]), np.inf, dtype=np.float32)
     sequences = _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -450,7 +457,7 @@ def attention_varlen_backward(
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
     causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
     dropout_p=0.0, seed=None, rng_offset=0, block_q=128, block_k=128, dlse=None,
-    score_mod=None, mask_mod=None, mod_tensors=(),
+    score_mod=None, mask_mod=None, mod_tensors=(), block_statuses=None,
 ):
     """attention_backward of a packed variable-length batch: returns (dq, dk, dv) shaped and
     typed like q, k, v. out and lse ((nheads, total_q) float32) are
@@ -458,7 +465,8 @@ def attention_varlen_backward(
     _check_options(dropout_p, seed)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                   rng_offset=rng_offset, mods=mod.prepare(score_mod, mask_mod, mod_tensors, backward=True))
+                   rng_offset=rng_offset, mods=mod.prepare(score_mod, mask_mod, mod_tensors, backward=True),
+                   blocks=None if block_statuses is None else np.asarray(block_statuses))
     dq, dk, dv = (np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
     sequences = _varlen_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     for b, rows_q, rows_k in sequences:

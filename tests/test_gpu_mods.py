@@ -337,3 +337,40 @@ def test_empty_blocks_are_never_read(head_dim, deterministic):
         scale = float(np.abs(reference).max(initial=0.0))
         assert_close(grad, reference, atol=3 * lowp_error(low, plain_grad) + 2 * FLOOR["float16"] * (1.0 + scale),
                      name=name)
+
+
+@pytest.mark.parametrize("head_dim,dtype,causal", [(64, "float16", False), (128, "bfloat16", True)])
+def test_packed_block_masks_match_the_oracle(head_dim, dtype, causal):
+    """A packed call's block mask, made on the GPU over (sequences, heads, max_seqlen_q,
+    max_seqlen_k) with positions within each sequence (the first sequence full, the others
+    shorter, one empty): forward and backward against the oracle with its mask_mod."""
+    import cupy
+    rng = np.random.default_rng(head_dim)
+    lengths_q, lengths_k = (383, 0, 129, 257), (300, 17, 131, 512)
+    batch, max_q, max_k, nheads = len(lengths_q), max(lengths_q), max(lengths_k), 4
+    host = _tensors("document", rng, batch, nheads, max_q, max_k)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    element = cupy_dtype(dtype)
+    q = rng.standard_normal((int(cu_q[-1]), nheads, head_dim)).astype(element)
+    k, v = (rng.standard_normal((int(cu_k[-1]), 2, head_dim)).astype(element) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(element)
+    cq, ck, cv, cdout, ccu_q, ccu_k = (cupy.asarray(x) for x in (q, k, v, dout, cu_q, cu_k))
+    device_tensors = tuple(cupy.asarray(t) for t in host)
+    block_mask = mod.create_block_mask(same_document, batch, nheads, max_q, max_k, mod_tensors=device_tensors,
+                                       like=cq)
+    statuses = cupy.asnumpy(block_mask.statuses)
+    assert (statuses == mod.EMPTY).any() and (statuses == mod.PARTIAL).any()
+    packing = (max_q, max_k)
+    with poisoned_allocations():
+        out, lse = cuflash.attention_varlen(cq, ck, cv, ccu_q, ccu_k, *packing, causal=causal, return_lse=True,
+                                            block_mask=block_mask)
+        grads = cuflash.attention_varlen_backward(cdout, cq, ck, cv, out, lse, ccu_q, ccu_k, *packing,
+                                                  causal=causal, block_mask=block_mask)
+    mods = dict(mask_mod=same_document, mod_tensors=host)
+    forward = (*attention_reference_varlen(q, k, v, cu_q, cu_k, causal=causal, **mods),
+               attention_lowp_varlen(q, k, v, cu_q, cu_k, causal=causal),
+               attention_reference_varlen(q, k, v, cu_q, cu_k, causal=causal)[0])
+    backward = (attention_reference_varlen_backward(dout, q, k, v, cu_q, cu_k, causal=causal, **mods),
+                attention_lowp_varlen_backward(dout, q, k, v, cu_q, cu_k, causal=causal),
+                attention_reference_varlen_backward(dout, q, k, v, cu_q, cu_k, causal=causal))
+    check_results(out, lse, grads, (q, k, v), dtype, forward, backward)

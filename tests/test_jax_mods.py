@@ -214,6 +214,31 @@ def test_cpu_block_masks_give_what_their_mask_mod_gives_under_jit(case):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
 
 
+def test_cpu_packed_calls_take_a_block_mask_over_their_sequences():
+    """attention_varlen with a block mask made over (sequences, heads, max_seqlen_q,
+    max_seqlen_k), under jit: outputs and gradients equal the call's with its mask_mod alone
+    (bitwise), sequences of different lengths reading their own rows of the statuses."""
+    (q, k, v, _, _), host, _, _ = _blocks("document")
+    block_mask = _block_mask("document", host, jnp.asarray(q))
+    lengths_q, lengths_k = (BLOCK_SEQLEN_Q, BLOCK_SEQLEN_Q // 3), (BLOCK_SEQLEN_K // 2, BLOCK_SEQLEN_K)
+    cu_q, cu_k = (np.array([0, n[0], n[0] + n[1]], np.int32) for n in (lengths_q, lengths_k))
+    packed = [np.concatenate([x[b, :n] for b, n in enumerate(lengths)])
+              for x, lengths in ((q, lengths_q), (k, lengths_k), (v, lengths_k))]
+    dout = np.random.default_rng(5).standard_normal(packed[0].shape).astype(packed[0].dtype)
+    score_mod, mask_mod, options = BLOCK_CASES["document"]
+
+    def loss(q, k, v, **mods):
+        out = cuflash.jax.attention_varlen(q, k, v, cu_q, cu_k, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K, score_mod=score_mod,
+                                           **options, **mods)
+        return jnp.sum(out * dout), out
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, out), grads = jax.jit(lambda q, k, v, bm: step(q, k, v, block_mask=bm))(*packed, block_mask)
+    (_, plain), plain_grads = step(*packed, mask_mod=mask_mod, mod_tensors=tuple(jnp.asarray(t) for t in host))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (plain, *plain_grads)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+
+
 def test_cpu_block_mask_is_an_input_under_jit():
     """Another block mask of the same shapes (other documents) reuses the executable, with its
     own statuses and tensors; one closed over is a constant; eagerly, and one made with NumPy
@@ -281,7 +306,7 @@ def test_cpu_block_mask_errors():
                                                           mod_tensors=tensors, like=q).statuses)(q, *tensors)
     with pytest.raises(TypeError, match=r"mod_tensors\[0\] must be a jax array \(like is a jax array\)"):
         mod.create_block_mask(mask_mod, BATCH, NHEADS, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K, mod_tensors=host, like=q)
-    with pytest.raises(TypeError, match="block_mask"):  # (packed sequences: a document mask_mod, no block mask)
+    with pytest.raises(ValueError, match=f"block_mask was made for batch {BATCH}, this call has 1"):  # (packed)
         cuflash.jax.attention_varlen(q[0], k[0], v[0], jnp.array([0, BLOCK_SEQLEN_Q], jnp.int32),
                                      jnp.array([0, BLOCK_SEQLEN_K], jnp.int32), BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K,
                                      block_mask=block_mask)

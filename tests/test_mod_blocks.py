@@ -143,6 +143,57 @@ def test_a_block_mask_gives_what_its_mask_mod_gives(name, batch, seqlen_q, seqle
         np.testing.assert_allclose(grad, reference, atol=1e-5 * (1 + np.abs(reference).max(initial=0.0)))
 
 
+@settings(deadline=None, max_examples=15)
+@given(lengths=st.lists(st.tuples(st.sampled_from((0,) + LENGTHS), st.sampled_from(LENGTHS)), min_size=1,
+                        max_size=3), seed=seeds, causal_too=st.booleans())
+def test_a_packed_call_takes_a_block_mask_over_its_sequences(lengths, seed, causal_too):
+    """A packed (varlen) call's block mask is made over (sequences, heads, max_seqlen_q,
+    max_seqlen_k), positions within each sequence: on the NumPy path the call equals the one
+    with its mask_mod alone (bitwise), forward and backward, and the oracle sequence by
+    sequence; a shorter sequence reads its row of the statuses over its own positions."""
+    rng = np.random.default_rng(seed)
+    lengths_q, lengths_k = zip(*lengths)
+    batch, max_q, max_k = len(lengths), max(max(lengths_q), 1), max(lengths_k)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    doc_q, doc_k = (np.sort(rng.integers(0, 4, (batch, n)), axis=1).astype(np.int32) for n in (max_q, max_k))
+    tensors = (np.array(max_k - max_q, np.int32), doc_q, doc_k, rng.random((batch, max_k)) < 0.2)
+    q = rng.standard_normal((int(cu_q[-1]), 4, 32))
+    k, v = (rng.standard_normal((int(cu_k[-1]), 2, 32)) for _ in range(2))
+    dout = rng.standard_normal(q.shape)
+    bm = create_block_mask(same_document, batch, 4, max_q, max_k, mod_tensors=tensors)
+    packing = (cu_q, cu_k, max_q, max_k)
+    out, lse = cuflash.attention_varlen(q, k, v, *packing, block_mask=bm, causal=causal_too, return_lse=True)
+    plain, plain_lse = cuflash.attention_varlen(q, k, v, *packing, mask_mod=same_document, mod_tensors=tensors,
+                                                causal=causal_too, return_lse=True)
+    np.testing.assert_array_equal(out, plain)
+    np.testing.assert_array_equal(lse, plain_lse)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, block_mask=bm, causal=causal_too)
+    plain_grads = cuflash.attention_varlen_backward(dout, q, k, v, plain, plain_lse, *packing, causal=causal_too,
+                                                    mask_mod=same_document, mod_tensors=tensors)
+    for grad, plain_grad in zip(grads, plain_grads):
+        np.testing.assert_array_equal(grad, plain_grad)
+    for b in range(batch):  # (the oracle: sequence b alone, the mask reading its row of the tensors)
+        rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = (tensors[0], doc_q[b:b + 1], doc_k[b:b + 1], tensors[3][b:b + 1])
+        ref, _ = attention_reference(q[None, rows_q], k[None, rows_k], v[None, rows_k], causal=causal_too,
+                                     mask_mod=same_document, mod_tensors=one)
+        np.testing.assert_allclose(out[rows_q], ref[0], atol=1e-10)
+
+
+def test_a_packed_call_checks_its_block_mask_against_its_sequences():
+    q = np.zeros((10, 2, 32))
+    cu = np.array([0, 4, 10], np.int32)
+    tensors = (np.array(0, np.int32), np.zeros((2, 6), np.int32), np.zeros((2, 6), np.int32), np.zeros((2, 6), bool))
+    made_for_3 = create_block_mask(same_document, 3, 2, 6, 6, mod_tensors=(tensors[0],) + tuple(
+        np.zeros((3, 6), t.dtype) for t in tensors[1:]))
+    with pytest.raises(ValueError, match="block_mask was made for batch 3, this call has 2"):
+        cuflash.attention_varlen(q, q, q, cu, cu, 6, 6, block_mask=made_for_3)
+    made_for_longer = create_block_mask(same_document, 2, 2, 300, 6, mod_tensors=(tensors[0],) + tuple(
+        np.zeros((2, 300), t.dtype) for t in tensors[1:]))
+    with pytest.raises(ValueError, match="block_mask was made for seqlen_q 300, this call has 6"):
+        cuflash.attention_varlen(q, q, q, cu, cu, 6, 6, block_mask=made_for_longer)
+
+
 def test_a_fully_masked_block_row_gives_zero_and_infinite_lse():
     rng = np.random.default_rng(1)
     tensors = (np.array(0, np.int32),)
@@ -199,7 +250,7 @@ def test_block_mask_misuse_raises_naming_it():
         with pytest.raises(error, match=message):
             cuflash.attention_backward(q, q, k, v, q, np.zeros((2, 4, 130), np.float32), **kwargs)
     cuflash.attention(q, k, v, block_mask=bm, mask_mod=docs, mod_tensors=(doc,))  # (the same: accepted)
-    with pytest.raises(TypeError, match="block_mask"):
+    with pytest.raises(ValueError, match="block_mask was made for batch 2, this call has 1"):  # (one sequence)
         cuflash.attention_varlen(q[0], k[0], v[0], np.array([0, 130], np.int32), np.array([0, 130], np.int32), 130,
                                  130, block_mask=bm)
     for args, kwargs, error, message in [

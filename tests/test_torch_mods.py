@@ -225,6 +225,28 @@ def test_cpu_block_masks_give_what_their_mask_mod_gives(case):
         assert torch.equal(cuflash.torch.attention(q, k, v, block_mask=block_mask, **kwargs), results[1][0])
 
 
+def test_cpu_packed_calls_take_a_block_mask_over_their_sequences():
+    """attention_varlen with a block mask made over (sequences, heads, max_seqlen_q,
+    max_seqlen_k): outputs and gradients equal the call with its mask_mod alone (bitwise),
+    the sequences of different lengths reading their own rows of the statuses."""
+    (q, k, v, _, _), block_mask, kwargs, _, _ = _blocks("document")
+    lengths_q, lengths_k = (BLOCK_SEQLEN_Q, BLOCK_SEQLEN_Q // 3), (BLOCK_SEQLEN_K // 2, BLOCK_SEQLEN_K)
+    cu_q, cu_k = (torch.tensor([0, n[0], n[0] + n[1]], dtype=torch.int32) for n in (lengths_q, lengths_k))
+    packed = [torch.cat([x[b, :n] for b, n in enumerate(lengths)]).detach().requires_grad_()
+              for x, lengths in ((q, lengths_q), (k, lengths_k), (v, lengths_k))]
+    dout = torch.randn(packed[0].shape, dtype=packed[0].dtype, generator=torch.Generator().manual_seed(4))
+    packing = (cu_q, cu_k, BLOCK_SEQLEN_Q, BLOCK_SEQLEN_K)
+    results = []
+    for mods in (dict(block_mask=block_mask), dict(mask_mod=block_mask.mask_mod, mod_tensors=block_mask.mod_tensors)):
+        out, lse = cuflash.torch.attention_varlen(*packed, *packing, return_lse=True, **kwargs, **mods)
+        results.append((out, lse, *torch.autograd.grad((out * dout).sum(), packed)))
+    for name, with_blocks, alone in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(with_blocks, alone), name
+    with pytest.raises(ValueError, match="block_mask was made for seqlen_q"):
+        cuflash.torch.attention_varlen(*packed, cu_q, cu_k, BLOCK_SEQLEN_Q + 1, BLOCK_SEQLEN_K, block_mask=block_mask,
+                                       **kwargs)
+
+
 def test_cpu_torch_compile_fullgraph_with_a_block_mask():
     """No graph break: the block mask's statuses and mod tensors are inputs of the graph. A
     second block mask of the same shapes (other documents) reuses the graph with its own."""
@@ -289,10 +311,10 @@ def test_cpu_block_mask_errors(monkeypatch):
                       fullgraph=True, backend="aot_eager")(q, k, v)
     with pytest.raises(TypeError, match=r"mod_tensors\[0\] must be a torch tensor \(like is a torch tensor\)"):
         made(mod_tensors=tuple(t.numpy() for t in tensors))
-    with pytest.raises(TypeError, match="block_mask"):  # (packed sequences: a document mask_mod, no block mask)
+    with pytest.raises(ValueError, match=f"block_mask was made for batch {BATCH}, this call has 1"):  # (packed)
         cuflash.torch.attention_varlen(q[0], k[0], v[0], torch.tensor([0, BLOCK_SEQLEN_Q], dtype=torch.int32),
                                        torch.tensor([0, BLOCK_SEQLEN_K], dtype=torch.int32), BLOCK_SEQLEN_Q,
-                                       BLOCK_SEQLEN_K, block_mask=block_mask)
+                                       BLOCK_SEQLEN_K, block_mask=block_mask, **kwargs)
 
 
 # --- GPU: the kernels through the same ops -------------------------------------------------

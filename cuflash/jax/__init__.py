@@ -38,7 +38,7 @@ functions are traced while tracing and are static, part of the configuration, eq
 their traced text and the tensors' shapes and dtypes (two function objects of one text
 share an executable); the mod tensors are inputs of the callbacks with zero cotangents
 (jax.grad with respect to one gives zeros: cuflash gives mod tensors no gradient yet). A
-block mask (``block_mask``, dense calls) is a pytree: its statuses are one more input (and
+block mask (``block_mask``) is a pytree: its statuses are one more input (and
 its mod tensors the mod tensors), its mask_mod and sizes static, so a jitted function that
 takes one runs another of the same shapes and mask_mod with the same executable.
 

@@ -48,7 +48,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                      causal: bool = False, softmax_scale: float | None = None, *, deterministic: bool = False,
                      window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
                      seed=None, return_lse: bool = False, block_table=None, score_mod=None, mask_mod=None,
-                     mod_tensors=()):
+                     mod_tensors=(), block_mask=None):
     """Differentiable ``cuflash.attention_varlen`` for JAX arrays: returns out, or (out, lse)
     with ``return_lse`` (lse float32 (nheads, total_q), differentiable too).
 
@@ -56,7 +56,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
     of k and v (int32 (batch + 1,) arrays); max_seqlen_q/k (Python ints, static) bound
     the lengths. Options as ``attention`` (score_mod and mask_mod see b, the sequence
-    index). With ``block_table``, k and v are page pools (``cuflash.attention_varlen``):
+    index; a block mask is made over (sequences, heads, max_seqlen_q, max_seqlen_k)). With
+    ``block_table``, k and v are page pools (``cuflash.attention_varlen``):
     forward only, no dropout, no score_mod or mask_mod.
     """
     if block_table is not None:
@@ -68,7 +69,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                              softmax_scale, window_size, softcap, alibi_slopes, return_lse)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     config, extras = _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size, softcap,
-                              alibi_slopes, dropout_p, seed, score_mod, mask_mod, mod_tensors)
+                              alibi_slopes, dropout_p, seed, score_mod, mask_mod, mod_tensors, block_mask)
     out, lse = _attention(q, k, v, extras, config)
     return (out, lse) if return_lse else out
 
@@ -331,7 +332,7 @@ def _prepare(q, k, v, varlen, causal, softmax_scale, deterministic, window_size,
     if buffer_callback is None:
         raise ImportError(f"cuflash.jax needs jax.experimental.buffer_callback (JAX 0.7 or newer); "
                           f"this is JAX {jax.__version__}: pip install -U jax")
-    if block_mask is not None:  # (dense calls only)
+    if block_mask is not None:
         mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     infos = [_describe(x, q) for x in (q, k, v)]
     _options.check_qkv(*infos, packed=varlen is not None)
@@ -399,7 +400,7 @@ def _trace_mods(q, score_mod, mask_mod, mod_tensors, batch: int, seqlen_q: int, 
 
 
 def _block_statuses(block_mask, q, batch: int, seqlen_q: int, seqlen_k: int):
-    """The statuses of a dense call's block mask (``_options.block_mask_mods`` passed) as an
+    """The statuses of a call's block mask (``_options.block_mask_mods`` passed) as an
     array input, checked against the call's shapes while tracing."""
     statuses = block_mask.statuses
     if not isinstance(statuses, (np.ndarray, jax.Array)):

@@ -27,8 +27,8 @@ A custom op takes no Python function, so the functions are traced and filed in a
 of the process under the hash of their traced text and the tensors' shapes and dtypes,
 and ``mods`` is that key; under torch.compile the key is made while tracing
 (``torch.compiler.assume_constant_result``), a constant of the graph, so
-``fullgraph=True`` holds. A block mask (``block_mask``, dense calls; made with
-``cuflash.mod.create_block_mask(..., like=q)``) gives the dense mod ops one more input,
+``fullgraph=True`` holds. A block mask (``block_mask``; made with
+``cuflash.mod.create_block_mask(..., like=q)``) gives the mod ops one more input,
 ``block_statuses``, its int8 statuses: data beside the mod tensors, not part of the key,
 so a compiled graph takes another block mask of the same shapes without recompiling.
 

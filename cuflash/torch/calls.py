@@ -35,12 +35,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     on q's device), which carries mask_mod and mod_tensors, as ``cuflash.attention``.
     """
     if block_mask is not None:
-        mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
-        if not isinstance(block_mask.statuses, torch.Tensor):  # (a NumPy or CuPy one: its tensors are too)
-            statuses = block_mask.statuses
-            raise TypeError(f"block_mask's statuses must be a torch tensor on q's device, got "
-                            f"{type(statuses).__module__}.{type(statuses).__qualname__}: make the block mask with "
-                            f"cuflash.mod.create_block_mask(..., like=q)")
+        mask_mod, mod_tensors = _block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
     if alibi_slopes is None and not mods and q.__class__ is torch.Tensor and deterministic.__class__ is bool \
             and not _tracked(q, k, v):  # inference on a signature that ran: straight to its launch
@@ -70,7 +65,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                      seed: Optional[int] = None, return_lse: bool = False,
-                     block_table: Optional[torch.Tensor] = None, score_mod=None, mask_mod=None, mod_tensors=()):
+                     block_table: Optional[torch.Tensor] = None, score_mod=None, mask_mod=None, mod_tensors=(),
+                     block_mask=None):
     """Differentiable ``cuflash.attention_varlen`` for torch tensors: returns out, or
     (out, lse) with ``return_lse`` (lse float32 (nheads, total_q), differentiable too).
 
@@ -79,8 +75,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     of k and v (int32 tensors (batch + 1,) on q's device). Gradients reach q, k and v.
     With ``block_table``, k and v are page pools (``cuflash.attention_varlen``): forward
     only, inputs that need no gradient (or under torch.no_grad()). ``score_mod``,
-    ``mask_mod`` and ``mod_tensors`` as ``attention`` (b is the sequence index).
+    ``mask_mod``, ``mod_tensors`` and ``block_mask`` as ``attention`` (b is the sequence
+    index; a block mask made over (sequences, heads, max_seqlen_q, max_seqlen_k)).
     """
+    if block_mask is not None:
+        mask_mod, mod_tensors = _block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
     if block_table is not None:
         if mods:
@@ -97,6 +96,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         dropout_p=dropout_p, seed=seed))
     if mods:
         args = (*args, *_mod_arguments(score_mod, mask_mod, mod_tensors))
+        if block_mask is not None:
+            args = (*args, _block_statuses(block_mask, q, k, v, (cu_seqlens_q.shape[0] - 1, max_seqlen_q,
+                                                                 max_seqlen_k)))
     if _tracked(q, k, v):
         out, lse, _ = (_varlen_mod_forward if mods else _varlen_forward)(*args)
     else:
@@ -402,18 +404,19 @@ def _attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                         deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p, seed, mods=None,
-                        mod_tensors=(), *, return_lse: bool):
+                        mod_tensors=(), block_statuses=None, *, return_lse: bool):
     """``_run_forward`` of packed sequences."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     else:
-        *arrays, alibi_slopes = _numpy(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                       alibi_slopes=alibi_slopes)
+        *arrays, alibi_slopes, block_statuses = _numpy(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+                                                       cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                                                       block_mask=block_statuses)
         mod_tensors = _numpy_mod_tensors(mod_tensors)
     out, lse = api.attention_varlen(*arrays, max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
-                                    return_lse=True, **options, **_mod_functions(mods, mod_tensors))
+                                    return_lse=True, **options, **_mod_functions(mods, mod_tensors, block_statuses))
     if q.device.type == "cpu":
         out, lse = _tensor(out), _tensor(lse)
     return out, lse if return_lse else None, (seed, rng_offset)
@@ -448,19 +451,20 @@ def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                          softmax_scale, deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p,
-                         rng_state, dlse, mods=None, mod_tensors=()):
+                         rng_state, dlse, mods=None, mod_tensors=(), block_statuses=None):
     seed, rng_offset = _from_rng_state(rng_state)
     options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     if q.device.type != "cpu":
         return tuple(api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                    max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
                                                    deterministic=deterministic, dlse=dlse, **options,
-                                                   **_mod_functions(mods, mod_tensors)))
-    *arrays, alibi_slopes, dlse = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                                         cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, dlse=dlse)
+                                                   **_mod_functions(mods, mod_tensors, block_statuses)))
+    *arrays, alibi_slopes, dlse, block_statuses = _numpy(
+        dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        alibi_slopes=alibi_slopes, dlse=dlse, block_mask=block_statuses)
     grads = api.attention_varlen_backward(*arrays, max_seqlen_q, max_seqlen_k, alibi_slopes=alibi_slopes,
                                           deterministic=deterministic, dlse=dlse, **options,
-                                          **_mod_functions(mods, _numpy_mod_tensors(mod_tensors)))
+                                          **_mod_functions(mods, _numpy_mod_tensors(mod_tensors), block_statuses))
     return tuple(_tensor(g) for g in grads)
 
 
@@ -482,19 +486,22 @@ def _setup_varlen_context(ctx, inputs, output):
      *mods) = inputs
     out, lse, rng_state = output
     ctx.mods = mods[0] if mods else None
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
+    block_statuses = mods[2] if len(mods) > 2 else None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, block_statuses,
                           *(mods[1] if mods else ()))
     ctx.mark_non_differentiable(rng_state)
 
 
 def _varlen_backward(backward, ctx, dout, dlse, _drng_state):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, *mod_tensors = ctx.saved_tensors
+    (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, block_statuses,
+     *mod_tensors) = ctx.saved_tensors
     dout, dlse = _output_gradients(dout, dlse, out)
+    blocks = () if block_statuses is None else (block_statuses,)
     dq, dk, dv = backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q,
                           ctx.max_seqlen_k, ctx.causal, ctx.softmax_scale, ctx.deterministic, ctx.window_left,
                           ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state, dlse,
-                          *_mod_inputs(ctx, mod_tensors))
-    return (dq, dk, dv) + (None,) * 13 + _mod_gradients(ctx, mod_tensors)
+                          *_mod_inputs(ctx, mod_tensors), *blocks)
+    return (dq, dk, dv) + (None,) * 13 + _mod_gradients(ctx, mod_tensors) + ((None,) if ctx.mods else ())
 
 
 _varlen_forward = _differentiable(attention_varlen_forward, _attention_varlen_forward, attention_varlen_backward,
@@ -505,12 +512,15 @@ def _attention_varlen_mod_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                                   softmax_scale: Optional[float], deterministic: bool, window_left: int,
                                   window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-                                  dropout_p: float, seed: Optional[int], mods: str, mod_tensors: list[torch.Tensor]
+                                  dropout_p: float, seed: Optional[int], mods: str, mod_tensors: list[torch.Tensor],
+                                  block_statuses: Optional[torch.Tensor] = None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """attention_varlen_forward with the score_mod / mask_mod registered under ``mods``."""
+    """attention_varlen_forward with the score_mod / mask_mod registered under ``mods`` (and,
+    with ``block_statuses``, a block mask of that mask_mod)."""
     out, lse, (seed, rng_offset) = _run_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
-        window_left, window_right, softcap, alibi_slopes, dropout_p, seed, mods, mod_tensors, return_lse=True)
+        window_left, window_right, softcap, alibi_slopes, dropout_p, seed, mods, mod_tensors, block_statuses,
+        return_lse=True)
     return out, lse, _rng_state(seed, rng_offset)
 
 
@@ -522,7 +532,7 @@ attention_varlen_mod_forward = torch.library.custom_op(
 @attention_varlen_mod_forward.register_fake
 def _attention_varlen_mod_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                        softmax_scale, deterministic, window_left, window_right, softcap,
-                                       alibi_slopes, dropout_p, seed, mods, mod_tensors):
+                                       alibi_slopes, dropout_p, seed, mods, mod_tensors, block_statuses=None):
     return _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                           softmax_scale, deterministic)
 
@@ -533,12 +543,14 @@ def _attention_varlen_mod_backward(dout: torch.Tensor, q: torch.Tensor, k: torch
                                    softmax_scale: Optional[float], deterministic: bool, window_left: int,
                                    window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
                                    dropout_p: float, rng_state: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
-                                   mods: str, mod_tensors: list[torch.Tensor]
+                                   mods: str, mod_tensors: list[torch.Tensor],
+                                   block_statuses: Optional[torch.Tensor] = None
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """attention_varlen_backward with the score_mod / mask_mod registered under ``mods``."""
+    """attention_varlen_backward with the score_mod / mask_mod registered under ``mods`` (and
+    the forward's ``block_statuses``)."""
     return _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 causal, softmax_scale, deterministic, window_left, window_right, softcap,
-                                alibi_slopes, dropout_p, rng_state, dlse, mods, mod_tensors)
+                                alibi_slopes, dropout_p, rng_state, dlse, mods, mod_tensors, block_statuses)
 
 
 attention_varlen_mod_backward = torch.library.custom_op(
@@ -549,7 +561,7 @@ attention_varlen_mod_backward = torch.library.custom_op(
 def _attention_varlen_mod_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, causal, softmax_scale, deterministic, window_left,
                                         window_right, softcap, alibi_slopes, dropout_p, rng_state, dlse, mods,
-                                        mod_tensors):
+                                        mod_tensors, block_statuses=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -623,13 +635,26 @@ def _mod_functions(mods: Optional[str], mod_tensors, block_statuses=None) -> dic
                                                           None, None, None, None))
 
 
-def _block_statuses(block_mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The statuses of a dense call's block mask (a tensor; ``_options.block_mask_mods`` passed),
-    checked against the call before anything runs: on q's device, made for these shapes."""
+def _block_mask_mods(block_mask, mask_mod, mod_tensors) -> tuple:
+    """``_options.block_mask_mods``, the statuses a tensor (made with ``like=q``)."""
+    mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
+    if not isinstance(block_mask.statuses, torch.Tensor):  # (a NumPy or CuPy one: its tensors are too)
+        statuses = block_mask.statuses
+        raise TypeError(f"block_mask's statuses must be a torch tensor on q's device, got "
+                        f"{type(statuses).__module__}.{type(statuses).__qualname__}: make the block mask with "
+                        f"cuflash.mod.create_block_mask(..., like=q)")
+    return mask_mod, mod_tensors
+
+
+def _block_statuses(block_mask, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed=None) -> torch.Tensor:
+    """The statuses of a call's block mask (a tensor; ``_block_mask_mods`` passed), checked
+    against the call before anything runs: on q's device, made for these shapes (``packed``:
+    a packed call's (sequences, max_seqlen_q, max_seqlen_k))."""
     statuses = block_mask.statuses
     qi, ki, vi = (_describe(t) for t in (q, k, v))
-    _options.check_qkv(qi, ki, vi, packed=False)
-    _options.check_block_mask(block_mask, qi, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+    _options.check_qkv(qi, ki, vi, packed=packed is not None)
+    batch, seqlen_q, seqlen_k = (q.shape[0], q.shape[1], k.shape[1]) if packed is None else packed
+    _options.check_block_mask(block_mask, qi, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                               statuses=_describe(statuses))
     return statuses
 
