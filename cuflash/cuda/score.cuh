@@ -16,12 +16,10 @@ struct ScoreMod {
   float slope;    // ALiBi slope of this (batch, head); 0: off
   int diagonal;
 
-  // The score in natural units from the raw dot product s of (row, col).
+  // The score in natural units from the raw dot product s of (row, col) (with_chain's).
   __device__ __forceinline__ float operator()(float s, int row, int col) const {
-    s *= scale;
-    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-    if (slope != 0.f) s -= slope * float(abs(row + diagonal - col));
-    return s;
+    float chain;
+    return with_chain(s, row, col, chain);
   }
   // Every score of acc (mma C layout, rows from row0, columns from col0) through the mod,
   // with kPerTile softcap and ALiBi each tested once a tile (per score, their branches and
@@ -45,8 +43,8 @@ struct ScoreMod {
         s[mt][nt][e] -= slope * float(abs(row + diagonal - col));
       });
   }
-  // The score as operator() gives it, and d score / d (scale q.k) in `chain`: softcap's
-  // 1 - tanh^2 from the same tanh (ALiBi adds a constant).
+  // The score, and d score / d (scale q.k) in `chain`: softcap's 1 - tanh^2 from the same
+  // tanh (ALiBi adds a constant).
   __device__ __forceinline__ float with_chain(float s, int row, int col, float& chain) const {
     s *= scale;
     chain = 1.f;
