@@ -127,7 +127,7 @@ def compile_kernel(source: str, instance: str, arch: str, *, refresh: bool = Fal
         if compiled is None:
             start = time.perf_counter()
             with_prelude = (prelude,) if prelude else ()  # (the plain call as it always was)
-            compiled = _run_nvrtc(source, instance, options, *with_prelude)
+            compiled = run_nvrtc(source, instance, options, *with_prelude)
             log.info("cuflash: compiled %s for %s in %.1f s (%d registers, %d bytes spilled)", instance, arch,
                      time.perf_counter() - start, compiled.resources.registers, compiled.resources.spill_stores)
             _write_entry(path, compiled, arch, instance)
@@ -227,7 +227,10 @@ def _entry_lock(path: Path):
         yield
 
 
-def _run_nvrtc(source: str, instance: str, options: tuple[str, ...], prelude: str = "") -> Compiled:
+def run_nvrtc(source: str, instance: str, options: tuple[str, ...], prelude: str = "") -> Compiled:
+    """``instance`` of ``cuda/<source>`` (``prelude`` in front of it) compiled by NVRTC with
+    ``options``, the cache not consulted: the one place NVRTC runs, so a stand-in for it
+    (tests count or fake the compiles) sees every compile ``compile_kernel`` makes."""
     nvrtc = _nvrtc()
     headers = {n: t for n, t in _sources().items() if n.endswith(".cuh")}
     prog = nvrtc.createProgram(prelude + _sources()[source].decode(), source, list(headers.values()),

@@ -22,7 +22,7 @@ KERNEL = _plan.Elementwise("backward_preprocess", "float16")  # the quickest var
 @pytest.fixture(scope="module")
 def compiled():
     """The variant compiled by NVRTC, once for the module."""
-    return _compile._run_nvrtc(KERNEL.source, KERNEL.instance, ("--gpu-architecture=sm_80",) + _compile.OPTIONS)
+    return _compile.run_nvrtc(KERNEL.source, KERNEL.instance, ("--gpu-architecture=sm_80",) + _compile.OPTIONS)
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def cache(tmp_path, monkeypatch, compiled):
     """An empty cache in tmp_path; each NVRTC run is counted (and answered with ``compiled``)."""
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
     runs = []
-    monkeypatch.setattr(_compile, "_run_nvrtc", lambda *args: runs.append(args) or compiled)
+    monkeypatch.setattr(_compile, "run_nvrtc", lambda *args: runs.append(args) or compiled)
     return types.SimpleNamespace(dir=tmp_path / "cache", runs=runs)
 
 
@@ -133,8 +133,8 @@ import hashlib, pathlib, sys, time
 from cuflash import _compile
 ready, instance = pathlib.Path(sys.argv[1]), sys.argv[2]
 _compile.nvrtc_version()  # load NVRTC before the start line
-runs, real = [], _compile._run_nvrtc
-_compile._run_nvrtc = lambda *args: runs.append(args) or time.sleep(1) or real(*args)  # a long compile
+runs, real = [], _compile.run_nvrtc
+_compile.run_nvrtc = lambda *args: runs.append(args) or time.sleep(1) or real(*args)  # a long compile
 ready.touch()
 while len(list(ready.parent.glob("ready-*"))) < 2:
     time.sleep(0.01)
@@ -183,7 +183,7 @@ def test_an_entry_of_another_nvrtc_is_loaded_and_refreshed_by_compile(monkeypatc
     ``python -m cuflash compile`` runs, compiles again an entry of another version."""
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
     runs = []
-    monkeypatch.setattr(_compile, "_run_nvrtc", lambda *args: runs.append(args) or _compile.Compiled(
+    monkeypatch.setattr(_compile, "run_nvrtc", lambda *args: runs.append(args) or _compile.Compiled(
         b"\x7fELF cubin", "lowered", _compile.Resources(32, 0, 0, 0), (11, 8)))
     monkeypatch.setattr(_compile, "nvrtc_version", lambda: (12, 9))
     first = _compile.compile_kernel(KERNEL.source, KERNEL.instance, "sm_80")

@@ -102,7 +102,7 @@ def test_ctrl_c_stops_compile_and_leaves_the_cache_sound(tmp_path, monkeypatch):
 def two_entries(tmp_path, monkeypatch):
     """A cache with two entries of made-up kernels (no NVRTC run)."""
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_compile, "_run_nvrtc", lambda source, instance, options: _compile.Compiled(
+    monkeypatch.setattr(_compile, "run_nvrtc", lambda source, instance, options: _compile.Compiled(
         b"\x7fELF not really" + instance.encode(), instance, _compile.Resources(32, 0, 0, 0)))
     _compile.compile_kernel("fwd.cu", "first", "sm_80")
     _compile.compile_kernel("fwd.cu", "second", "sm_90")

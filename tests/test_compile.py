@@ -64,8 +64,8 @@ def test_an_edited_header_recompiles(private_sources, monkeypatch):
     kernel = _plan.kernel("forward", "float16", 64, local=True, vectorized=True, extras=False,
                           shared_limit=_plan.shared_memory_limit("sm_80"))
     runs = []
-    real = _compile._run_nvrtc
-    monkeypatch.setattr(_compile, "_run_nvrtc", lambda *a: runs.append(a) or real(*a))
+    real = _compile.run_nvrtc
+    monkeypatch.setattr(_compile, "run_nvrtc", lambda *a: runs.append(a) or real(*a))
 
     first = _compile.compile_kernel("fwd.cu", kernel.instance, "sm_80")
     again = _compile.compile_kernel("fwd.cu", kernel.instance, "sm_80")
@@ -169,7 +169,7 @@ def test_cubin_is_the_whole_elf_file():
     """NVRTC's cubin must come back byte for byte (CuPy's getCUBIN drops the last
     byte; nvdisasm and other ELF readers refuse the short file)."""
     import struct
-    cubin = _compile._run_nvrtc("fwd.cu", _plan.all_kernels("sm_90")[0].instance, ("--gpu-architecture=sm_90",)
+    cubin = _compile.run_nvrtc("fwd.cu", _plan.all_kernels("sm_90")[0].instance, ("--gpu-architecture=sm_90",)
                                 + _compile.OPTIONS).cubin
     ph_offset, sh_offset = struct.unpack_from("<QQ", cubin, 0x20)
     ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", cubin, 0x36)

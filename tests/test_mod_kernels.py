@@ -171,7 +171,7 @@ def test_the_compile_cache_keys_kernels_by_the_mod_text(monkeypatch, tmp_path):
         compiled.append(prelude)
         return _compile.Compiled(b"\x7fELF" + prelude.encode(), "kernel", _compile.Resources(32, 0, 0, 0), (12, 0))
 
-    monkeypatch.setattr(_compile, "_run_nvrtc", fake_nvrtc)
+    monkeypatch.setattr(_compile, "run_nvrtc", fake_nvrtc)
     first, second = SOURCE, kernel_source(None, trace(documents, "mask", SPECS))
     for prelude in (first, second, first, "", ""):
         _compile.compile_kernel("fwd.cu", "cuflash::attention_forward<x>", "sm_80", prelude=prelude)

@@ -36,7 +36,7 @@ def test_sm90a_instances_compile_clean(kernel):
     Where nvdisasm is at hand (the test extra, on Linux), the forward's machine code keeps
     the softmax ahead of P V's wait (cuflash/_sass.py): ptxas moves that wait up
     unless sm90::keep_before_wait holds it, a loss no output would show."""
-    compiled = _compile._run_nvrtc(kernel.source, kernel.instance, ("--gpu-architecture=sm_90a", *_compile.OPTIONS))
+    compiled = _compile.run_nvrtc(kernel.source, kernel.instance, ("--gpu-architecture=sm_90a", *_compile.OPTIONS))
     resources = compiled.resources
     assert resources.spill_stores == 0 and resources.stack_bytes == 0, resources
     if isinstance(kernel, _plan.Sm90Backward):
