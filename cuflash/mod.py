@@ -1183,7 +1183,7 @@ def prepare(score_mod, mask_mod, mod_tensors=(), *, backward: bool = False) -> N
 
 BLOCK_SIZE = 128  # query rows and keys of a block (cuda/mods.cuh, kBlockMaskSize)
 EMPTY, PARTIAL, FULL = 0, 1, 2  # a block's status: every position masked, some, none
-_EVALUATED_POSITIONS = 1 << 22  # positions create_block_mask evaluates at once (its memory: a few bytes each)
+EVALUATED_POSITIONS = 1 << 22  # positions create_block_mask evaluates at once (its memory: a few bytes each)
 
 
 class BlockMask:
@@ -1378,8 +1378,8 @@ def _statuses(tree: Traced, tensors: tuple, xp, batch, heads, seqlen_q: int, seq
     if not statuses.size:
         return statuses
     keys = key_blocks * BLOCK_SIZE
-    heads_at_once = max(1, min(all_heads, _EVALUATED_POSITIONS // (BLOCK_SIZE * keys)))
-    rows_at_once = max(1, _EVALUATED_POSITIONS // (heads_at_once * BLOCK_SIZE * keys)) * BLOCK_SIZE
+    heads_at_once = max(1, min(all_heads, EVALUATED_POSITIONS // (BLOCK_SIZE * keys)))
+    rows_at_once = max(1, EVALUATED_POSITIONS // (heads_at_once * BLOCK_SIZE * keys)) * BLOCK_SIZE
     # Positions a block holds (the last row and column of blocks may be cut short).
     row_sizes = np.minimum(BLOCK_SIZE, seqlen_q - BLOCK_SIZE * np.arange(query_blocks))
     col_sizes = np.minimum(BLOCK_SIZE, seqlen_k - BLOCK_SIZE * np.arange(key_blocks))

@@ -85,7 +85,7 @@ def test_statuses_are_exact(name, batch, heads, seqlen_q, seqlen_k, seed):
     assert bm.statuses.dtype == np.int8
     np.testing.assert_array_equal(np.broadcast_to(bm.statuses, expected.shape), expected)
     with pytest.MonkeyPatch.context() as patch:  # chunks of one block row, heads one by one: the same
-        patch.setattr(mod, "_EVALUATED_POSITIONS", 1 << 13)
+        patch.setattr(mod, "EVALUATED_POSITIONS", 1 << 13)
         again = create_block_mask(MASKS[name], batch, heads, seqlen_q, seqlen_k, mod_tensors=tensors)
     np.testing.assert_array_equal(again.statuses, bm.statuses)
 
