@@ -29,7 +29,9 @@ _u32, _u64 = ctypes.c_uint32, ctypes.c_uint64
 
 
 @functools.cache
-def _encode_function():
+def encode_function():
+    """The driver's ``cuTensorMapEncodeTiled``, typed once a process: every map is encoded
+    through it (a stand-in for it sees each encode)."""
     encode = _driver._lib().cuTensorMapEncodeTiled
     encode.argtypes = (ctypes.POINTER(TensorMap), ctypes.c_int, _u32, ctypes.c_void_p, ctypes.POINTER(_u64),
                        ctypes.POINTER(_u64), ctypes.POINTER(_u32), ctypes.POINTER(_u32), ctypes.c_int, ctypes.c_int,
@@ -56,8 +58,8 @@ def encode(pointer: int, dtype: str, shape: tuple[int, int, int, int], strides: 
     box = (_u32 * 4)(BOX_COLUMNS, rows, 1, 1)
     steps = (_u32 * 4)(1, 1, 1, 1)
     result = TensorMap()
-    status = _encode_function()(ctypes.byref(result), DATA_TYPES[dtype], 4, ctypes.c_void_p(pointer), dims,
-                                byte_strides, box, steps, INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_128B,
-                                OOB_FILL_ZEROS)
+    status = encode_function()(ctypes.byref(result), DATA_TYPES[dtype], 4, ctypes.c_void_p(pointer), dims,
+                               byte_strides, box, steps, INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_128B,
+                               OOB_FILL_ZEROS)
     _driver._check(status, "cuTensorMapEncodeTiled")
     return result

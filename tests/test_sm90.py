@@ -252,7 +252,7 @@ def test_tensor_maps_are_encoded_once_per_array(monkeypatch):
         result._obj.v[0] = pointer.value
         return 0
 
-    monkeypatch.setattr(_tensormap, "_encode_function", lambda: fake_encode)
+    monkeypatch.setattr(_tensormap, "encode_function", lambda: fake_encode)
     _tensormap.encode.cache_clear()
     try:
         args = ("bfloat16", (2, 1000, 4, 128), (512000, 512, 128, 1), 128)
@@ -577,5 +577,41 @@ def test_mods_on_both_families(paths, head_dim, dtype, block_mask, causal):
     error = lowp_error(attention_lowp(*host, causal=causal), attention_reference(*host, causal=causal)[0])
     with experiment.override(sm90_mods_tiles=MODS_TILES):
         for out, lse in _both_paths(paths, lambda: cuflash.attention(q, k, v, return_lse=True, **options)):
+            check_output(out, ref, error, dtype)
+            check_lse(lse, ref_lse)
+
+
+def _block_kinds(b, h, q_idx, kv_idx, kinds):
+    kind = kinds[q_idx // mod.BLOCK_SIZE, kv_idx // mod.BLOCK_SIZE]
+    return (kind == 1) | ((kind == 2) & ((q_idx + kv_idx) % 5 != 0))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("head_dim,dtype", [(64, "float16"), (128, "bfloat16")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_long_block_mask_row_on_both_families(paths, head_dim, dtype, causal):
+    """Rows of 72 blocks (143 key tiles of 64: five words of the sm_90a forward's key-tile
+    bits, two of its loads of four) whose blocks are drawn empty, full or partial, one query
+    block with none shown (O = 0, LSE = +inf): each path against the oracle."""
+    import cupy
+
+    rng = np.random.default_rng(head_dim + causal)
+    seqlen_q, seqlen_k = 3 * mod.BLOCK_SIZE - 40, 72 * mod.BLOCK_SIZE - 50
+    host, (q, k, v) = _arrays_of(rng, dtype, (1, seqlen_q, 2, head_dim), (1, seqlen_k, 2, head_dim),
+                                 (1, seqlen_k, 2, head_dim))
+    kinds = rng.choice(3, (3, 72), p=(0.5, 0.25, 0.25)).astype(np.int32)
+    kinds[1] = 0
+    kinds[0, 40:70] = 0  # (a run of empty blocks across words)
+    block_mask = mod.create_block_mask(_block_kinds, 1, 2, seqlen_q, seqlen_k, mod_tensors=(cupy.asarray(kinds),),
+                                       like=q)
+    statuses = cupy.asnumpy(block_mask.statuses)
+    assert {mod.EMPTY, mod.PARTIAL, mod.FULL} <= set(np.unique(statuses))
+    ref, ref_lse = attention_reference(*host, causal=causal, mask_mod=_block_kinds, mod_tensors=(kinds,))
+    assert np.isinf(ref_lse[0, :, mod.BLOCK_SIZE:2 * mod.BLOCK_SIZE]).all()
+    error = lowp_error(attention_lowp(*host, causal=causal), attention_reference(*host, causal=causal)[0])
+    with experiment.override(sm90_mods_tiles=MODS_TILES):
+        for out, lse in _both_paths(paths, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True,
+                                                                     block_mask=block_mask)):
             check_output(out, ref, error, dtype)
             check_lse(lse, ref_lse)
