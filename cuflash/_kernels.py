@@ -21,9 +21,9 @@ from . import _compile, _device, _driver, _plan, _warm
 from ._arrays import ArrayInfo
 from ._options import KVCache, Options, Varlen
 
-# Tests set this to a callable(pointers, stream) to see every launch's array
-# pointers and stream (zero-copy and stream-order checks).
-_launch_observer = None
+# None, or a callable(pointers, stream) that sees every launch's array pointers and stream
+# (zero-copy and stream-order checks); experiment.observe_launches sets it.
+launch_observer = None
 
 
 def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo | None, options: Options, *,
@@ -247,8 +247,8 @@ class Launcher:
                 pointers: tuple) -> None:
         for word, pointer in zip(self._pointer_words, pointers):
             words[word] = pointer  # (a nested field's setattr costs 3x as much, struct.pack_into 1.8x)
-        if _launch_observer is not None:
-            _launch_observer(params.pointers(), stream)
+        if launch_observer is not None:
+            launch_observer(params.pointers(), stream)
         launch, current_context = _driver.launcher()
         if current_context() == self.context:
             self._launch_steps(launch, calls, stream, pointers)

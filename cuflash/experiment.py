@@ -1,4 +1,5 @@
-"""Experiments on the planner's choices and the kernels' sources, through one hook.
+"""Experiments on the planner's choices and the kernels' sources, through one hook, and a
+view of the launches they make.
 
     from cuflash import experiment
 
@@ -8,13 +9,15 @@
         cuflash.attention_with_kvcache(...)    # compiled from another copy of cuflash/cuda
     with experiment.override(patches={"sm90/fwd.cu": add_trace_points}):
         ...                                    # compiled from a copy of the sources, patched
+    with experiment.observe_launches(lambda pointers, stream: seen.append(stream)):
+        cuflash.attention(q, k, v)             # each kernel launch's array pointers and stream seen
 
-Inside the block every call is planned, compiled and launched with the values given; on
-leaving it the package's own come back. Entering and leaving forget every plan, launcher
-and warm call made meanwhile (and, where the sources change, every loaded kernel), so
-that no call inside reuses one made outside, nor the other way round. Compiled kernels go
-through the kernel cache as always: its key covers every source byte, so a copy or patch
-of the sources gets entries of its own.
+Inside an ``override`` block every call is planned, compiled and launched with the values
+given; on leaving it the package's own come back. Entering and leaving forget every plan,
+launcher and warm call made meanwhile (and, where the sources change, every loaded
+kernel), so that no call inside reuses one made outside, nor the other way round. Compiled
+kernels go through the kernel cache as always: its key covers every source byte, so a copy
+or patch of the sources gets entries of its own.
 
 For the developer tools (``scripts/``), which time or check candidates for the tables the
 planner reads; not for applications: not thread-safe, and the values are not checked
@@ -110,6 +113,20 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
             undo.enter_context(_rebound(_kernels, "device_facts", lambda device: facts(device)._replace(**given)))
         _forget_plans()
         yield
+
+
+@contextlib.contextmanager
+def observe_launches(observer: Callable[[tuple, int], None]) -> Iterator[None]:
+    """Inside the block, ``observer(pointers, stream)`` before every kernel launch: the array
+    pointers its Params hold and the stream it goes to (zero-copy and stream-order checks).
+    Plans, launchers and warm calls are kept: the launches seen are those of the package's
+    own values."""
+    saved = _kernels.launch_observer
+    _kernels.launch_observer = observer
+    try:
+        yield
+    finally:
+        _kernels.launch_observer = saved
 
 
 def _forget_plans() -> None:

@@ -396,13 +396,13 @@ class Launches:
         self.calls = []
 
     def __enter__(self):
-        from cuflash import _kernels
-        _kernels._launch_observer = lambda pointers, stream: self.calls.append((pointers, stream))
+        from cuflash import experiment
+        self._observing = experiment.observe_launches(lambda pointers, stream: self.calls.append((pointers, stream)))
+        self._observing.__enter__()
         return self
 
     def __exit__(self, *exc):
-        from cuflash import _kernels
-        _kernels._launch_observer = None
+        return self._observing.__exit__(*exc)
 
 
 @st.composite
