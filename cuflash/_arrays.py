@@ -61,7 +61,7 @@ def inspect(x, name: str) -> ArrayInfo:
         strides = tuple(s // x.itemsize for s in x.strides)
         return ArrayInfo(x, "numpy", 0, tuple(x.shape), strides, str(x.dtype), None)
     if root == "cupy":
-        _LIBRARIES.setdefault(x.__class__, _cupy_calls())
+        _LIBRARIES.setdefault(x.__class__, cupy_calls())
         itemsize, memory = x.itemsize, x.data  # (x.device makes a Device object: 5 us)
         dtype = _DTYPE_NAMES.get(x.dtype) or _DTYPE_NAMES.setdefault(x.dtype, str(x.dtype))
         return ArrayInfo(x, "cupy", memory.ptr, x.shape, tuple([s // itemsize for s in x.strides]), dtype,
@@ -89,7 +89,7 @@ class Framework:
 
     def __init__(self, like: ArrayInfo):
         self.like = like
-        self.calls = _torch_calls() if like.framework == "torch" else _cupy_calls()  # (JAX: CuPy's, then DLPack)
+        self.calls = _torch_calls() if like.framework == "torch" else cupy_calls()  # (JAX: CuPy's, then DLPack)
         self.stream = self.calls.stream(like.device)
         if like.framework == "jax":
             like.obj.block_until_ready()  # JAX works on its own stream: wait for the inputs
@@ -215,7 +215,9 @@ class _TorchCalls:
 
 
 @functools.cache  # (one of each per process)
-def _cupy_calls() -> _CuPyCalls:
+def cupy_calls() -> _CuPyCalls:
+    """CuPy's calls, which CuPy and JAX results are made through: the one place they are
+    chosen, so a stand-in array library (tests/test_warm.py) takes their place here."""
     return _CuPyCalls()
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _arrays, _compile, _device, _driver, _kernels, _warm, api, kvcache
+from cuflash import _arrays, _compile, _device, _driver, _kernels, _warm, api, experiment, kvcache
 
 
 class StandIn:
@@ -174,7 +174,8 @@ def stand_in_gpu(monkeypatch):
     """cuflash's calls on DeviceArrays run as on an A100 (mma.sync kernels): planned, their
     kernels 'loaded' (never compiled; the compile layer's, once a kernel and process, as the
     device's facts are once a device: tests/test_device.py) and launched into
-    DeviceCalls.launches. Warm tables start empty."""
+    DeviceCalls.launches. Plans and warm tables start empty, and what the stand-in put in
+    them is forgotten after (experiment.override)."""
     calls = DeviceCalls()
     real_inspect = _arrays.inspect
 
@@ -185,16 +186,15 @@ def stand_in_gpu(monkeypatch):
 
     monkeypatch.setattr(_arrays, "inspect", inspect)
     monkeypatch.setitem(_arrays._LIBRARIES, DeviceArray, calls)
-    monkeypatch.setattr(_arrays, "_cupy_calls", lambda: calls)
+    monkeypatch.setattr(_arrays, "cupy_calls", lambda: calls)
     monkeypatch.setattr(_device, "facts", lambda device: _device.Device("A100", (8, 0), 163 * 1024, 108, 12080))
     monkeypatch.setattr(_compile, "load_kernel", lambda kernel, device: 1)
     monkeypatch.setattr(_compile, "resident_ctas", lambda kernel, device: 2)
     monkeypatch.setattr(_driver, "primary_context", calls.driver_call("primary_context", 5))
     monkeypatch.setattr(_driver, "launcher", calls.driver_call("launcher", (calls.launch, lambda: 5)))
     monkeypatch.setattr(_driver, "zero_words", calls.driver_call("zero_words", None))
-    monkeypatch.setattr(api, "_warm", {})
-    monkeypatch.setattr(_kernels, "_launchers", {})
-    return calls
+    with experiment.override():
+        yield calls
 
 
 COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
