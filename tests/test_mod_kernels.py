@@ -71,7 +71,7 @@ SM90 = (("forward", 64, True, T5_DOCUMENTS), ("forward", 128, False, T5_DOCUMENT
 def test_sm90_mod_variants_compile_without_spills(kind, head_dim, local, source):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (the cuda12/cuda13 extra) is not installed")
     if kind == "forward":
-        kernel = _plan.Sm90Forward("bfloat16", head_dim, local, True, 64, 3, 2, source)
+        kernel = _plan.Sm90Forward("bfloat16", head_dim, local, True, 64, 3, 2, source, "kBlocks = true" in source)
     else:
         kernel = _plan.Sm90Backward.of("bfloat16", head_dim, local, True, source)
     assert kernel.instance.endswith(", cuflash::UserMods>") and kernel.extras
@@ -97,9 +97,15 @@ def test_mod_params_layout_matches_the_cuda_struct():
 
 def _on_the_gpu(x, name="q", device=0):
     """A NumPy array described as a CuPy array on a GPU (nothing reads its memory here)."""
-    info = _arrays.inspect(x, name)
+    return _moved_to_the_gpu(_arrays.inspect(x, name), name, device)
+
+
+def _moved_to_the_gpu(info: _arrays.ArrayInfo, name: str, device: int = 0) -> _arrays.ArrayInfo:
     dtype = "float16" if info.dtype == "float32" and name in ("q", "k", "v", "dout") else info.dtype
     return info._replace(framework="cupy", device=device, dtype=dtype, ptr=4096)
+
+
+CALL_ARRAYS = ("q", "k", "v", "dout", "out", "lse", "dlse")  # the arrays a call's own arguments name
 
 
 @pytest.fixture
@@ -117,7 +123,13 @@ def pretend_gpu(monkeypatch) -> dict:
         reached["options"] = options
         raise RuntimeError("launched")
 
-    monkeypatch.setattr(api, "_inspect", lambda **arrays: {n: _on_the_gpu(x, n) for n, x in arrays.items()})
+    described = _arrays.inspect
+
+    def inspect(x, name):  # (the call's arrays on GPU 0; mod tensors and block masks as they are)
+        info = described(x, name)
+        return _moved_to_the_gpu(info, name) if name in CALL_ARRAYS else info
+
+    monkeypatch.setattr(_arrays, "inspect", inspect)
     monkeypatch.setattr(api._arrays, "Framework", lambda q: type("F", (), {"empty": lambda *a: q, "stream": 0})())
     monkeypatch.setattr(_kernels, "forward_launcher", never)
     monkeypatch.setattr(_kernels, "backward_launcher", lambda *a: never(*a[:4], a[-2], a[-1]))
