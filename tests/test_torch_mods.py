@@ -286,7 +286,7 @@ def test_cpu_mod_ops_opcheck_with_block_statuses():
 def test_cpu_block_mask_errors(monkeypatch):
     """Each misuse raises before anything runs, naming block_mask (or the argument)."""
     (q, k, v, _, _), block_mask, kwargs, _, _ = _blocks("document")
-    monkeypatch.setattr(cuflash.torch.calls, "_run_forward", lambda *args, **kwargs: pytest.fail("ran"))
+    monkeypatch.setattr(cuflash.api, "attention", lambda *args, **kwargs: pytest.fail("ran"))  # (the ops' one run)
     mask_mod, tensors = block_mask.mask_mod, block_mask.mod_tensors
 
     def made(batch=BATCH, heads=NHEADS, seqlen_q=BLOCK_SEQLEN_Q, seqlen_k=BLOCK_SEQLEN_K, **kwargs):
