@@ -90,40 +90,41 @@ def test_forward_matches_reference(shape: Shape, dtype, seed):
     check_against_reference(q, k, v, out, lse, shape.causal)
 
 
-# Hypothesis favours small sizes; these pin down long, ragged and lopsided ones.
-@pytest.mark.parametrize("shape,dtype", [
-    (Shape(4, 2048, 2048, 4, 1, 128, True), "bfloat16"),
-    (Shape(1, 2047, 1999, 6, 2, 64, True), "float16"),
-    (Shape(2, 1, 2048, 8, 8, 256, False), "bfloat16"),
-    (Shape(1, 2048, 1, 2, 1, 59, True), "float16"),
-    (Shape(3, 1025, 2048, 4, 2, 200, True), "bfloat16"),
-    (Shape(2, 1031, 1031, 2, 2, 111, False), "float16"),
-    (Shape(1, 1500, 2048, 4, 4, 32, False), "bfloat16"),
-    (Shape(1, 777, 1200, 4, 2, 160, True), "float16"),
-    (Shape(1, 640, 513, 2, 1, 224, True), "bfloat16"),
-    (Shape(1, 900, 900, 2, 1, 96, True), "bfloat16"),
-])
-def test_long_sequences(shape, dtype):
+def random_inputs(shape: Shape, dtype: str):
+    """Normal q, k, v, seeded by seqlen_q."""
     import cupy
-    q, k, v = random_qkv(shape, cupy_dtype(dtype), np.random.default_rng(shape.seqlen_q), xp=cupy)
-    attend_and_check(q, k, v, shape.causal)
+    return random_qkv(shape, cupy_dtype(dtype), np.random.default_rng(shape.seqlen_q), xp=cupy)
 
 
-@pytest.mark.parametrize("shape,dtype", [
-    (Shape(1, 3, 131072, 4, 1, 64, False), "bfloat16"),
-    (Shape(2, 200, 20000, 4, 2, 128, False), "float16"),
-    (Shape(1, 2048, 2048, 2, 2, 256, True), "bfloat16"),
-    (Shape(2, 700, 700, 4, 4, 96, True), "float16"),
-    (Shape(3, 1, 200, 2, 1, 64, False), "bfloat16"),
-    (Shape(1, 1000, 9000, 2, 1, 128, False), "bfloat16"),
-])
-def test_every_key_tile_counts(shape, dtype):
+def tile_marked_inputs(shape: Shape, dtype: str):
     """Inputs on which a lost key tile fails the rule (tests/rule.py, tile_marked: every
-    visible key weighs the same and each run of keys marks its own feature)."""
+    visible key weighs the same and each run of keys marks its own feature), seeded by seqlen_k."""
     import cupy
-    q, k, v = tile_marked(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.headdim,
-                          cupy_dtype(dtype), np.random.default_rng(shape.seqlen_k), xp=cupy)
-    attend_and_check(q, k, v, shape.causal)
+    return tile_marked(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, shape.nheads_kv, shape.headdim,
+                       cupy_dtype(dtype), np.random.default_rng(shape.seqlen_k), xp=cupy)
+
+
+# Hypothesis favours small sizes; these pin down long, ragged and lopsided ones, and where each key tile counts.
+@pytest.mark.parametrize("inputs,shape,dtype", [
+    (random_inputs, Shape(4, 2048, 2048, 4, 1, 128, True), "bfloat16"),
+    (random_inputs, Shape(1, 2047, 1999, 6, 2, 64, True), "float16"),
+    (random_inputs, Shape(2, 1, 2048, 8, 8, 256, False), "bfloat16"),
+    (random_inputs, Shape(1, 2048, 1, 2, 1, 59, True), "float16"),
+    (random_inputs, Shape(3, 1025, 2048, 4, 2, 200, True), "bfloat16"),
+    (random_inputs, Shape(2, 1031, 1031, 2, 2, 111, False), "float16"),
+    (random_inputs, Shape(1, 1500, 2048, 4, 4, 32, False), "bfloat16"),
+    (random_inputs, Shape(1, 777, 1200, 4, 2, 160, True), "float16"),
+    (random_inputs, Shape(1, 640, 513, 2, 1, 224, True), "bfloat16"),
+    (random_inputs, Shape(1, 900, 900, 2, 1, 96, True), "bfloat16"),
+    (tile_marked_inputs, Shape(1, 3, 131072, 4, 1, 64, False), "bfloat16"),
+    (tile_marked_inputs, Shape(2, 200, 20000, 4, 2, 128, False), "float16"),
+    (tile_marked_inputs, Shape(1, 2048, 2048, 2, 2, 256, True), "bfloat16"),
+    (tile_marked_inputs, Shape(2, 700, 700, 4, 4, 96, True), "float16"),
+    (tile_marked_inputs, Shape(3, 1, 200, 2, 1, 64, False), "bfloat16"),
+    (tile_marked_inputs, Shape(1, 1000, 9000, 2, 1, 128, False), "bfloat16"),
+], ids=lambda value: value.__name__ if callable(value) else None)
+def test_pinned_shapes(inputs, shape, dtype):
+    attend_and_check(*inputs(shape, dtype), shape.causal)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
