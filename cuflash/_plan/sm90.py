@@ -20,7 +20,8 @@ class Sm90Forward(NamedTuple):
     (64, 128 or 256; a smaller one rides on the copy engine's zero columns): a producer
     warpgroup and ``consumers`` consumer warpgroups of 64 query rows, key tiles and K/V
     stages (SM90_TILES); ``extras``: softcap, ALiBi, dropout or mods may be on, ``mods`` the
-    call's score_mod / mask_mod as CUDA text (cuflash.mod.kernel_source) or ""."""
+    call's score_mod / mask_mod as CUDA text (cuflash.mod.kernel_source) or "", ``blocks``
+    whether a block mask comes with them."""
     dtype: str
     head_dim: int
     local: bool
@@ -29,12 +30,13 @@ class Sm90Forward(NamedTuple):
     stages: int  # K/V tiles in flight
     consumers: int  # consumer warpgroups: 2 or 3
     mods: str = ""
+    blocks: bool = False
     source = "sm90/fwd.cu"
     arch = "sm_90a"
 
     @classmethod
     def of(cls, dtype: str, head_dim: int, local: bool, extras: bool, short: bool = False,
-           mods: str = "") -> Sm90Forward:
+           mods: str = "", blocks: bool = False) -> Sm90Forward:
         """The variant with the planner's tile (SM90_TILES; under a causal mask or a window
         SM90_BANDED_TILES, with softcap, ALiBi or dropout SM90_BANDED_EXTRAS_TILES, and
         ``short``, a causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows,
@@ -47,11 +49,17 @@ class Sm90Forward(NamedTuple):
             tile = SM90_SHORT_CAUSAL_TILES.get(head_dim, tile) if short else tile
         if mods:
             tile = SM90_MODS_TILES[head_dim]
-        return cls(dtype, head_dim, local, extras or bool(mods), *tile, mods)
+        return cls(dtype, head_dim, local, extras or bool(mods), *tile, mods, blocks)
 
     @property
     def block_m(self) -> int:
         return 64 * self.consumers
+
+    @property
+    def key_bit_bytes(self) -> int:
+        """With a block mask, two rounds' KeyTileBits (mods.cuh): two bit words and a count
+        for each of MAX_KEY_TILE_BITS key tiles."""
+        return 2 * (2 * MAX_KEY_TILE_BITS // 32 + 1) * 4 if self.blocks else 0
 
     @property
     def instance(self) -> str:
@@ -66,17 +74,18 @@ class Sm90Forward(NamedTuple):
 
     @property
     def shared_layout(self) -> str:
-        return f"cuflash::Sm90Shared<{self.head_dim}, {self.block_m}, {self.block_n}, {self.stages}>"
+        bits = f", {self.key_bit_bytes}" if self.blocks else ""
+        return f"cuflash::Sm90Shared<{self.head_dim}, {self.block_m}, {self.block_n}, {self.stages}{bits}>"
 
     @property
     def shared_bytes(self) -> int:
         """``Sm90Shared<...>::kBytes``: Q, the K and V stages, the barriers (a landed and a
         released one for Q and for each stage, or with two stages for each stage's K and V:
         kApart), the loaded tile's number (8 bytes), a sink word for each of up to 16 warps
-        and 1024 bytes of alignment."""
+        and 1024 bytes of alignment; with a block mask its key tiles' bits."""
         stage_barriers = (2 if self.stages == 2 else 1) * self.stages
         return (2 * self.head_dim * (self.block_m + 2 * self.stages * self.block_n) + (2 + 2 * stage_barriers) * 8
-                + 8 + 16 * 4 + 1024)
+                + 8 + 16 * 4 + self.key_bit_bytes + 1024)
 
     def grid(self, rows: int, heads: int, batch: int, multiprocessors: int = 0) -> tuple[int, int, int]:
         """A CTA per tile, or at most one per multiprocessor (one fits: its registers), each
@@ -115,6 +124,9 @@ SM90_SHORT_CAUSAL_ROWS = 2048
 # up to 128. Empty: calls with mods take the mma.sync forward, which ran them 1.5-1.7x faster
 # (tuning.md); experiment.override(sm90_mods_tiles={64: (64, 4, 2), 128: (64, 3, 2)}) sends them here.
 SM90_MODS_TILES: dict[int, tuple[int, int, int]] = {}
+# With a block mask a row's key tiles are walked as bits in shared memory (mods.cuh kMaxKeyTileBits):
+# longer rows take the mma.sync forward.
+MAX_KEY_TILE_BITS = 2048
 SM90_HEAD_DIMS = tuple(SM90_TILES)
 
 
@@ -185,11 +197,13 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
     and that hold keys."""
     if not 64 <= q.shape[-1] <= 256 or q.dtype not in DTYPES or not vectorizable(q, k, v, out):
         return False
-    if options.mods is not None and next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]) not in SM90_MODS_TILES:
-        return False
+    seqlen_k = varlen.max_seqlen_k if varlen else k.shape[1]
+    if options.mods is not None:
+        tile = SM90_MODS_TILES.get(next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]))
+        if tile is None or options.mods.blocks is not None and seqlen_k > MAX_KEY_TILE_BITS * tile[0]:
+            return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
-    seqlen_k = varlen.max_seqlen_k if varlen else k.shape[1]
     return k.shape[-3] > 0 and seqlen_k > 0
 
 
@@ -204,7 +218,8 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
     head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
     short = options.window == (-1, 0) and p.seqlen_q < SM90_SHORT_CAUSAL_ROWS  # (packed: the longest sequence)
     kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras, short,
-                            "" if options.mods is None else options.mods.source)
+                            "" if options.mods is None else options.mods.source,
+                            options.mods is not None and options.mods.blocks is not None)
     maps = [tensor_map(name, a, varlen, rows) for name, a, rows in
             (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n))]
     tiles, key_tiles = -(-p.seqlen_q // kernel.block_m) * p.nheads * batch, -(-p.seqlen_k // kernel.block_n)

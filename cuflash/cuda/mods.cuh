@@ -179,6 +179,59 @@ struct KeyTiles {
   }
 };
 
+// A query tile's key tiles [n_begin, n_end) under a block mask as bits in shared memory: one
+// warp reads their statuses 32 at a time (fill), and the walk over them (before, full) reads
+// shared words instead of a global status a tile, one load waiting for the last. Room for
+// kMaxKeyTileBits key tiles (the planner sends longer rows elsewhere).
+constexpr int kMaxKeyTileBits = 2048;
+struct KeyTileBits {
+  static constexpr int kWords = kMaxKeyTileBits / 32;
+  static constexpr int kBytes = (2 * kWords + 1) * 4;
+  unsigned* shown;  // bit n: key tile n lies in a block that is not empty (0 outside [n_begin, n_end))
+  unsigned* whole;  // bit n: in a full block
+  int* count;       // the tiles shown
+
+  static __device__ __forceinline__ KeyTileBits at(unsigned char* base) {
+    unsigned* words = reinterpret_cast<unsigned*>(base);
+    return {words, words + kWords, reinterpret_cast<int*>(words + 2 * kWords)};
+  }
+  // By the 32 lanes of one warp, the statuses of four words' tiles loaded before any is used.
+  template <typename Mods, int kBlockN>
+  __device__ __forceinline__ void fill(const KeyTiles<Mods, kBlockN>& keys, int n_begin, int n_end,
+                                       int lane) const {
+    int shown_tiles = 0;
+    for (int w0 = n_begin / 32; w0 * 32 < n_end; w0 += 4) {
+      int status[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = (w0 + i) * 32 + lane;
+        status[i] = n >= n_begin && n < n_end ? keys.status(n) : kBlockEmpty;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const unsigned s = __ballot_sync(~0u, status[i] != kBlockEmpty);
+        const unsigned f = __ballot_sync(~0u, status[i] == kBlockFull);
+        if (lane == 0 && (w0 + i) * 32 < n_end) shown[w0 + i] = s, whole[w0 + i] = f;
+        shown_tiles += __popc(s);
+      }
+    }
+    if (lane == 0) *count = shown_tiles;
+  }
+  // The last shown tile below n (n_begin - 1 where none).
+  __device__ __forceinline__ int before(int n, int n_begin) const {
+    const int t = n - 1;
+    if (t < n_begin) return n_begin - 1;
+    int w = t / 32;
+    unsigned bits = shown[w] & ((2u << (t % 32)) - 1);
+    while (bits == 0) {
+      if (--w < n_begin / 32) return n_begin - 1;
+      bits = shown[w];
+    }
+    return w * 32 + 31 - __clz(bits);
+  }
+  __device__ __forceinline__ bool full(int n) const { return (whole[n / 32] >> (n % 32)) & 1; }
+};
+
 // The query tiles (kBlockM rows each) of one key tile's column of blocks, for the backward's
 // loops over (query head, query tile) pairs: heads [head_begin, head_end), tiles [m_begin,
 // m_end), head by head. Only with a block mask (the loops of the dense kernels number every

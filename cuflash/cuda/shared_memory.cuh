@@ -56,7 +56,8 @@ struct ClusterDecodeShared : DecodeShared<kHeadDim, kBlockM, kBlockN, kStages> {
 // Q's two ("landed", "released"), then each stage's "landed" and each stage's "released";
 // then the number of the tile whose Q is loaded (the producer's word to the consumers,
 // under Q's barriers), and a word for each warp that the consumers write to order their
-// code (sink). With two stages (kApart) K and V have barriers of their own (K's landed,
+// code (sink); with mods, kKeyBitBytes for the key tiles of a block mask's rows (two
+// rounds' KeyTileBits: the producer fills one while the consumers walk the other). With two stages (kApart) K and V have barriers of their own (K's landed,
 // V's landed, K's released, V's released): a stage's K is done with at its S, its V only
 // at the next turn's P V, and the copy engine refills each as soon as it may. With three
 // (d 64), a stage's K and V share one pair: the third stage keeps the copy engine ahead
@@ -64,7 +65,7 @@ struct ClusterDecodeShared : DecodeShared<kHeadDim, kBlockM, kBlockN, kStages> {
 // A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes, one after the other. Dynamic
 // shared memory is promised less alignment: the launch asks for 1024 bytes more
 // (_sm90.shared_bytes).
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages, int kKeyBitBytes = 0>
 struct Sm90SharedLayout {
   static constexpr int kColumnBlocks = kHeadDim / 64;
   static constexpr int kQBlock = kBlockM * 128, kKvBlock = kBlockN * 128;  // bytes of a 64-column block
@@ -75,7 +76,8 @@ struct Sm90SharedLayout {
   static constexpr int kStageBarriers = (kApart ? 2 : 1) * kStages;  // "landed" ones, as many "released"
   static constexpr int kTile = kBarriers + (2 + 2 * kStageBarriers) * 8;
   static constexpr int kSinks = kTile + 8, kMaxWarps = 16;
-  static constexpr int kBytes = kSinks + kMaxWarps * 4 + 1024;
+  static constexpr int kKeyBits = kSinks + kMaxWarps * 4;  // (with a block mask: two KeyTileBits, mods.cuh)
+  static constexpr int kBytes = kKeyBits + kKeyBitBytes + 1024;
 };
 
 // The sm_90a backward (sm90/bwd.cu, Sm90BackwardShared), byte offsets from a 1024-byte

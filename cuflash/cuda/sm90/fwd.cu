@@ -40,11 +40,11 @@
 namespace cuflash {
 
 // The shared memory of Sm90SharedLayout (shared_memory.cuh), its loads and its barriers.
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct Sm90Shared : Sm90SharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
-  using Layout = Sm90SharedLayout<kHeadDim, kBlockM, kBlockN, kStages>;
-  using Layout::kApart, Layout::kBarriers, Layout::kColumnBlocks, Layout::kK, Layout::kKvBlock, Layout::kKvTile,
-      Layout::kQ, Layout::kQBlock, Layout::kSinks, Layout::kStageBarriers, Layout::kTile, Layout::kV;
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages, int kKeyBitBytes = 0>
+struct Sm90Shared : Sm90SharedLayout<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes> {
+  using Layout = Sm90SharedLayout<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>;
+  using Layout::kApart, Layout::kBarriers, Layout::kColumnBlocks, Layout::kK, Layout::kKeyBits, Layout::kKvBlock,
+      Layout::kKvTile, Layout::kQ, Layout::kQBlock, Layout::kSinks, Layout::kStageBarriers, Layout::kTile, Layout::kV;
   enum Operand { kKeys, kValues, kBoth };  // (kBoth: a stage's K and V under one pair)
 
   unsigned char* base;
@@ -59,6 +59,10 @@ struct Sm90Shared : Sm90SharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
   // A word of each warp's that its first lane writes and nobody reads (sm90::keep_before_wait).
   __device__ __forceinline__ volatile float& sink(int warp) const {
     return reinterpret_cast<float*>(base + kSinks)[warp];
+  }
+  // Round r's key tiles under a block mask (the slot of r's parity).
+  __device__ __forceinline__ KeyTileBits key_bits(int round) const {
+    return KeyTileBits::at(base + kKeyBits + (round & 1) * KeyTileBits::kBytes);
   }
   __device__ __forceinline__ sm90::Barrier barrier(int index) const {
     return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
@@ -140,10 +144,10 @@ struct Sm90Block {
 // The products of a consumer warpgroup, issued and committed as one group each; they run
 // until wgmma_wait. S = Q K^T: its 64 query rows against the stage's keys, the head dim in
 // k16 steps, four to a 64-column block (32 bytes each).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
-__device__ __forceinline__ void issue_scores(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>& shared, int stage,
-                                             int consumer, float (&acc_s)[1][kBlockN / 8][4]) {
-  using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, int kKeyBitBytes>
+__device__ __forceinline__ void issue_scores(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>& shared,
+                                             int stage, int consumer, float (&acc_s)[1][kBlockN / 8][4]) {
+  using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>;
   const unsigned char* q_rows = shared.q() + consumer * 64 * 128;
   sm90::wgmma_fence();
 #pragma unroll
@@ -156,11 +160,11 @@ __device__ __forceinline__ void issue_scores(const Sm90Shared<kHeadDim, kBlockM,
 
 // O += P V: P from registers, the stage's keys in k16 steps of 16 rows of V (2048 bytes);
 // a head dim of 256 as two products of 128 columns (two 64-column blocks each).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
-__device__ __forceinline__ void issue_values(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>& shared, int stage,
-                                             const unsigned (&p)[kBlockN / 16][4],
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, int kKeyBitBytes>
+__device__ __forceinline__ void issue_values(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>& shared,
+                                             int stage, const unsigned (&p)[kBlockN / 16][4],
                                              float (&acc_o)[1][kHeadDim / 8][4]) {
-  using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
+  using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>;
   constexpr int kN = kHeadDim > 128 ? 128 : kHeadDim;
   using Product = sm90::Wgmma<T, kN>;
   sm90::wgmma_fence();
@@ -345,7 +349,8 @@ __device__ __forceinline__ void finish_piece(const Args& args, const Sm90Work& w
 // @tparam kExtras     softcap, ALiBi, dropout or mods may be on
 // @tparam Mods        score_mod / mask_mod (mods.cuh); with a block mask the key tiles of its
 //                     empty blocks are left out (the producer's and the consumers' walks
-//                     alike: KeyTiles::before) and mask_mod is skipped in its full ones
+//                     alike, over the bits the producer fills: KeyTileBits) and mask_mod is
+//                     skipped in its full ones
 template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bool kLocal, bool kExtras,
           typename Mods = NoMods>
 __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
@@ -367,7 +372,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   constexpr int kProducerRegisters = 24, kConsumerRegisters = kConsumers == 2 ? 240 : 160;
   using Block = Sm90Block<kBlockM, kBlockN, kLocal, kExtras>;
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
-  using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages>;
+  using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kSparse ? 2 * KeyTileBits::kBytes : 0>;
   static_assert((kConsumers + 1) * 4 <= Shared::kMaxWarps, "a sink word a warp");
   const auto shared = Shared::of(dynamic_shared);
   const ParamsOf<Mods>& p = args.p;
@@ -383,11 +388,6 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     block.n_end = n_end - work.first_turn, block.n_begin = max(block.n_begin, n_end - work.last_turn);
     return block.m0 < block.seq.seqlen_q;
   };
-  // With a block mask a tile's key tiles are those not empty, from the last down (a block
-  // mask comes without the tail's cut: a tile is whole).
-  auto key_tiles = [&](const Block& block) {
-    return KeyTiles<Mods, kBlockN>::of(p, block.batch, block.head, block.m0);
-  };
 
   if (threadIdx.x == 0) shared.init_barriers(kConsumers * 128);
   __syncthreads();
@@ -400,6 +400,15 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
       for (int t = schedule.first(args); t < schedule.end(args); t = schedule.next(t, args, lane)) {
         Block block;
         if (!tile(schedule.work(t, args), block)) continue;
+        // With a block mask the round's key tiles as bits, in the slot of the round before
+        // last (the consumers read it before releasing that round's Q, awaited last round).
+        const KeyTileBits bits = shared.key_bits(round);
+        if constexpr (kSparse) {
+          // (a block mask comes without the tail's cut: a tile is whole)
+          bits.fill(KeyTiles<Mods, kBlockN>::of(p, block.batch, block.head, block.m0), block.n_begin, block.n_end,
+                    lane);
+          __syncwarp();
+        }
         shared.q_released().wait((round++ & 1) ^ 1);
         if (leader) shared.tile() = t, shared.load_q(args, block.q_row(), block.head, block.tma_batch);
         // Key tile n (key tiles go from n_end - 1 down) into stage `loaded`: its K and V,
@@ -409,10 +418,9 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
           if (leader) shared.load(x, args, block.k_row(n), i % kStages, block.kv_head, block.tma_batch);
         };
         if constexpr (kSparse) {
-          const auto keys = key_tiles(block);
           int before = -1;  // the tile loaded before n
-          for (int n = keys.before(block.n_end, block.n_begin); n >= block.n_begin;
-               before = n, n = keys.before(n, block.n_begin), ++loaded) {
+          for (int n = bits.before(block.n_end, block.n_begin); n >= block.n_begin;
+               before = n, n = bits.before(n, block.n_begin), ++loaded) {
             if constexpr (Shared::kApart) {
               load(Shared::kKeys, n, loaded);
               if (before >= 0) load(Shared::kValues, before, loaded - 1);
@@ -457,13 +465,16 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
       }
       Block block;
       tile(schedule.work(t, args), block);
-      // key tiles n_end - 1 down to n_begin (with a block mask those not empty: n, the one
-      // the turn at hand takes)
-      const auto keys = key_tiles(block);
-      int tiles = max(0, block.n_end - block.n_begin), n = keys.before(block.n_end, block.n_begin);
+      // key tiles n_end - 1 down to n_begin (with a block mask those not empty, from the
+      // producer's bits: n, the one the turn at hand takes, and whether its block is full,
+      // read before the tile's last S releases Q and with it the bits' slot)
+      const KeyTileBits bits = shared.key_bits(round);
+      int tiles = max(0, block.n_end - block.n_begin), n = block.n_end - 1;
+      bool whole = false;
       if constexpr (kSparse) {
-        tiles = 0;
-        for (int m = n; m >= block.n_begin; m = keys.before(m, block.n_begin)) ++tiles;
+        tiles = *bits.count;
+        n = bits.before(block.n_end, block.n_begin);
+        whole = tiles > 0 && bits.full(n);
       }
       const int row0 = block.m0 + warp_row0;
       OnlineSoftmax<1, true> softmax;
@@ -490,7 +501,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         if constexpr (kExtras) block.mod.template apply<false>(acc_s, row0, n0, lane);  // (per tile: d 64 spills)
         if constexpr (kHasMods<Mods>)  // score_mod, -inf where mask_mod hides (not in a block mask's full blocks)
           ModsAt<Mods>::of(p, block.batch, block.head)
-              .in_block(kSparse && keys.status(n) == kBlockFull)
+              .in_block(kSparse && whole)
               .apply(acc_s, row0, n0, lane);
         if (!block.mask.covers(block.m0, block.row_end, n0, n0 + kBlockN)) block.mask.apply(acc_s, row0, n0, lane);
         const bool moves = softmax.update_scores(acc_s, block.scale_log2, alpha);
@@ -523,7 +534,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         write_pending();
         softmax_step(0, false);
         for (int j = 1; j < tiles; ++j) {
-          if constexpr (kSparse) n = keys.before(n, block.n_begin);
+          if constexpr (kSparse) n = bits.before(n, block.n_begin), whole = bits.full(n);
           shared.landed(Shared::kKeys, stage_of(j)).wait(phase_of(j));
           if constexpr (Shared::kApart) shared.landed(Shared::kValues, stage_of(j - 1)).wait(phase_of(j - 1));
           turns.wait_turn();
