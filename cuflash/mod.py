@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import inspect
 import math
 import numbers
+import operator
 import os
 import re
 from typing import NamedTuple
@@ -1015,33 +1017,38 @@ def _interval(node: Node, interval, domain: dict):
 
 # -- the derivative ---------------------------------------------------------------------------------
 
-def _folded(op: str, a: Node, b: Node) -> Node | None:
-    """Two constants combined in double precision (the derivative's c * (c - 1) and such)."""
-    if a.op != "const" or b.op != "const" or (op == "div" and b.value == 0):
-        return None
-    x, y = a.value, b.value
-    return _const({"add": x + y, "sub": x - y, "mul": x * y, "div": x / y if op == "div" else 0.0}[op])
+_FOLDS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv}
 
 
+def _folding(op: str):
+    """``a op b`` by the decorated rule (its simplifications), once two constants are folded in
+    double precision (the derivative's c * (c - 1) and such; never a division by zero)."""
+    def decorate(rule):
+        @functools.wraps(rule)
+        def node(a: Node, b: Node) -> Node:
+            if a.op == "const" and b.op == "const" and not (op == "div" and b.value == 0):
+                return _const(_FOLDS[op](a.value, b.value))
+            return rule(a, b)
+        return node
+    return decorate
+
+
+@_folding("add")
 def _add(a: Node, b: Node) -> Node:
-    if (folded := _folded("add", a, b)) is not None:
-        return folded
     if a == _ZERO:
         return b
     return a if b == _ZERO else Node("add", FLOAT, (a, b))
 
 
+@_folding("sub")
 def _sub(a: Node, b: Node) -> Node:
-    if (folded := _folded("sub", a, b)) is not None:
-        return folded
     if b == _ZERO:
         return a
     return _neg(b) if a == _ZERO else Node("sub", FLOAT, (a, b))
 
 
+@_folding("mul")
 def _mul(a: Node, b: Node) -> Node:
-    if (folded := _folded("mul", a, b)) is not None:
-        return folded
     if a == _ZERO or b == _ZERO:
         return _ZERO
     if a == _ONE:
@@ -1049,9 +1056,8 @@ def _mul(a: Node, b: Node) -> Node:
     return a if b == _ONE else Node("mul", FLOAT, (a, b))
 
 
+@_folding("div")
 def _div(a: Node, b: Node) -> Node:
-    if (folded := _folded("div", a, b)) is not None:
-        return folded
     return _ZERO if a == _ZERO else Node("div", FLOAT, (a, b))
 
 
