@@ -722,36 +722,41 @@ def float_index(s, b, h, q, k, t):
     return s + t[s]
 
 
-TRACE_ERRORS = [
-    (branchy, (), TypeError, r"used in Python control flow: `if`"),
-    (truthy, (), TypeError, r"control flow: `if`, .*bool\(\)"),
-    (integral, (), TypeError, r"control flow: int\(\)"),
-    (floating, (), TypeError, r"control flow: float\(\)"),
-    (mathy, (), TypeError, r"float\(\) \(or a `math` function"),
-    (iterating, (), TypeError, r"iteration"),
-    (both, (), TypeError, r"`and`, `or`"),
-    (chained, (), TypeError, r"chained comparison"),
-    (ranged, (), TypeError, r"a Python index \(range\(\)"),
-    (xor, (), TypeError, r"\^ is not supported"),
-    (shifted, (), TypeError, r"a bit shift is not supported"),
-    (matmul, (), TypeError, r"@ is not supported"),
-    (sine, (), TypeError, r"NumPy's sin is not supported"),
-    (float_modulo, (), TypeError, r"% takes integer operands"),
-    (float_floor, (), TypeError, r"// takes integer operands"),
-    (symbolic_power, (), TypeError, r"a symbolic exponent is not supported"),
-    (captured, (), TypeError, r"pass arrays in mod_tensors"),
-    (captured_product, (), TypeError, r"arrays enter a traced function only as mod_tensors"),
-    (method, (), AttributeError, r"no attribute 'exp'"),
-    (bitwise_ints, (), TypeError, r"& takes booleans"),
+# Functions traced without mod tensors: (function, error, message).
+PLAIN_TRACE_ERRORS = [
+    (branchy, TypeError, r"used in Python control flow: `if`"),
+    (truthy, TypeError, r"control flow: `if`, .*bool\(\)"),
+    (integral, TypeError, r"control flow: int\(\)"),
+    (floating, TypeError, r"control flow: float\(\)"),
+    (mathy, TypeError, r"float\(\) \(or a `math` function"),
+    (iterating, TypeError, r"iteration"),
+    (both, TypeError, r"`and`, `or`"),
+    (chained, TypeError, r"chained comparison"),
+    (ranged, TypeError, r"a Python index \(range\(\)"),
+    (xor, TypeError, r"\^ is not supported"),
+    (shifted, TypeError, r"a bit shift is not supported"),
+    (matmul, TypeError, r"@ is not supported"),
+    (sine, TypeError, r"NumPy's sin is not supported"),
+    (float_modulo, TypeError, r"% takes integer operands"),
+    (float_floor, TypeError, r"// takes integer operands"),
+    (symbolic_power, TypeError, r"a symbolic exponent is not supported"),
+    (captured, TypeError, r"pass arrays in mod_tensors"),
+    (captured_product, TypeError, r"arrays enter a traced function only as mod_tensors"),
+    (method, AttributeError, r"no attribute 'exp'"),
+    (bitwise_ints, TypeError, r"& takes booleans"),
+    (boolean_score, TypeError, r"must return a float score, got a bool expression"),
+    (integer_score, TypeError, r"must return a float score, got an int expression"),
+    (nothing, TypeError, r"must return a symbolic expression .* got NoneType"),
+    (constant, TypeError, r"must return a symbolic expression .* got float 0.5"),
+    (too_many, TypeError, r"must take 5 positional arguments"),
+    (bad_where, TypeError, r"where's condition must be a boolean"),
+    (big_constant, ValueError, r"outside int32"),
+    (by_zero, ZeroDivisionError, r"// by the constant 0"),
+]
+
+# Functions traced with mod tensors: (function, mod_tensors, error, message).
+TENSOR_TRACE_ERRORS = [
     (not_indexed, (SLOPES,), TypeError, r"mod tensor 't' \(mod_tensors\[0\]\) must be indexed"),
-    (boolean_score, (), TypeError, r"must return a float score, got a bool expression"),
-    (integer_score, (), TypeError, r"must return a float score, got an int expression"),
-    (nothing, (), TypeError, r"must return a symbolic expression .* got NoneType"),
-    (constant, (), TypeError, r"must return a symbolic expression .* got float 0.5"),
-    (too_many, (), TypeError, r"must take 5 positional arguments"),
-    (bad_where, (), TypeError, r"where's condition must be a boolean"),
-    (big_constant, (), ValueError, r"outside int32"),
-    (by_zero, (), ZeroDivisionError, r"// by the constant 0"),
     (wrong_indices, (SLOPES,), IndexError, r"'t' \(mod_tensors\[0\]\) of shape \(4,\) takes 1 indices"),
     (constant_index, (SLOPES,), IndexError, r"must be in \[0, 4\), got 9"),
     (slice_index, (SLOPES,), TypeError, r"index 0 of 't' \(mod_tensors\[0\]\) must be a symbolic value"),
@@ -759,6 +764,8 @@ TRACE_ERRORS = [
     (too_many, ([1.0, 2.0],), TypeError, r"mod_tensors\[0\] must be a NumPy array \(the NumPy path\), got builtins"),
     (too_many, (SLOPES.astype(np.uint8),), TypeError, r"mod_tensors\[0\] must have a dtype among .* got uint8"),
 ]
+
+TRACE_ERRORS = [(fn, (), error, message) for fn, error, message in PLAIN_TRACE_ERRORS] + TENSOR_TRACE_ERRORS
 
 
 @pytest.mark.parametrize("fn,tensors,error,message", TRACE_ERRORS, ids=[e[0].__name__ + str(len(e[1]))
