@@ -146,34 +146,35 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     dv always are. score_mod, mask_mod, mod_tensors and block_mask are the forward's; dS is
     multiplied by d score_mod / d score (``cuflash.mod.derivative``).
     """
+    given = (dout, q, k, v, out, lse) if dlse is None else (dout, q, k, v, out, lse, dlse)
+    scalars = (causal, softmax_scale, window_size, softcap, dropout_p, seed, rng_offset, deterministic)
+    key = None
+    if block_mask is None and not _options.has_mods(score_mod, mask_mod, mod_tensors):
+        key = _key(given, scalars, alibi_slopes)
+        warm = _warm_calls.lookup(_warm, key)
+        if warm is not None:
+            return _backward_warm(warm, given)
     arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
     qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
     if block_mask is not None:
         mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
-    key = None if mods else _key(tuple(a.obj for a in arrays.values()), (causal, softmax_scale, window_size, softcap,
-                                                                         dropout_p, seed, rng_offset, deterministic),
-                                 alibi_slopes)
-    warm = _lookup(key)
-    cold = warm is None
-    if cold:
-        _options.check_qkv(qi, ki, vi, packed=False)
-        _options.check_outputs(arrays, (qi.shape[0], qi.shape[2], qi.shape[1]))
-        _options.check_dlse(arrays)
-        options = _options.make_options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                                        dropout_p, seed, rng_offset, backward=True)
-        _options.check_bool("deterministic", deterministic)
-        if mods:
-            options = _with_mods(options, qi, score_mod, mask_mod, mod_tensors, qi.shape[0], qi.shape[1],
-                                 ki.shape[1], block_mask)
-        warm = _Warm(options)
+    _options.check_qkv(qi, ki, vi, packed=False)
+    _options.check_outputs(arrays, (qi.shape[0], qi.shape[2], qi.shape[1]))
+    _options.check_dlse(arrays)
+    options = _options.make_options(qi, ki, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                                    dropout_p, seed, rng_offset, backward=True)
+    _options.check_bool("deterministic", deterministic)
+    if mods:
+        options = _with_mods(options, qi, score_mod, mask_mod, mod_tensors, qi.shape[0], qi.shape[1], ki.shape[1],
+                             block_mask)
     if qi.device is None:
         from . import cpu
-        return cpu.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **_cpu_options(warm.options, alibi_slopes),
+        return cpu.attention_backward(dout, q, k, v, out, lse, dlse=dlse, **_cpu_options(options, alibi_slopes),
                                       **_mod_options(score_mod, mask_mod, mod_tensors, block_mask))
-    grads = _backward_gpu(arrays, warm.options, None, deterministic, warm)
-    if cold:
-        _warm_calls.remember(_warm, key, warm)
+    warm = _Warm(options)
+    grads = _backward_gpu(arrays, options, None, deterministic, warm)
+    _warm_calls.remember(_warm, key, warm)
     return grads
 
 
@@ -260,26 +261,38 @@ def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, determi
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     framework = _arrays.Framework(q)
     dq, dk, dv = grads = [framework.empty(a.shape, a.dtype) for a in (q, k, v)]
-    workspace = warm and warm.workspace
-    if not workspace:  # (the same for every call of a signature: q's shape, deterministic, options)
-        block_mask = options.mods is not None and options.mods.blocks is not None
-        ordered = deterministic and _plan.backward_orders(q.shape[-1], options.extras, block_mask,
-                                                          _kernels.device_facts(q.device).sm90a)
-        workspace = _plan.backward_workspace(q.shape, deterministic, options.extras, ordered)
-        if warm:
-            warm.workspace = workspace
+    block_mask = options.mods is not None and options.mods.blocks is not None
+    ordered = deterministic and _plan.backward_orders(q.shape[-1], options.extras, block_mask,
+                                                      _kernels.device_facts(q.device).sm90a)
+    workspace = _plan.backward_workspace(q.shape, deterministic, options.extras, ordered)
     work = {name: framework.empty(shape, dtype) for name, (shape, dtype) in workspace.items()}
     dq_accum, dq_semaphore, dlse = work.get("dq_accum"), work.get("dq_semaphore"), arrays.get("dlse")
-    launcher = warm and warm.launcher
-    if not launcher:
-        launcher = _kernels.backward_launcher(arrays["dout"], q, k, v, arrays["out"], dq, dk, dv, dq_accum, options,
-                                              varlen, dq_semaphore)
-        if warm:
-            warm.launcher = launcher
+    launcher = _kernels.backward_launcher(arrays["dout"], q, k, v, arrays["out"], dq, dk, dv, dq_accum, options,
+                                          varlen, dq_semaphore)
     pointers = (arrays["dout"], q, k, v, arrays["out"], arrays["lse"], dlse, dq, dk, dv, work["delta"], dq_accum,
                 dq_semaphore)
     launcher(framework.stream, *(0 if a is None else a.ptr for a in pointers))
+    if warm:  # (the same for every call of a signature: the arrays' shapes, deterministic, options)
+        dtype = framework.calls.dtype
+        warm.launcher, warm.calls, warm.device = launcher, framework.calls, q.device
+        warm.outputs = tuple((a.shape, dtype(a.dtype)) for a in grads)
+        warm.workspace = tuple(None if a is None else (a.shape, dtype(a.dtype)) for a in pointers[-3:])
     return tuple(framework.finish(g.obj) for g in grads)
+
+
+def _backward_warm(warm: _Warm, given: tuple):
+    """The backward of a warm signature on ``given`` (dout, q, k, v, out, lse and dlse
+    where the call has one): (dq, dk, dv) and the scratch allocated, its launcher
+    launched, no array described."""
+    calls, device = warm.calls, warm.device
+    empty, pointer = calls.empty, calls.pointer
+    grads = [empty(shape, dtype, device) for shape, dtype in warm.outputs]
+    # (each scratch array held until the launch: a freed one's memory would be handed to the next)
+    work = [None if w is None else empty(w[0], w[1], device) for w in warm.workspace]
+    arrays = map(pointer, given) if len(given) == 7 else (*map(pointer, given), 0)
+    warm.launcher(calls.stream(device), *arrays, *map(pointer, grads),
+                  *(0 if w is None else pointer(w) for w in work))
+    return tuple(grads)
 
 
 def _cpu_options(options: Options, alibi_slopes) -> dict:
@@ -317,9 +330,10 @@ def _mod_options(score_mod, mask_mod, mod_tensors, block_mask=None) -> dict:
 # seeds vary), and so are packed sequences (their cu_seqlens): they make no key.
 class _Warm:
     """A call signature that passed the checks: its options and, once it has run on
-    the GPU (the only calls kept), its launcher, (forward) its arrays' library and
-    device and its outputs' shapes and dtype, and (backward) its scratch buffers' shapes
-    and dtypes."""
+    the GPU (the only calls kept), its launcher, its arrays' library and device, its
+    outputs' shapes and dtype ((forward) out's, its dtype and lse's shape or None;
+    (backward) dq's, dk's and dv's (shape, dtype)s) and (backward) its scratch buffers'
+    (shape, dtype)s, or None for those it has not: delta, dq_accum, dq_semaphore."""
     __slots__ = ("options", "launcher", "calls", "device", "outputs", "workspace")
 
     def __init__(self, options: Options):

@@ -253,10 +253,10 @@ def test_a_warm_forward_enters_only_the_key_the_lookup_and_the_launch(stand_in_g
                     "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
 
 
-def test_a_warm_backward_enters_no_check_plan_or_compile(stand_in_gpu):
-    """A warm backward describes its arrays (api._inspect: it has no path that skips that,
-    as the forward has) and allocates its results and scratch, but checks, plans and binds
-    nothing: the functions it enters are this list."""
+def test_a_warm_backward_enters_only_the_key_the_lookup_and_the_launch(stand_in_gpu):
+    """A warm backward, as the forward, describes no array and checks, plans and binds
+    nothing: it allocates its gradients and scratch through its library's calls and
+    launches the first call's kernels; the functions it enters are this list."""
     def arrays():  # dout, q, k, v, out, lse
         return [DeviceArray(shape()) for _ in range(5)] + [DeviceArray((2, 4, 300), "float32")]
 
@@ -268,15 +268,29 @@ def test_a_warm_backward_enters_no_check_plan_or_compile(stand_in_gpu):
     assert launches >= 2  # (the preprocess, then the backward's kernels)
     warm = entered(cuflash.attention_backward, *arrays(), causal=True)
     assert stand_in_gpu.launches == 2 * launches
-    described = ("api._inspect", "_arrays.Framework")
-    assert not [name for name in warm
-                if name.startswith(COLD_ONLY) and not name.startswith(described) and name not in WARM_TOO], warm
-    empty = ["_arrays.Framework.empty", "_arrays.contiguous_strides"]
-    assert warm == ["api.attention_backward", "api._inspect", "_options.has_mods", "api._key", "_warm.key",
-                    *["_arrays.signature"] * 6, "api._lookup", "_warm.lookup", "api._backward_gpu",
-                    "_arrays.Framework.__init__", *empty * 5,  # dq, dk, dv, D, dQ's accumulator
-                    "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps",
-                    *["_arrays.Framework.finish"] * 3]
+    assert not [name for name in warm if name.startswith(COLD_ONLY) and name not in WARM_TOO], warm
+    assert warm == ["api.attention_backward", "_options.has_mods", "api._key", "_warm.key",
+                    *["_arrays.signature"] * 6, "_warm.lookup", "api._backward_warm",
+                    "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
+
+
+def test_a_warm_backward_launches_what_the_cold_one_did(stand_in_gpu, monkeypatch):
+    """The pointers a warm backward launches are the cold call's, in the same places:
+    its arrays', dlse's (or 0), and its own gradients' and scratch's (fresh ones, as the
+    cold call's are), with as many scratch buffers."""
+    launched = []
+    monkeypatch.setattr(_kernels.Launcher, "__call__", lambda self, stream, *pointers: launched.append(pointers))
+    arrays = [DeviceArray(shape()) for _ in range(5)] + [DeviceArray((2, 4, 300), "float32")]
+    for dlse in (None, DeviceArray((2, 4, 300), "float32")):
+        for deterministic in (False, True):
+            for _ in range(2):
+                cuflash.attention_backward(*arrays, causal=True, deterministic=deterministic, dlse=dlse)
+            cold, warm = launched[-2:]
+            given = [a.ptr for a in arrays] + [0 if dlse is None else dlse.ptr]
+            assert list(cold[:7]) == list(warm[:7]) == given
+            assert len(cold) == len(warm) == 13
+            assert [p == 0 for p in cold[7:]] == [p == 0 for p in warm[7:]]
+            assert not (set(warm[7:]) - {0}) & set(cold[7:])  # (its own allocations)
 
 
 def test_a_warm_kv_cache_call_enters_no_check_plan_or_compile(stand_in_gpu):
