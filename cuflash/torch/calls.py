@@ -210,12 +210,14 @@ def _run_forward(q, k, v, causal, softmax_scale, deterministic, window_left, win
     ``mods`` the registry key of the call's score_mod / mask_mod (or None),
     ``block_statuses`` its block mask's statuses (or None)."""
     seed, rng_offset = _seed_and_offset(q, dropout_p, seed)
-    options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
-    if q.device.type != "cpu":
-        result = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=return_lse, **options,
+    if not q.is_cpu:  # (the keywords themselves: a dict of them merged in costs a microsecond a call)
+        result = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                               window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                               dropout_p=dropout_p, seed=seed, rng_offset=rng_offset, return_lse=return_lse,
                                **_mod_functions(mods, mod_tensors, block_statuses))
         out, lse = result if return_lse else (result, None)
         return out, lse, (seed, rng_offset)
+    options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     q, k, v, alibi_slopes, block_statuses = _numpy(q=q, k=k, v=v, alibi_slopes=alibi_slopes,
                                                    block_mask=block_statuses)
     out, lse = api.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options,
@@ -251,11 +253,13 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left, window_right, softcap,
                   alibi_slopes, dropout_p, rng_state, dlse, mods=None, mod_tensors=(), block_statuses=None):
     seed, rng_offset = _from_rng_state(rng_state)
-    options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
-    if q.device.type != "cpu":
-        return tuple(api.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
-                                            deterministic=deterministic, dlse=dlse, **options,
+    if not q.is_cpu:
+        return tuple(api.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                            window_size=(window_left, window_right), softcap=softcap,
+                                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                                            rng_offset=rng_offset, deterministic=deterministic, dlse=dlse,
                                             **_mod_functions(mods, mod_tensors, block_statuses)))
+    options = _api_options(causal, softmax_scale, window_left, window_right, softcap, dropout_p, seed, rng_offset)
     *arrays, alibi_slopes, dlse, block_statuses = _numpy(dout=dout, q=q, k=k, v=v, out=out, lse=lse,
                                                          alibi_slopes=alibi_slopes, dlse=dlse,
                                                          block_mask=block_statuses)
@@ -281,7 +285,8 @@ def _setup_context(ctx, inputs, output):
     ctx.mods = mods[0] if mods else None
     block_statuses = mods[2] if len(mods) > 2 else None
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, block_statuses, *(mods[1] if mods else ()))
-    ctx.mark_non_differentiable(rng_state)
+    if rng_state is not None:  # (the eager call's, without dropout)
+        ctx.mark_non_differentiable(rng_state)
 
 
 def _backward(backward, ctx, dout, dlse, _drng_state):
@@ -295,11 +300,11 @@ def _backward(backward, ctx, dout, dlse, _drng_state):
     return (dq, dk, dv) + (None,) * 9 + _mod_gradients(ctx, mod_tensors) + ((None,) if ctx.mods else ())
 
 
-def _differentiable(op, forward, backward_op, backward, setup_context, formula):
-    """Give the custom op ``op`` (which runs ``forward``) its autograd ``formula`` (over
-    ``backward_op``), and return op(*inputs) with autograd: the op while torch.compile
-    traces; eagerly, ``forward`` and the formula over ``backward`` through an
-    autograd.Function, without the ops' per-call dispatch and output-aliasing checks
+def _differentiable(op, run, backward_op, backward, setup_context, formula):
+    """Give the custom op ``op`` its autograd ``formula`` (over ``backward_op``), and return
+    op(*inputs) with autograd: the op while torch.compile traces; eagerly, ``run`` and the
+    formula over ``backward`` (the ops' functions, ``run`` before its rng_state is made)
+    through an autograd.Function, without the ops' per-call dispatch and output-aliasing checks
     (the ops' eager dispatch cost about 500 us a small training step)."""
     # One gradient an input the call passed (an optional input left at its default gets none).
     op.register_autograd(lambda ctx, *grads: formula(backward_op, ctx, *grads)[:len(ctx.needs_input_grad)],
@@ -311,7 +316,9 @@ def _differentiable(op, forward, backward_op, backward, setup_context, formula):
         @staticmethod
         def forward(ctx, q, k, v, inputs):
             ctx.set_materialize_grads(False)  # no zero gradients made for unused lse and rng_state: ~100 us a step
-            output = forward(*inputs)
+            out, lse, (seed, rng_offset) = run(*inputs, return_lse=True)
+            # Without dropout no rng_state tensor is made, saved and read back: the backward takes None alike.
+            output = out, lse, None if seed is None and rng_offset == 0 else _rng_state(seed, rng_offset)
             setup_context(ctx, inputs, output)
             return output
 
@@ -327,8 +334,8 @@ def _differentiable(op, forward, backward_op, backward, setup_context, formula):
     return differentiable
 
 
-_forward = _differentiable(attention_forward, _attention_forward, attention_backward, _attention_backward,
-                           _setup_context, _backward)
+_forward = _differentiable(attention_forward, _run_forward, attention_backward, _run_backward, _setup_context,
+                           _backward)
 
 
 # The same with score_mod / mask_mod: a custom op's schema has no default for a tensor
@@ -382,8 +389,8 @@ def _attention_mod_backward_fake(dout, q, k, v, out, lse, causal, softmax_scale,
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_mod_forward = _differentiable(attention_mod_forward, _attention_mod_forward, attention_mod_backward,
-                               _attention_mod_backward, _setup_context, _backward)
+_mod_forward = _differentiable(attention_mod_forward, _run_forward, attention_mod_backward, _run_backward,
+                               _setup_context, _backward)
 
 
 # --- packed variable length -------------------------------------------------------------------
@@ -489,7 +496,8 @@ def _setup_varlen_context(ctx, inputs, output):
     block_statuses = mods[2] if len(mods) > 2 else None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, block_statuses,
                           *(mods[1] if mods else ()))
-    ctx.mark_non_differentiable(rng_state)
+    if rng_state is not None:  # (the eager call's, without dropout)
+        ctx.mark_non_differentiable(rng_state)
 
 
 def _varlen_backward(backward, ctx, dout, dlse, _drng_state):
@@ -504,8 +512,8 @@ def _varlen_backward(backward, ctx, dout, dlse, _drng_state):
     return (dq, dk, dv) + (None,) * 13 + _mod_gradients(ctx, mod_tensors) + ((None,) if ctx.mods else ())
 
 
-_varlen_forward = _differentiable(attention_varlen_forward, _attention_varlen_forward, attention_varlen_backward,
-                                  _attention_varlen_backward, _setup_varlen_context, _varlen_backward)
+_varlen_forward = _differentiable(attention_varlen_forward, _run_varlen_forward, attention_varlen_backward,
+                                  _run_varlen_backward, _setup_varlen_context, _varlen_backward)
 
 
 def _attention_varlen_mod_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -565,9 +573,9 @@ def _attention_varlen_mod_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, c
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_varlen_mod_forward = _differentiable(attention_varlen_mod_forward, _attention_varlen_mod_forward,
-                                      attention_varlen_mod_backward, _attention_varlen_mod_backward,
-                                      _setup_varlen_context, _varlen_backward)
+_varlen_mod_forward = _differentiable(attention_varlen_mod_forward, _run_varlen_forward,
+                                      attention_varlen_mod_backward, _run_varlen_backward, _setup_varlen_context,
+                                      _varlen_backward)
 
 
 # --- score_mod / mask_mod --------------------------------------------------------------------

@@ -1,0 +1,97 @@
+"""Host time of a warm training step: cuflash.torch's forward with inputs that require grad
+and its backward through autograd, beside torch SDPA's (flash), and a warm
+cuflash.attention_backward call alone.
+
+    PYTHONPATH=. python scripts/common/step_host_time.py            # table of rows
+    PYTHONPATH=. python scripts/common/step_host_time.py --profile  # and the calls a cuflash step makes
+
+It reads only the public API, so the same script times another checkout of the package
+(PYTHONPATH=<that checkout>) for a before/after table. Calls are issued back to back
+without synchronising (the GPU work of a (1, 128, 1, 64) call is shorter than its host
+time) and timed with perf_counter: median of 5 x 1000.
+"""
+import collections
+import statistics
+import sys
+import time
+
+import cupy
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+import cuflash
+import cuflash.torch
+
+
+def per_call(fn, n=1000, rounds=5) -> float:
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - start) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def calls_per_step(fn, n=200) -> collections.Counter:
+    """The Python functions one call of fn enters, counted by (file, name), per call."""
+    import cProfile
+    import pstats
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    counts = collections.Counter()
+    for (path, _, name), (_, calls, *_) in pstats.Stats(profile).stats.items():
+        counts[f"{path.rsplit('/', 2)[-1]}:{name}" if "cuflash" in path else name] += calls / n
+    return counts
+
+
+def main() -> None:
+    shape = (1, 128, 1, 64)
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16) for _ in range(3))
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn_like(q)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    tensors = (dout, q, k, v, out, lse)
+    arrays = tuple(cupy.asarray(x) for x in tensors)
+
+    def sdpa_step():
+        qt, kt, vt = (x.transpose(1, 2) for x in leaves)
+        return torch.autograd.grad(sdpa(qt, kt, vt, is_causal=True), leaves, dout.transpose(1, 2))
+
+    def cuflash_step():
+        return torch.autograd.grad(cuflash.torch.attention(*leaves, causal=True), leaves, dout)
+
+    rows = {
+        "torch SDPA (flash) fwd+bwd": sdpa_step,
+        "cuflash.torch fwd+bwd": cuflash_step,
+        "torch SDPA (flash) forward, grad": lambda: sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True),
+        "cuflash.torch forward, grad": lambda: cuflash.torch.attention(*leaves, causal=True),
+        "cuflash.attention_backward, torch": lambda: cuflash.attention_backward(*tensors, causal=True),
+        "cuflash.attention_backward, CuPy": lambda: cuflash.attention_backward(*arrays, causal=True),
+    }
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        results = {name: per_call(fn) for name, fn in rows.items()}
+    print(f"cuflash from {cuflash.__file__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(f"host time per warm call, {shape} float16 causal, median of 5 x 1000 calls")
+    for name, us in results.items():
+        print(f"{name:>36}: {us:6.1f} us")
+    if "--profile" in sys.argv:
+        for name in ("cuflash.torch fwd+bwd", "cuflash.attention_backward, torch"):
+            counts = calls_per_step(rows[name])
+            print(f"--- {name}: {sum(counts.values()):.0f} Python and built-in calls a call; the cuflash ones:")
+            for function, n in sorted(counts.items(), key=lambda item: -item[1]):
+                if ".py:" in function:
+                    print(f"{n:6.1f}  {function}")
+
+
+if __name__ == "__main__":
+    main()
