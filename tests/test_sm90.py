@@ -537,6 +537,7 @@ def test_mods_take_the_sm90_forward_only_where_its_mods_table_says():
             params = Sm90ModParams.from_buffer_copy(p.params)
             assert params.tail_start == -(-1000 // 128) * 4 * 2 and params.tail_ctas == 0  # (whole tiles)
             assert bool(params.p.blocks.status) == blocks
+            assert p.counters == (("tile_counter",) if blocks or causal else ())  # (uneven tiles: taken in turn)
         assert isinstance(plan(256).steps[0].kernel, _plan.Kernel)
 
 

@@ -211,9 +211,9 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
             multiprocessors: int) -> Plan:
     """The sm_90a forward's plan (``takes`` said it takes the call): its Params, and the maps
     of Q, K and V (packed arrays as one batch of all rows; each tile starts at its
-    sequence's first); at most ``multiprocessors`` CTAs (0: no limit). Under a causal mask
-    or a window the CTAs take tiles from a counter (fwd.cu, Sm90Tiles), the plan's
-    workspace, which the launcher zeroes."""
+    sequence's first); at most ``multiprocessors`` CTAs (0: no limit). Under a causal mask,
+    a window or a block mask the CTAs take tiles from a counter (fwd.cu, Sm90Tiles), the
+    plan's workspace, which the launcher zeroes."""
     p, batch = call_params(q, k, v, options, varlen, o=out)
     head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
     short = options.window == (-1, 0) and p.seqlen_q < SM90_SHORT_CAUSAL_ROWS  # (packed: the longest sequence)
@@ -232,7 +232,7 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
         steps = (Step(kernel, (max(grid[0], tail_ctas), *grid[1:])),)
     section = sm90_section(options.window, p.seqlen_q, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
     pointers, workspace = tuple(f"p.{n}" for n in FORWARD_POINTERS), ()
-    if options.local:
+    if options.local or kernel.blocks:  # (tiles of uneven length: taken from a counter)
         pointers, workspace = pointers + ("tile_counter",), (("tile_counter", (1,), "int32"),)
     if tail_ctas:  # a slot for each (tail tile, CTA) that meet; a counter for each tail tile's warps
         slots, warps = tiles - tail_start + tail_ctas - 1, 4 * kernel.consumers

@@ -145,8 +145,9 @@ struct Sm90Block {
 // until wgmma_wait. S = Q K^T: its 64 query rows against the stage's keys, the head dim in
 // k16 steps, four to a 64-column block (32 bytes each).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, int kKeyBitBytes>
-__device__ __forceinline__ void issue_scores(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>& shared,
-                                             int stage, int consumer, float (&acc_s)[1][kBlockN / 8][4]) {
+__device__ __forceinline__ void issue_scores(
+    const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>& shared, int stage, int consumer,
+    float (&acc_s)[1][kBlockN / 8][4]) {
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>;
   const unsigned char* q_rows = shared.q() + consumer * 64 * 128;
   sm90::wgmma_fence();
@@ -161,9 +162,9 @@ __device__ __forceinline__ void issue_scores(const Sm90Shared<kHeadDim, kBlockM,
 // O += P V: P from registers, the stage's keys in k16 steps of 16 rows of V (2048 bytes);
 // a head dim of 256 as two products of 128 columns (two 64-column blocks each).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, int kKeyBitBytes>
-__device__ __forceinline__ void issue_values(const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>& shared,
-                                             int stage, const unsigned (&p)[kBlockN / 16][4],
-                                             float (&acc_o)[1][kHeadDim / 8][4]) {
+__device__ __forceinline__ void issue_values(
+    const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>& shared, int stage,
+    const unsigned (&p)[kBlockN / 16][4], float (&acc_o)[1][kHeadDim / 8][4]) {
   using Shared = Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>;
   constexpr int kN = kHeadDim > 128 ? 128 : kHeadDim;
   using Product = sm90::Wgmma<T, kN>;
@@ -376,7 +377,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   static_assert((kConsumers + 1) * 4 <= Shared::kMaxWarps, "a sink word a warp");
   const auto shared = Shared::of(dynamic_shared);
   const ParamsOf<Mods>& p = args.p;
-  const auto schedule = Sm90Tiles<kBlockM, kLocal>::of(args);
+  const auto schedule = Sm90Tiles<kBlockM, kLocal || kSparse>::of(args);  // (a block mask's tiles differ too)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
   // Work t's rows and key tiles (a piece's share of its tile's); false where they are past
   // its sequence (packed arrays: the tiles cover the longest).

@@ -17,11 +17,11 @@
 // call with fewer tiles than multiprocessors (a long sequence's few query rows) has its
 // keys split the same way.
 //
-// Under a causal mask or a window (kLocal) tiles differ in length: CTA c takes c, then
-// whichever tile is next in order when it gets free, from a counter in global memory that
-// the launch starts at zero (FlashAttention-3's dynamic scheduler), as the hardware hands
-// out the CTAs of a grid of one a tile, yet each CTA loads its next tile's Q and keys
-// under its current tile. And under a causal mask (a section of more than one pair:
+// Under a causal mask, a window or a block mask (kUneven) tiles differ in length: CTA c
+// takes c, then whichever tile is next in order when it gets free, from a counter in
+// global memory that the launch starts at zero (FlashAttention-3's dynamic scheduler), as
+// the hardware hands out the CTAs of a grid of one a tile, yet each CTA loads its next
+// tile's Q and keys under its current tile. And under a causal mask (a section of more than one pair:
 // _plan.sm90_section) the pairs go in sections of equal size whose K and V fit in L2
 // together, and within a section query block by query block, the last first, across its
 // pairs (tile_major, the mma.sync grid's order): the longest tiles first, the short ones
@@ -66,7 +66,7 @@ struct Sm90Tail {
 // at each use, the unmasked loop's bookkeeping left the uniform datapath and ran 1-8%
 // slower at 512-2k. The tail's cut is read from the parameters where it is used, at a
 // work's start and end.)
-template <int kBlockM, bool kLocal>
+template <int kBlockM, bool kUneven>
 struct Sm90Tiles {
   int m_blocks, heads, count, section;
 
@@ -79,7 +79,7 @@ struct Sm90Tiles {
   // Past the last work.
   template <typename Args>
   __device__ __forceinline__ int end(const Args& args) const {
-    return kLocal ? count : count + Sm90Tail::of(args, count).units;
+    return kUneven ? count : count + Sm90Tail::of(args, count).units;
   }
   // CTA c's first piece of the tail, or end where it has none.
   template <typename Args>
@@ -91,13 +91,13 @@ struct Sm90Tiles {
   // This CTA's first work.
   template <typename Args>
   __device__ __forceinline__ int first(const Args& args) const {
-    return kLocal || int(blockIdx.x) < args.tail_start ? int(blockIdx.x) : tail_of(blockIdx.x, args);
+    return kUneven || int(blockIdx.x) < args.tail_start ? int(blockIdx.x) : tail_of(blockIdx.x, args);
   }
-  // The work this warp takes after t (kLocal: lane 0 takes it from the launch's counter,
+  // The work this warp takes after t (kUneven: lane 0 takes it from the launch's counter,
   // of the tiles taken past the first gridDim.x).
   template <typename Args>
   __device__ __forceinline__ int next(int t, const Args& args, int lane) const {
-    if constexpr (kLocal) {
+    if constexpr (kUneven) {
       return gridDim.x + __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(args.tile_counter, 1) : 0, 0);
     } else {
       if (t + int(gridDim.x) < args.tail_start) return t + int(gridDim.x);
@@ -112,7 +112,7 @@ struct Sm90Tiles {
   // Work t: a whole tile or a piece of one.
   template <typename Args>
   __device__ __forceinline__ Sm90Work work(int t, const Args& args) const {
-    if (kLocal || t < count) return {t, 0, 1 << 30, 1, 0, 0, 0};
+    if (kUneven || t < count) return {t, 0, 1 << 30, 1, 0, 0, 0};
     const Sm90Tail tail = Sm90Tail::of(args, count);
     const int u = t - count;
     return piece(tail, u / tail.key_tiles, tail.cta_of(u));
@@ -128,7 +128,7 @@ struct Sm90Tiles {
     const int first = tail.cta_of(i * n), last = tail.cta_of((i + 1) * n - 1);
     return {tail.start + i, begin - i * n, end - i * n, last - first + 1, i, i + c, i + first};
   }
-  // The number of the tile of (query block, head, batch) (at's inverse; not kLocal).
+  // The number of the tile of (query block, head, batch) (at's inverse; not kUneven).
   __device__ __forceinline__ int number(int m_block, int head, int batch) const {
     return (batch * heads + head) * m_blocks + m_blocks - 1 - m_block;
   }
@@ -136,7 +136,7 @@ struct Sm90Tiles {
   // Tile t's (query block, head, batch).
   __device__ __forceinline__ void at(int t, int& m_block, int& head, int& batch) const {
     int pair, from_last;  // pair: head + heads * batch
-    if (kLocal && section > 1) {
+    if (kUneven && section > 1) {
       tile_major(t, m_blocks, count / m_blocks, section, from_last, pair);  // (common.cuh)
     } else {
       pair = t / m_blocks, from_last = t % m_blocks;
