@@ -57,6 +57,11 @@ class DeviceMods(NamedTuple):
     tensors: tuple[ArrayInfo, ...]
     blocks: ArrayInfo | None = None
 
+    @property
+    def mask_only(self) -> bool:
+        """mask_mod without score_mod: the scores stay as they are, hidden ones -inf."""
+        return "kScore = false" in self.source  # (cuflash.mod.kernel_source's struct)
+
 
 class Varlen(NamedTuple):
     """Packed sequences: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]."""

@@ -79,6 +79,25 @@ def test_sm90_mod_variants_compile_without_spills(kind, head_dim, local, source)
     assert compiled.resources.spill_stores == compiled.resources.spill_loads == 0
 
 
+# mask_mod alone with a block mask: the sm_90a kernels' plain instances (the hidden scores -inf
+# before the exp, in partial blocks only), both head dims, causal or not.
+MASK_ONLY = kernel_source(None, trace(same_document, "mask", T5_SPECS), True)
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("local", [False, True])
+def test_sm90_plain_instances_take_a_mask_mod_alone_without_spills(kind, head_dim, local):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (the cuda12/cuda13 extra) is not installed")
+    if kind == "forward":
+        kernel = _plan.Sm90Forward.of("bfloat16", head_dim, local, False, False, MASK_ONLY, True)
+    else:
+        kernel = _plan.Sm90Backward.of("bfloat16", head_dim, local, False, MASK_ONLY)
+    assert kernel.instance.endswith(", false, cuflash::UserMods>") and not kernel.extras
+    compiled = _compile.compile_kernel(kernel.source, kernel.instance, "sm_90a", prelude=MASK_ONLY)
+    assert compiled.resources.spill_stores == compiled.resources.spill_loads == 0
+
+
 def test_mod_params_layout_matches_the_cuda_struct():
     """ModParams is Params then the mod tensors, as cuda/mods.cuh declares them (NVRTC has no
     offsetof: each probe reads one field, and the PTX says from where)."""

@@ -541,6 +541,29 @@ def test_mods_take_the_sm90_forward_only_where_its_mods_table_says():
         assert isinstance(plan(256).steps[0].kernel, _plan.Kernel)
 
 
+def test_a_block_masked_mask_mod_alone_takes_the_plain_forward():
+    """mask_mod alone with its block mask (no score_mod, softcap, ALiBi or dropout) rides on
+    the sm_90a forward's plain instance in 128-key tiles; with score_mod, softcap or no block
+    mask, on the extras' one (test_sm90_backward: the backward alike)."""
+    infos = [_arrays.inspect(np.zeros((2, 1000, 4, 128), np.float16), name) for name in ("q", "k", "v")]
+    blocks = info((2, 4, 8, 8), "int8", 4096)
+    mask_only = "struct UserMods { static constexpr bool kScore = false, kMask = true, kBlocks = true; };"
+    scored = mask_only.replace("kScore = false", "kScore = true")
+
+    def kernel(source, blocks, softcap=0.0):
+        made = _options.make_options(infos[0], infos[1], False, None, (-1, -1), softcap, None, 0.0, None, 0,
+                                     backward=False)
+        with experiment.override(sm90_mods_tiles=MODS_TILES):
+            return _plan.forward(*infos, infos[0], made._replace(mods=_options.DeviceMods(source, (), blocks)), None,
+                                 device(sm90a=True)).steps[0].kernel
+
+    plain = kernel(mask_only, blocks)
+    assert not plain.extras and (plain.block_n, plain.consumers, plain.blocks) == (128, 2, True)
+    for source, given, softcap in ((scored, blocks, 0.0), (mask_only, None, 0.0), (mask_only, blocks, 5.0)):
+        extras = kernel(source, given, softcap)
+        assert extras.extras and (extras.block_n, extras.consumers) == (64, 2)
+
+
 def _t5_bias(s, b, h, q_idx, kv_idx, table, doc_q, doc_k):
     return s + table[h, mod.minimum(mod.maximum(q_idx - kv_idx, -16), 16) + 16]
 

@@ -71,6 +71,18 @@ def test_deterministic_calls_take_the_sm90_backward_in_order(no_compiler, head_d
 
 MODS = _options.DeviceMods("struct UserMods;", (info((4, 9), "float32"),))  # (text the planner only passes on)
 BLOCK_MASK = MODS._replace(blocks=info((1, 1, 3, 3), "int8"))
+MASK_ONLY = BLOCK_MASK._replace(source="struct UserMods { static constexpr bool kScore = false, kMask = true; };")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_block_masked_mask_mod_alone_takes_the_plain_backward(no_compiler, head_dim):
+    """mask_mod alone with its block mask rides on the plain instance (its hidden scores -inf
+    before the exp); without the block mask, or with softcap, on the extras' one."""
+    kernel = _backward_plan(head_dim, mods=MASK_ONLY).steps[1].kernel
+    assert kernel == _plan.Sm90Backward.of("bfloat16", head_dim, True, False, MASK_ONLY.source)
+    assert not kernel.extras and kernel.instance.endswith(", true, false, cuflash::UserMods>")
+    for case in (dict(mods=MASK_ONLY._replace(blocks=None)), dict(mods=MASK_ONLY, softcap=5.0)):
+        assert _backward_plan(head_dim, **case).steps[1].kernel.extras
 
 
 @pytest.mark.parametrize("case", [dict(softcap=5.0), dict(alibi=True, causal=False), dict(dropout_p=0.1),

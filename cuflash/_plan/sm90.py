@@ -41,15 +41,16 @@ class Sm90Forward(NamedTuple):
         SM90_BANDED_TILES, with softcap, ALiBi or dropout SM90_BANDED_EXTRAS_TILES, and
         ``short``, a causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows,
         SM90_SHORT_CAUSAL_TILES, where they name the head dim; with mods SM90_MODS_TILES, which
-        names the head dims whose calls with mods it takes)."""
+        names the head dims whose calls with mods it takes, or on the plain instance (mask_mod
+        alone: not ``extras``) SM90_MASK_TILES)."""
         tile = SM90_TILES[head_dim]
         if local:
             tile = SM90_BANDED_TILES.get(head_dim, tile)
             tile = SM90_BANDED_EXTRAS_TILES.get(head_dim, tile) if extras else tile
             tile = SM90_SHORT_CAUSAL_TILES.get(head_dim, tile) if short else tile
         if mods:
-            tile = SM90_MODS_TILES[head_dim]
-        return cls(dtype, head_dim, local, extras or bool(mods), *tile, mods, blocks)
+            tile = (SM90_MODS_TILES if extras else SM90_MASK_TILES)[head_dim]
+        return cls(dtype, head_dim, local, extras, *tile, mods, blocks)
 
     @property
     def block_m(self) -> int:
@@ -124,6 +125,10 @@ SM90_SHORT_CAUSAL_ROWS = 2048
 # up to 128. Empty: calls with mods take the mma.sync forward, which ran them 1.5-1.7x faster
 # (tuning.md); experiment.override(sm90_mods_tiles={64: (64, 4, 2), 128: (64, 3, 2)}) sends them here.
 SM90_MODS_TILES: dict[int, tuple[int, int, int]] = {}
+# mask_mod alone with its block mask (no score_mod, softcap, ALiBi or dropout) rides on the plain
+# instance, its hidden scores -inf before the exp as a causal mask's: 128 keys a tile (one block
+# of a block mask), two consumers (128 rows: a block's), where SM90_MODS_TILES names the head dim.
+SM90_MASK_TILES = {64: (128, 3, 2), 128: (128, 3, 2)}
 # With a block mask a row's key tiles are walked as bits in shared memory (mods.cuh kMaxKeyTileBits):
 # longer rows take the mma.sync forward.
 MAX_KEY_TILE_BITS = 2048
@@ -152,8 +157,8 @@ class Sm90Backward(NamedTuple):
 
     @classmethod
     def of(cls, dtype: str, head_dim: int, local: bool, extras: bool = False, mods: str = "") -> Sm90Backward:
-        tiles = SM90_BACKWARD_EXTRAS_TILES if extras or mods else SM90_BACKWARD_TILES
-        return cls(dtype, head_dim, local, extras or bool(mods), *tiles[head_dim], mods)
+        tiles = SM90_BACKWARD_EXTRAS_TILES if extras else SM90_BACKWARD_TILES
+        return cls(dtype, head_dim, local, extras, *tiles[head_dim], mods)
 
     @property
     def instance(self) -> str:
@@ -190,6 +195,16 @@ SM90_BACKWARD_EXTRAS_TILES = {64: (128, 2), 128: (64, 2)}
 SM90_BACKWARD_HEAD_DIMS = tuple(SM90_BACKWARD_TILES)
 
 
+def extras_instance(options: Options) -> bool:
+    """Does a call take the sm_90a kernels' extras instances? Softcap, ALiBi, dropout or
+    mods, but mask_mod alone with its block mask, which rides on the plain ones (without a
+    block mask, evaluated at every score, it spilled the plain d 64 backward)."""
+    mods = options.mods
+    blocked_mask = mods is not None and mods.mask_only and mods.blocks is not None
+    return options.extras and not (blocked_mask and options.softcap == 0 and options.alibi is None
+                                   and options.dropout_p == 0)
+
+
 def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options,
           varlen: Varlen | None) -> bool:
     """Does the sm_90a forward take this call? Head dims 64 to 256; arrays the copy engine
@@ -199,8 +214,11 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
         return False
     seqlen_k = varlen.max_seqlen_k if varlen else k.shape[1]
     if options.mods is not None:
-        tile = SM90_MODS_TILES.get(next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]))
-        if tile is None or options.mods.blocks is not None and seqlen_k > MAX_KEY_TILE_BITS * tile[0]:
+        head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
+        if head_dim not in SM90_MODS_TILES:
+            return False
+        block_n = (SM90_MODS_TILES if extras_instance(options) else SM90_MASK_TILES)[head_dim][0]
+        if options.mods.blocks is not None and seqlen_k > MAX_KEY_TILE_BITS * block_n:
             return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
@@ -217,7 +235,7 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
     p, batch = call_params(q, k, v, options, varlen, o=out)
     head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
     short = options.window == (-1, 0) and p.seqlen_q < SM90_SHORT_CAUSAL_ROWS  # (packed: the longest sequence)
-    kernel = Sm90Forward.of(q.dtype, head_dim, options.local, options.extras, short,
+    kernel = Sm90Forward.of(q.dtype, head_dim, options.local, extras_instance(options), short,
                             "" if options.mods is None else options.mods.source,
                             options.mods is not None and options.mods.blocks is not None)
     maps = [tensor_map(name, a, varlen, rows) for name, a, rows in
@@ -309,7 +327,7 @@ def backward_takes(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, dq
     """Does the sm_90a backward take this call? Head dims 64 to 128 (with softcap, ALiBi,
     dropout or mods those of SM90_BACKWARD_EXTRAS_TILES); arrays the copy engine can read
     (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
-    if _backward_head_dim(q.shape[-1], options.extras) is None or q.dtype not in DTYPES:
+    if _backward_head_dim(q.shape[-1], extras_instance(options)) is None or q.dtype not in DTYPES:
         return False
     return vectorizable(dout, q, k, v, dq, dk, dv) and all(a.strides[-1] == 1 for a in (dout, q, k, v))
 
@@ -325,7 +343,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     rows = backward_rows(p, batch, q, varlen, accum_cols)
     per_row, tasks = rows.args, rows.tasks
     tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= p.headdim), options.local,
-                            options.extras, "" if options.mods is None else options.mods.source)
+                            extras_instance(options), "" if options.mods is None else options.mods.source)
     steps = []
     if tasks:
         steps.append(Step(Elementwise("backward_preprocess", q.dtype), rows.preprocess_grid, per_row, argument="p"))

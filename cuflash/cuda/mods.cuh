@@ -112,6 +112,17 @@ struct ModsAt {
       return true;
     }
   }
+  // mask_mod alone, on the plain instances (scores as they are, scaled or not): -inf where
+  // it hides, but in a full block; the lines of s from row0 (keys with kTransposed, else
+  // queries), its columns from col0.
+  template <bool kTransposed, int kMTiles, int kNTiles>
+  __device__ __forceinline__ void hide(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {
+    static_assert(!Mods::kScore, "score_mod takes the scores in natural units: the extras' instances");
+    if (kBlockSparse<Mods> && whole) return;
+    for_each_element<kMTiles, kNTiles>(lane, [&](int mt, int nt, int e, int r, int c) {
+      if (!(kTransposed ? visible(col0 + c, row0 + r) : visible(row0 + r, col0 + c))) s[mt][nt][e] = -kInf;
+    });
+  }
   // s[mt][nt][e] (mma C layout) of query row0 + its row, key col0 + its column.
   template <int kMTiles, int kNTiles>
   __device__ __forceinline__ void apply(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane) const {

@@ -204,16 +204,17 @@ __device__ __forceinline__ void consumers_meet() { asm volatile("bar.sync 1, 256
 //                  P^T's fragments: _plan.SM90_BACKWARD_TILES)
 // @tparam kStages  Q/dO stages in flight
 // @tparam kLocal   causal or sliding window
-// @tparam kExtras  softcap, ALiBi, dropout or mods may be on: P and dS in one step
+// @tparam kExtras  softcap, ALiBi, dropout or score_mod may be on: P and dS in one step
 //                  (softmax_bwd.cuh, probabilities_and_gradients) once dP^T has landed
 // @tparam Mods     score_mod / mask_mod (mods.cuh; with a block mask the steps leave out its
-//                  empty blocks)
+//                  empty blocks); mask_mod alone also on the plain instance, its hidden
+//                  scores -inf before the exp (ModsAt::hide)
 template <typename T, int kHeadDim, int kBlockM, int kStages, bool kLocal, bool kExtras, typename Mods = NoMods>
 __global__ void __launch_bounds__(384, 1)
     attention_backward_sm90(const __grid_constant__ Sm90BackwardParamsOf<kHasMods<Mods>> args) {
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128),
                 "the products: m64n64 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
-  static_assert(kExtras || !kHasMods<Mods>, "mods take the scores in natural units: the extras' instances");
+  static_assert(kExtras || !Mods::kScore, "score_mod takes the scores in natural units: the extras' instances");
   constexpr int kBlockN = 128, kGroups = kBlockM / 8;  // dQ's groups of 8 rows
   // dQ = dS K: with 64 query rows a step the consumers take half the head dim each, with
   // 128 rows each its 64 rows.
@@ -371,9 +372,13 @@ __global__ void __launch_bounds__(384, 1)
             p.dropout_threshold > 0, p.dropout_scale, [=](int c, int) { return lse[c]; },
             [=](int c, int) { return delta[c]; }, n0 + key_row, m0, lane);
       } else {
-        // P^T = exp(S^T - LSE), while dP^T is in flight
+        // P^T = exp(S^T - LSE), while dP^T is in flight (mask_mod alone: its hidden scores -inf first)
         sm90::wgmma_wait<1>();
         sm90::fence_operands(acc_s);
+        if constexpr (kHasMods<Mods>)
+          ModsAt<Mods>::of(p, batch, head)
+              .in_block(pairs.status(head, m0 / kBlockM) == kBlockFull)
+              .template hide<true>(acc_s, n0 + key_row, m0, lane);
         probabilities<true, kLocal>(acc_s, p.scale_log2, masked, mask, [=](int c, int) { return lse[c]; },
                                     n0 + key_row, m0, lane);
         // dV += P^T dO;  dS^T = P^T (dP^T - D) -> shared memory;  dK += dS^T Q

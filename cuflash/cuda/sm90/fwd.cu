@@ -347,7 +347,7 @@ __device__ __forceinline__ void finish_piece(const Args& args, const Sm90Work& w
 // @tparam kConsumers  warpgroups, 64 query rows each: 2 or 3
 // @tparam kStages     K/V tiles in flight
 // @tparam kLocal      causal or sliding window
-// @tparam kExtras     softcap, ALiBi, dropout or mods may be on
+// @tparam kExtras     softcap, ALiBi, dropout or score_mod may be on (mask_mod alone: either)
 // @tparam Mods        score_mod / mask_mod (mods.cuh); with a block mask the key tiles of its
 //                     empty blocks are left out (the producer's and the consumers' walks
 //                     alike, over the bits the producer fills: KeyTileBits) and mask_mod is
@@ -360,7 +360,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
                     (kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176),
                 "the products: m64n64, m64n80, m64n128, m64n176 (S); m64n64, m64n128 (O; two at d 256)");
   static_assert(kConsumers == 2 || kConsumers == 3, "turn taking among two or three consumers");
-  static_assert(kExtras || !kHasMods<Mods>, "mods take the scores in natural units: the extras' instances");
+  static_assert(kExtras || !Mods::kScore, "score_mod takes the scores in natural units: the extras' instances");
   constexpr int kBlockM = 64 * kConsumers;
   constexpr bool kSparse = kBlockSparse<Mods>;
   static_assert(!kSparse || kBlockMaskSize % kBlockM == 0, "a tile's rows lie in one block of the block mask");
