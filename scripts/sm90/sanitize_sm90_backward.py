@@ -8,8 +8,8 @@ compute capability 9.0 GPU:
 Both tiles (d 64: 128 x 128; d 128: 64 x 128, also serving d 72-120), causal and not,
 a sliding window, GQA and MQA, ragged lengths (sq != sk, a block + 1, a single query),
 the LSE's gradient, packed sequences with an empty one, deterministic calls (dQ added in
-turns), softcap, ALiBi, dropout, score_mod / mask_mod and a block mask (the extras'
-instances). Each call's gradients are checked against the float64 reference (dropout's
+turns), softcap, ALiBi, dropout and score_mod (the extras' instances), a block mask of
+mask_mod alone (the plain one). Each call's gradients are checked against the float64 reference (dropout's
 run only).
 """
 import cupy
@@ -91,8 +91,8 @@ def sinks_and_window(b, h, q_idx, kv_idx):
 
 
 def extras(d):
-    """Softcap, ALiBi, dropout, score_mod / mask_mod and a block mask (a block column and row
-    left out), on the extras' instances."""
+    """Softcap, ALiBi, dropout and score_mod on the extras' instances; a block mask (a block
+    column and row left out) of mask_mod alone on the plain one."""
     slopes = np.array([0.3, 0.1, 0.05, 0.02], np.float32)
     bias = np.random.default_rng(d).standard_normal((4, 17)).astype(np.float32)
     call(2, 300, 300, 4, 2, d, softcap=5.0, causal=True)
