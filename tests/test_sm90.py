@@ -514,8 +514,9 @@ MODS_TILES = {64: (64, 4, 2), 128: (64, 3, 2)}  # (the sm_90a forward's tiles fo
 
 
 def test_mods_take_the_sm90_forward_only_where_its_mods_table_says():
-    """By default calls with score_mod / mask_mod keep the mma.sync forward (SM90_MODS_TILES
-    is empty); where the table names the head dim (experiment.override): two consumers, 64
+    """By default calls with mods on the extras' instance (score_mod, or mask_mod without a
+    block mask) keep the mma.sync forward (SM90_MODS_TILES is empty); where the table names
+    the head dim (experiment.override): two consumers, 64
     keys a tile (a tile inside one of a block mask's blocks), no tail cut, the mod tensors
     after Params."""
     def plan(d, blocks=False, causal=False):
@@ -542,25 +543,27 @@ def test_mods_take_the_sm90_forward_only_where_its_mods_table_says():
 
 
 def test_a_block_masked_mask_mod_alone_takes_the_plain_forward():
-    """mask_mod alone with its block mask (no score_mod, softcap, ALiBi or dropout) rides on
-    the sm_90a forward's plain instance in 128-key tiles; with score_mod, softcap or no block
-    mask, on the extras' one (test_sm90_backward: the backward alike)."""
+    """mask_mod alone with its block mask (no score_mod, softcap, ALiBi or dropout) takes the
+    sm_90a forward's plain instance in 128-key tiles; with score_mod, softcap or no block
+    mask, the extras' one where SM90_MODS_TILES names the head dim (by default none: the
+    mma.sync forward) (test_sm90_backward: the backward alike)."""
     infos = [_arrays.inspect(np.zeros((2, 1000, 4, 128), np.float16), name) for name in ("q", "k", "v")]
     blocks = info((2, 4, 8, 8), "int8", 4096)
     mask_only = "struct UserMods { static constexpr bool kScore = false, kMask = true, kBlocks = true; };"
     scored = mask_only.replace("kScore = false", "kScore = true")
 
-    def kernel(source, blocks, softcap=0.0):
+    def kernel(source, blocks, softcap=0.0, mods_tiles=None):
         made = _options.make_options(infos[0], infos[1], False, None, (-1, -1), softcap, None, 0.0, None, 0,
                                      backward=False)
-        with experiment.override(sm90_mods_tiles=MODS_TILES):
+        with experiment.override(sm90_mods_tiles=mods_tiles):
             return _plan.forward(*infos, infos[0], made._replace(mods=_options.DeviceMods(source, (), blocks)), None,
                                  device(sm90a=True)).steps[0].kernel
 
-    plain = kernel(mask_only, blocks)
+    plain = kernel(mask_only, blocks)  # (by default: SM90_MASK_TILES)
     assert not plain.extras and (plain.block_n, plain.consumers, plain.blocks) == (128, 2, True)
     for source, given, softcap in ((scored, blocks, 0.0), (mask_only, None, 0.0), (mask_only, blocks, 5.0)):
-        extras = kernel(source, given, softcap)
+        assert isinstance(kernel(source, given, softcap), _plan.Kernel)  # (SM90_MODS_TILES empty: mma.sync)
+        extras = kernel(source, given, softcap, MODS_TILES)
         assert extras.extras and (extras.block_n, extras.consumers) == (64, 2)
 
 

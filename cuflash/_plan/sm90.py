@@ -120,14 +120,16 @@ SM90_BANDED_EXTRAS_TILES = {256: (64, 2, 2)}
 # three consumers' 192-row tiles are too few, and too long, to share out (tuning.md, "The Hopper forward").
 SM90_SHORT_CAUSAL_TILES = {64: (128, 3, 2)}
 SM90_SHORT_CAUSAL_ROWS = 2048
-# With score_mod / mask_mod: head dim -> tile, two consumers and 64 keys a tile (a tile lies in
-# one of a block mask's 128 x 128 blocks; with 128 keys the mods' evaluation spilled), head dims
-# up to 128. Empty: calls with mods take the mma.sync forward, which ran them 1.5-1.7x faster
-# (tuning.md); experiment.override(sm90_mods_tiles={64: (64, 4, 2), 128: (64, 3, 2)}) sends them here.
+# With score_mod, or mask_mod without a block mask (the extras' instance): head dim -> tile, two
+# consumers and 64 keys a tile (a tile lies in one of a block mask's 128 x 128 blocks; with 128
+# keys the mods' evaluation spilled), head dims up to 128. Empty: such calls take the mma.sync
+# forward, which ran a mask_mod without its block mask 1.3x faster (tuning.md);
+# experiment.override(sm90_mods_tiles={64: (64, 4, 2), 128: (64, 3, 2)}) sends them here.
 SM90_MODS_TILES: dict[int, tuple[int, int, int]] = {}
 # mask_mod alone with its block mask (no score_mod, softcap, ALiBi or dropout) rides on the plain
-# instance, its hidden scores -inf before the exp as a causal mask's: 128 keys a tile (one block
-# of a block mask), two consumers (128 rows: a block's), where SM90_MODS_TILES names the head dim.
+# instance, its hidden scores -inf before the exp as a causal mask's: head dim -> tile, 128 keys
+# (one block of a block mask), two consumers (128 rows: a block's); 1.16-1.27x FlexAttention's
+# forward where a mask shows half the blocks or fewer than a fifth (tuning.md).
 SM90_MASK_TILES = {64: (128, 3, 2), 128: (128, 3, 2)}
 # With a block mask a row's key tiles are walked as bits in shared memory (mods.cuh kMaxKeyTileBits):
 # longer rows take the mma.sync forward.
@@ -214,11 +216,9 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
         return False
     seqlen_k = varlen.max_seqlen_k if varlen else k.shape[1]
     if options.mods is not None:
-        head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
-        if head_dim not in SM90_MODS_TILES:
-            return False
-        block_n = (SM90_MODS_TILES if extras_instance(options) else SM90_MASK_TILES)[head_dim][0]
-        if options.mods.blocks is not None and seqlen_k > MAX_KEY_TILE_BITS * block_n:
+        tile = (SM90_MODS_TILES if extras_instance(options) else SM90_MASK_TILES).get(
+            next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]))
+        if tile is None or options.mods.blocks is not None and seqlen_k > MAX_KEY_TILE_BITS * tile[0]:
             return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
