@@ -117,8 +117,9 @@ def main() -> None:
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     dout = torch.randn_like(q)
     scalars = (True, None, (-1, -1), 0.0, 0.0, None, 0, False)
-    cuflash.attention(q, k, v, causal=True)
-    cuflash.attention(qc, kc, vc, causal=True)
+    for _ in range(2):  # (the first call of a new array type makes no warm key)
+        cuflash.attention(q, k, v, causal=True)
+        cuflash.attention(qc, kc, vc, causal=True)
     key, key_c = (api._key(arrays, scalars, None) for arrays in ((q, k, v), (qc, kc, vc)))
     warm, warm_c = api._warm[key], api._warm[key_c]
     calls, calls_c = warm.calls, warm_c.calls
