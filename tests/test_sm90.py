@@ -552,15 +552,17 @@ def test_a_block_masked_mask_mod_alone_takes_the_plain_forward():
     mask_only = "struct UserMods { static constexpr bool kScore = false, kMask = true, kBlocks = true; };"
     scored = mask_only.replace("kScore = false", "kScore = true")
 
-    def kernel(source, blocks, softcap=0.0, mods_tiles=None):
+    def kernel(source, blocks, softcap=0.0, mods_tiles=None, varlen=None):
         made = _options.make_options(infos[0], infos[1], False, None, (-1, -1), softcap, None, 0.0, None, 0,
                                      backward=False)
         with experiment.override(sm90_mods_tiles=mods_tiles):
-            return _plan.forward(*infos, infos[0], made._replace(mods=_options.DeviceMods(source, (), blocks)), None,
+            return _plan.forward(*infos, infos[0], made._replace(mods=_options.DeviceMods(source, (), blocks)), varlen,
                                  device(sm90a=True)).steps[0].kernel
 
     plain = kernel(mask_only, blocks)  # (by default: SM90_MASK_TILES)
     assert not plain.extras and (plain.block_n, plain.consumers, plain.blocks) == (128, 2, True)
+    packed = _options.Varlen(info((3,), "int32"), info((3,), "int32"), 600, 600)
+    assert isinstance(kernel(mask_only, blocks, varlen=packed), _plan.Kernel)  # (packed: the mma.sync forward)
     for source, given, softcap in ((scored, blocks, 0.0), (mask_only, None, 0.0), (mask_only, blocks, 5.0)):
         assert isinstance(kernel(source, given, softcap), _plan.Kernel)  # (SM90_MODS_TILES empty: mma.sync)
         extras = kernel(source, given, softcap, MODS_TILES)

@@ -216,9 +216,11 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
         return False
     seqlen_k = varlen.max_seqlen_k if varlen else k.shape[1]
     if options.mods is not None:
-        tile = (SM90_MODS_TILES if extras_instance(options) else SM90_MASK_TILES).get(
-            next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]))
+        extras = extras_instance(options)
+        tile = (SM90_MODS_TILES if extras else SM90_MASK_TILES).get(next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]))
         if tile is None or options.mods.blocks is not None and seqlen_k > MAX_KEY_TILE_BITS * tile[0]:
+            return False
+        if varlen is not None and not extras:  # (packed sequences: not yet checked on a GPU there)
             return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
