@@ -7,9 +7,7 @@
 Calls are issued back to back without synchronising (the GPU work of a (1, 128, 1, 64)
 call is shorter than its host time) and timed with perf_counter: median of 5 x 1000.
 """
-import statistics
 import sys
-import time
 
 import cupy
 import torch
@@ -17,20 +15,7 @@ import torch
 import cuflash
 import cuflash.torch
 from cuflash import _arrays, _kernels, api, kvcache
-
-
-def per_call(fn, n=1000, rounds=5) -> float:
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - start) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+from cuflash.bench.timing import host_us
 
 
 def report(title: str, rows: dict, backend, profiled: tuple) -> None:
@@ -38,7 +23,7 @@ def report(title: str, rows: dict, backend, profiled: tuple) -> None:
     the ``profiled`` rows."""
     from torch.nn.attention import sdpa_kernel
     with sdpa_kernel(backend):
-        results = {name: per_call(fn) for name, fn in rows.items()}
+        results = {name: host_us(torch, fn) for name, fn in rows.items()}
     print(title)
     for name, us in results.items():
         print(f"{name:>34}: {us:6.1f} us")

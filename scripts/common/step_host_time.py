@@ -11,9 +11,7 @@ without synchronising (the GPU work of a (1, 128, 1, 64) call is shorter than it
 time) and timed with perf_counter: median of 5 x 1000.
 """
 import collections
-import statistics
 import sys
-import time
 
 import cupy
 import torch
@@ -22,20 +20,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import cuflash
 import cuflash.torch
-
-
-def per_call(fn, n=1000, rounds=5) -> float:
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - start) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+from cuflash.bench.timing import host_us
 
 
 def calls_per_step(fn, n=200) -> collections.Counter:
@@ -79,7 +64,7 @@ def main() -> None:
         "cuflash.attention_backward, CuPy": lambda: cuflash.attention_backward(*arrays, causal=True),
     }
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        results = {name: per_call(fn) for name, fn in rows.items()}
+        results = {name: host_us(torch, fn) for name, fn in rows.items()}
     print(f"cuflash from {cuflash.__file__}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"host time per warm call, {shape} float16 causal, median of 5 x 1000 calls")
     for name, us in results.items():
