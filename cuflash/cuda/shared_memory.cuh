@@ -56,10 +56,11 @@ struct ClusterDecodeShared : DecodeShared<kHeadDim, kBlockM, kBlockN, kStages> {
 // Q's two ("landed", "released"), then each stage's "landed" and each stage's "released";
 // then the number of the tile whose Q is loaded (the producer's word to the consumers,
 // under Q's barriers), and a word for each warp that the consumers write to order their
-// code (sink); with mods, kKeyBitBytes for the key tiles of a block mask's rows (two
-// rounds' KeyTileBits: the producer fills one while the consumers walk the other). With two stages (kApart) K and V have barriers of their own (K's landed,
-// V's landed, K's released, V's released): a stage's K is done with at its S, its V only
-// at the next turn's P V, and the copy engine refills each as soon as it may. With three
+// code (sink); with a block mask, kKeyBitBytes for its rows' key tiles (two rounds'
+// KeyTileBits: the producer fills one while the consumers walk the other). With two
+// stages (kApart) K and V have barriers of their own (K's landed, V's landed, K's
+// released, V's released): a stage's K is done with at its S, its V only at the next
+// turn's P V, and the copy engine refills each as soon as it may. With three
 // (d 64), a stage's K and V share one pair: the third stage keeps the copy engine ahead
 // already, and releasing them apart showed no gain (H200, d 64 and a three-stage d 128).
 // A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes, one after the other. Dynamic
