@@ -130,15 +130,16 @@ def test_an_unwritable_cache_does_not_stop_the_computation(cache, compiled, tmp_
 
 RACER = """
 import hashlib, pathlib, sys, time
+from unittest import mock
 from cuflash import _compile
 ready, instance = pathlib.Path(sys.argv[1]), sys.argv[2]
 _compile.nvrtc_version()  # load NVRTC before the start line
 runs, real = [], _compile.run_nvrtc
-_compile.run_nvrtc = lambda *args: runs.append(args) or time.sleep(1) or real(*args)  # a long compile
 ready.touch()
 while len(list(ready.parent.glob("ready-*"))) < 2:
     time.sleep(0.01)
-compiled = _compile.compile_kernel("bwd.cu", instance, "sm_80")
+with mock.patch.object(_compile, "run_nvrtc", lambda *args: runs.append(args) or time.sleep(1) or real(*args)):
+    compiled = _compile.compile_kernel("bwd.cu", instance, "sm_80")  # (a long compile)
 print("compiled" if runs else "loaded", hashlib.sha256(compiled.cubin).hexdigest())
 """
 
