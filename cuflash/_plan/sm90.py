@@ -49,7 +49,7 @@ class Sm90Forward(NamedTuple):
             tile = SM90_BANDED_EXTRAS_TILES.get(head_dim, tile) if extras else tile
             tile = SM90_SHORT_CAUSAL_TILES.get(head_dim, tile) if short else tile
         if mods:
-            tile = (SM90_MODS_TILES if extras else SM90_MASK_TILES)[head_dim]
+            tile = mods_tile(head_dim, extras)
         return cls(dtype, head_dim, local, extras, *tile, mods, blocks)
 
     @property
@@ -207,6 +207,12 @@ def extras_instance(options: Options) -> bool:
                                    and options.dropout_p == 0)
 
 
+def mods_tile(head_dim: int, extras: bool) -> tuple[int, int, int] | None:
+    """The forward's tile for a call with mods on the extras' instance (SM90_MODS_TILES) or
+    the plain one (SM90_MASK_TILES); None where the table does not name the head dim."""
+    return (SM90_MODS_TILES if extras else SM90_MASK_TILES).get(head_dim)
+
+
 def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Options,
           varlen: Varlen | None) -> bool:
     """Does the sm_90a forward take this call? Head dims 64 to 256; arrays the copy engine
@@ -217,7 +223,7 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
     seqlen_k = varlen.max_seqlen_k if varlen else k.shape[1]
     if options.mods is not None:
         extras = extras_instance(options)
-        tile = (SM90_MODS_TILES if extras else SM90_MASK_TILES).get(next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]))
+        tile = mods_tile(next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]), extras)
         if tile is None or options.mods.blocks is not None and seqlen_k > MAX_KEY_TILE_BITS * tile[0]:
             return False
         if varlen is not None and not extras:  # (packed sequences: not yet checked on a GPU there)
