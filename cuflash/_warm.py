@@ -13,7 +13,7 @@ glue), through ``lookup`` and ``remember``.
 """
 from __future__ import annotations
 
-from . import _arrays
+from . import _arrays, mod
 
 LIMIT = 4096  # signatures a table keeps (a program calls with a few; one that makes new ones forever stops adding)
 
@@ -29,6 +29,25 @@ def key(arrays: tuple, scalars: tuple, pair: int | None = None):
         return signatures, scalars, kinds if pair is None else (kinds, *map(type, scalars[pair]))
     except TypeError:  # (a window that is no pair: the checks say what is wrong with it)
         return None
+
+
+def mods_key(key, score_mod, mask_mod, mod_tensors: tuple, block_mask):
+    """``key`` for a call with score_mod / mask_mod (and their tensors and block mask), or
+    None. The kernels' parameters hold the mod tensors' and the block mask's addresses, so
+    their pointers count beside their signatures; the functions count as what their traces
+    read (``cuflash.mod.watched``: a global they name, changed, makes another key and
+    another trace; a lambda made anew each call with the same values, the same key)."""
+    if key is None or mod_tensors.__class__ not in (tuple, list):
+        return None
+    functions = tuple(None if f is None else mod.watched(f) or 0 for f in (score_mod, mask_mod))
+    arrays = (*mod_tensors, *(() if block_mask is None else (block_mask.statuses,)))
+    signatures = tuple(map(_arrays.signature, arrays))
+    if None in signatures or 0 in functions:
+        return None
+    pointers = tuple(_arrays.library(a).pointer(a) for a in arrays)
+    made_for = None if block_mask is None else (block_mask.batch, block_mask.heads, block_mask.seqlen_q,
+                                                 block_mask.seqlen_k)
+    return key, functions, signatures, pointers, made_for
 
 
 def lookup(table: dict, key):

@@ -53,7 +53,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if block_mask is not None:
         mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
-    key = None if mods else _key((q, k, v), scalars, alibi_slopes)  # (the key does not see the mods)
+    key = _key((q, k, v), scalars, alibi_slopes)
+    if mods:
+        key = _warm_calls.mods_key(key, score_mod, mask_mod, mod_tensors, block_mask)
     warm = _warm_calls.lookup(_warm, key)
     if warm is not None:
         return _launch_warm(warm, q, k, v)
@@ -148,17 +150,17 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     given = (dout, q, k, v, out, lse) if dlse is None else (dout, q, k, v, out, lse, dlse)
     scalars = (causal, softmax_scale, window_size, softcap, dropout_p, seed, rng_offset, deterministic)
-    key = None
-    if block_mask is None and not _options.has_mods(score_mod, mask_mod, mod_tensors):
-        key = _key(given, scalars, alibi_slopes)
-        warm = _warm_calls.lookup(_warm, key)
-        if warm is not None:
-            return _backward_warm(warm, given)
-    arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
-    qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
     if block_mask is not None:
         mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
+    key = _key(given, scalars, alibi_slopes)
+    if mods:
+        key = _warm_calls.mods_key(key, score_mod, mask_mod, mod_tensors, block_mask)
+    warm = _warm_calls.lookup(_warm, key)
+    if warm is not None:
+        return _backward_warm(warm, given)
+    arrays = _inspect(dout=dout, q=q, k=k, v=v, out=out, lse=lse, **({} if dlse is None else {"dlse": dlse}))
+    qi, ki, vi = arrays["q"], arrays["k"], arrays["v"]
     _options.check_qkv(qi, ki, vi, packed=False)
     _options.check_outputs(arrays, (qi.shape[0], qi.shape[2], qi.shape[1]))
     _options.check_dlse(arrays)

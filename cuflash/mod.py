@@ -573,6 +573,25 @@ def describe(fn, kind: str) -> str:
     return f"{kind}_mod {name!r}{where}"
 
 
+def watched(fn):
+    """What a trace of plain function ``fn`` depends on besides its arguments, as a hashable
+    value, or None for another kind of callable: its code, its defaults, the values in its
+    closure and those of the globals its code names (each beside its type: 1 and 1.0 trace
+    to different constants). A call whose functions' ``watched`` is unchanged reuses their
+    trace and its compiled kernels (``cuflash._warm.mods_key``); the functions a mod calls
+    are watched as objects, not their globals."""
+    code = getattr(fn, "__code__", None)
+    if code is None or not inspect.isfunction(fn):
+        return None
+    try:
+        closure = tuple((c.cell_contents.__class__, c.cell_contents) for c in fn.__closure__ or ())
+    except ValueError:  # (a closure variable not yet assigned: the trace will say)
+        return None
+    names = fn.__globals__
+    return (code, fn.__defaults__, fn.__kwdefaults__, closure,
+            tuple((value.__class__, value) for value in map(names.get, code.co_names)))
+
+
 def _tensor_names(fn, kind: str, count: int) -> list:
     """The parameter names the function gives its mod tensors (None where it takes *args)."""
     names = [None] * count

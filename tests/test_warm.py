@@ -25,6 +25,10 @@ class StandInCalls:
     def signature(x):
         return 0, x.shape, x.strides, x.dtype, x.ptr % 16 == 0
 
+    @staticmethod
+    def pointer(x):
+        return x.ptr
+
 
 @pytest.fixture(autouse=True)
 def stand_in_library(monkeypatch):
@@ -223,8 +227,8 @@ def entered(call, *args, **kwargs) -> list[str]:
 
 # A warm call enters none of these: the checks, the planner, the compiler, the device's facts
 # and the launcher's binding all ran on its signature's first call. (_options.has_mods reads
-# whether a call has mods, which decides whether it has a key.)
-WARM_TOO = ("_options.has_mods",)
+# whether a call has mods, and block_mask_mods a block mask's, which the key holds.)
+WARM_TOO = ("_options.has_mods", "_options.block_mask_mods")
 COLD_ONLY = ("_options.", "_plan.", "_compile.", "_device.", "_kernels.forward_launcher",
              "_kernels.backward_launcher", "_kernels.Launcher.__init__", "_kernels.Launcher._bind", "api._Warm",
              "api._inspect", "_arrays.Framework")
@@ -345,3 +349,100 @@ def test_a_cold_backward_takes_a_short_path(stand_in_gpu):
     assert modules <= {"api", "_options", "_warm", "_arrays", "_plan", "_kernels"}, visits
     assert len(visits) - 1 <= 29, visits
     assert len(stand_in_gpu.driver) <= 2, stand_in_gpu.driver
+
+
+# -- calls with score_mod / mask_mod -------------------------------------------------------------
+
+OFFSET = 0  # (read by shifted_mask: a global a trace reads)
+
+
+def shifted_mask(b, h, q_idx, kv_idx, *tensors):
+    return kv_idx <= q_idx + OFFSET
+
+
+def head_bias(score, b, h, q_idx, kv_idx, bias):
+    return score + bias[h]
+
+
+def test_a_mods_key_holds_the_functions_what_they_read_and_the_tensors_addresses(monkeypatch):
+    """Two calls with the same functions, reading the same globals and closure values, and the
+    same mod tensors (same signature and address: the kernels' parameters hold it) are one
+    key; another address, a changed global or closure value, another function is another."""
+    def mods_key(score_mod=head_bias, mask_mod=shifted_mask, tensors=(StandIn((4,), (1,), "float32", 4096),)):
+        return _warm.mods_key(key(), score_mod, mask_mod, tensors, None)
+
+    assert mods_key() == mods_key() and hash(mods_key()) == hash(mods_key())
+    assert mods_key(tensors=(StandIn((4,), (1,), "float32", 8192),)) != mods_key()
+    assert mods_key(mask_mod=None) != mods_key()
+    before = mods_key()
+    monkeypatch.setitem(globals(), "OFFSET", 3)
+    assert mods_key() != before
+    monkeypatch.setitem(globals(), "OFFSET", 0.0)  # (equal, but another constant in the trace)
+    assert mods_key() != before
+
+    def window(width):
+        return lambda b, h, q_idx, kv_idx: q_idx - kv_idx < width
+
+    assert _warm.mods_key(key(), None, window(4), (), None) != _warm.mods_key(key(), None, window(8), (), None)
+    assert _warm.mods_key(key(), None, window(4), (), None) == _warm.mods_key(key(), None, window(4), (), None)
+
+
+def test_calls_with_mods_that_make_no_key():
+    """A callable that is no plain function (its state unseen), a mod tensor without a
+    signature (NumPy) or a call without a key make none: such calls are traced and planned
+    each time."""
+    class Mask:
+        def __call__(self, b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+    assert _warm.mods_key(key(), None, Mask(), (), None) is None
+    assert _warm.mods_key(key(), None, functools.partial(shifted_mask), (), None) is None
+    assert _warm.mods_key(key(), head_bias, None, (np.zeros(4, np.float32),), None) is None
+    assert _warm.mods_key(None, None, shifted_mask, (), None) is None
+    assert _warm.mods_key(key(), None, shifted_mask, "not a tuple", None) is None
+
+
+def test_a_warm_call_with_mods_traces_checks_and_plans_nothing(stand_in_gpu):
+    """The second forward and backward with the same score_mod, mask_mod and mod tensor
+    neither trace the functions again nor check or plan: they enter these lists. A global
+    that the mask reads, changed, makes the next call trace it again."""
+    bias = DeviceArray((4,), "float32")
+    mods = dict(score_mod=head_bias, mask_mod=shifted_mask, mod_tensors=(bias,))
+
+    def forward():
+        return entered(cuflash.attention, *[DeviceArray(shape()) for _ in "qkv"], return_lse=True, **mods)
+
+    def backward():
+        arrays = [DeviceArray(shape()) for _ in range(5)] + [DeviceArray((2, 4, 300), "float32")]
+        return entered(cuflash.attention_backward, *arrays, **mods)
+
+    for call, first, launch in ((forward, "api.attention", "api._launch_warm"),
+                                (backward, "api.attention_backward", "api._backward_warm")):
+        cold = call()
+        assert "mod.trace" in cold and "_options.check_mods" in cold
+        launches = stand_in_gpu.launches
+        warm = call()
+        assert stand_in_gpu.launches > launches
+        assert not [name for name in warm if name.startswith(COLD_ONLY) and name not in WARM_TOO], warm
+        signatures = ["_arrays.signature"] * (3 if call is forward else 6)
+        assert warm == [first, "_options.has_mods", "api._key", "_warm.key", *signatures, "_warm.mods_key",
+                        "mod.watched", "mod.watched", "_arrays.signature", "_arrays.library", "_warm.lookup", launch,
+                        "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
+    global OFFSET
+    OFFSET = 2
+    try:
+        assert "mod.trace" in forward()
+    finally:
+        OFFSET = 0
+
+
+def test_a_warm_call_with_a_block_mask_traces_nothing(stand_in_gpu):
+    """With a block mask (the mask and its statuses carried), as without."""
+    statuses = DeviceArray((1, 1, 3, 3), "int8")
+    from cuflash import mod
+    blocks = mod.BlockMask(shifted_mask, (), mod.trace(shifted_mask, "mask"), statuses, None, None, 300, 300)
+    for _ in range(2):
+        names = entered(cuflash.attention, *[DeviceArray(shape()) for _ in "qkv"], block_mask=blocks)
+    assert not [name for name in names if name.startswith(COLD_ONLY + ("mod.trace",)) and name not in WARM_TOO]
+    other = mod.BlockMask(shifted_mask, (), blocks.tree, DeviceArray((1, 1, 3, 3), "int8"), None, None, 300, 300)
+    assert "mod.trace" in entered(cuflash.attention, *[DeviceArray(shape()) for _ in "qkv"], block_mask=other)
