@@ -133,7 +133,7 @@ class DeviceArray:
         self.ptr, DeviceArray._next = DeviceArray._next, DeviceArray._next + (1 << 20)
 
 
-class DeviceCalls:
+class DeviceCalls(StandInCalls):
     """The stand-in library's calls (as _arrays._CuPyCalls'), its launches counted, and the
     calls into the driver layer (``_driver``'s functions), by name."""
 
@@ -147,14 +147,6 @@ class DeviceCalls:
             self.driver.append(name)
             return result
         return call
-
-    @staticmethod
-    def signature(x):
-        return 0, x.shape, x.strides, x.dtype, x.ptr % 16 == 0
-
-    @staticmethod
-    def pointer(x):
-        return x.ptr
 
     @staticmethod
     def stream(device):
