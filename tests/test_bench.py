@@ -122,3 +122,33 @@ def test_mods_bench_documents_fill_the_sequence_and_its_masks_mean_what_they_say
         dense = visible(q, k).reshape(s // block, block, s // block, block)
         want = np.where(dense.all(axis=(1, 3)), mod.FULL, np.where(dense.any(axis=(1, 3)), mod.PARTIAL, mod.EMPTY))
         assert (statuses == want).all(), name
+
+
+def test_mods_bench_grid_functions_mean_what_they_say():
+    """bench --mods' grid: the relative bias adds table[h, q - k + seqlen - 1] to each score
+    (the NumPy path against the oracle with the bias added by hand), and the per-sequence
+    documents hide keys of another document of the same sequence only."""
+    import numpy as np
+
+    import cuflash
+    from cuflash import mod
+    from cuflash.bench import mods
+    from cuflash.reference import attention_reference
+    rng = np.random.default_rng(0)
+    b, s, h, d = 2, 37, 3, 16
+    q, k, v = (rng.standard_normal((b, s, h, d)) for _ in range(3))
+    table = rng.standard_normal((h, 2 * s - 1))
+    out = cuflash.attention(q, k, v, score_mod=mods.relative_bias, mod_tensors=(table,))
+    rows, cols = np.meshgrid(np.arange(s), np.arange(s), indexing="ij")
+    bias = table[:, rows - cols + s - 1]  # (h, s, s)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d) + bias
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(out, attention_reference(q, k, v)[0])
+    ids = np.stack([np.repeat(np.arange(3), (10, 20, 7)), np.repeat(np.arange(2), (30, 7))]).astype(np.int32)
+    statuses = mod.create_block_mask(mods.same_document_of, b, None, s, s, mod_tensors=(ids,)).statuses
+    assert statuses.shape == (2, 1, 1, 1) and (statuses == mod.PARTIAL).all()
+    hidden = cuflash.attention(q, k, v, mask_mod=mods.same_document_of, mod_tensors=(ids,))
+    alone = cuflash.attention(q[:1, 10:30], k[:1, 10:30], v[:1, 10:30])  # the second document of sequence 0
+    np.testing.assert_allclose(hidden[:1, 10:30], alone, rtol=1e-6, atol=1e-6)

@@ -11,6 +11,13 @@ lognormal lengths around 1k); forward, and forward + backward. Figures are ms (m
 CUDA events, the implementations taking turns: timing.median_ms_each); the last column is
 FlexAttention's time over cuflash's with the block mask. The block masks are built once
 outside the timing, as a model builds them once for all its layers.
+
+Then a grid over head dims (``--head-dims``, default 64 and 128) and lengths (GRID_SEQLENS,
+``--quick`` every other): a relative position bias (``score_mod`` reading a table of
+(heads, 2 seqlen - 1) floats; the built-in column the same call without it) and the
+documents per sequence (``mask_mod`` with its block mask; the built-in column the packed
+call), 16k tokens and 2048 / d heads as the forward bench, ms and FlexAttention's time over
+cuflash's.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import numpy as np
 from .timing import REPEATS, WARMUP, median_ms_each
 
 NHEADS, HEADDIM, TOKENS, WINDOW, PREFIX = 16, 128, 16384, 1024, 2048
+GRID_HEAD_DIMS, GRID_SEQLENS = (64, 128), (2048, 4096, 8192, 16384)
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -35,6 +43,16 @@ def prefix_lm(b, h, q_idx, kv_idx):
 
 def same_document(b, h, q_idx, kv_idx, document):
     return document[q_idx] == document[kv_idx]
+
+
+def same_document_of(b, h, q_idx, kv_idx, document):
+    """Documents per sequence: ``document`` (batch, seqlen)."""
+    return document[b, q_idx] == document[b, kv_idx]
+
+
+def relative_bias(score, b, h, q_idx, kv_idx, table):
+    """A learned bias per head and distance: ``table`` (heads, 2 seqlen - 1)."""
+    return score + table[h, q_idx - kv_idx + (table.shape[1] - 1) // 2]
 
 
 def _documents(length: int) -> np.ndarray:
@@ -74,7 +92,6 @@ def main(args, torch, gpu: str) -> int:
                 tensors = (cupy.asarray(ids),)
                 document = torch.as_tensor(ids, device="cuda")
                 flex_mask = lambda b, h, q_idx, kv_idx: same_document(b, h, q_idx, kv_idx, document)  # noqa: E731
-                cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
             else:
                 flex_mask = mask_mod
             block_mask = mod.create_block_mask(mask_mod, None, None, seqlen, seqlen, mod_tensors=tensors, like=xc[0])
@@ -83,32 +100,16 @@ def main(args, torch, gpu: str) -> int:
             qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(backward) for t in x[:3])
             dout_t = x[3].transpose(1, 2)
 
-            def ours(**options):
-                q, k, v, dout = xc
-                if not backward:
-                    return cuflash.attention(q, k, v, **options)
-                out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
-                return cuflash.attention_backward(dout, q, k, v, out, lse, **options)
-
-            def packed():  # the documents as packed sequences: varlen, one batch
-                q, k, v, dout = (t[0] for t in xc)
-                if not backward:
-                    return cuflash.attention_varlen(q, k, v, cu, cu, int(lengths.max()), int(lengths.max()))
-                out, lse = cuflash.attention_varlen(q, k, v, cu, cu, int(lengths.max()), int(lengths.max()),
-                                                    return_lse=True)
-                return cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, int(lengths.max()),
-                                                         int(lengths.max()))
-
             def flexed():
                 out = flex_attention(qt, kt, vt, block_mask=flex_blocks)
                 return torch.autograd.grad(out, (qt, kt, vt), dout_t) if backward else out
 
-            fns = {"cuflash": lambda: ours(block_mask=block_mask),
-                   "no blocks": lambda: ours(mask_mod=mask_mod, mod_tensors=tensors)}
+            fns = {"cuflash": _ours(cuflash, xc, backward, block_mask=block_mask),
+                   "no blocks": _ours(cuflash, xc, backward, mask_mod=mask_mod, mod_tensors=tensors)}
             if builtin is not None:
-                fns["built-in"] = lambda: ours(**builtin)
-            elif name == "documents":
-                fns["built-in"] = packed
+                fns["built-in"] = _ours(cuflash, xc, backward, **builtin)
+            elif name == "documents":  # the documents as packed sequences: varlen, one batch
+                fns["built-in"] = _packed(cuflash, cupy, xc, lengths, backward)
             fns["flex"] = flexed
             ms = median_ms_each(fns, torch)
             cells = " ".join(f"{ms[c]:{w}.3f}" if c in ms else f"{'-':>{w}}"
@@ -116,4 +117,78 @@ def main(args, torch, gpu: str) -> int:
             print(f"{'fwd+bwd' if backward else 'fwd':>7} {name:>10} {visible:7.2f} {cells} "
                   f"{ms['flex'] / ms['cuflash']:12.2f}", flush=True)
             torch.cuda.empty_cache()
+    _grid(args, torch, flex, flex_attention, passes)
     return 0
+
+
+def _grid(args, torch, flex, flex_attention, passes) -> None:
+    """The relative bias and the documents over head dims and lengths (the module's doc)."""
+    import cupy
+
+    import cuflash
+    from cuflash import mod
+
+    seqlens = GRID_SEQLENS[::2] if getattr(args, "quick", False) else GRID_SEQLENS
+    print(f"\n{'pass':>7} {'mod':>10} {'d':>4} {'seqlen':>6} {'cuflash':>8} {'built-in':>8} {'flex':>8} "
+          f"{'flex/cuflash':>12}")
+    for backward in passes:
+        for name in ("bias", "documents"):
+            for d in getattr(args, "head_dims", None) or GRID_HEAD_DIMS:
+                for seqlen in seqlens:
+                    batch, nheads = TOKENS // seqlen, 2048 // d
+                    x = [torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+                    xc = [cupy.from_dlpack(t) for t in x]
+                    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(backward) for t in x[:3])
+                    dout_t = x[3].transpose(1, 2)
+                    if name == "bias":
+                        table = torch.randn(nheads, 2 * seqlen - 1, device="cuda")
+                        options = dict(score_mod=relative_bias, mod_tensors=(cupy.from_dlpack(table),))
+                        flex_options = dict(score_mod=lambda s, b, h, q, k: relative_bias(s, b, h, q, k, table))
+                        builtin = _ours(cuflash, xc, backward)
+                    else:
+                        lengths = [_documents(seqlen) for _ in range(batch)]
+                        ids = np.stack([np.repeat(np.arange(len(n)), n) for n in lengths]).astype(np.int32)
+                        document = torch.as_tensor(ids, device="cuda")
+                        blocks = mod.create_block_mask(same_document_of, batch, None, seqlen, seqlen,
+                                                       mod_tensors=(cupy.from_dlpack(document),), like=xc[0])
+                        options = dict(block_mask=blocks)
+                        flex_mask = lambda b, h, q, k: same_document_of(b, h, q, k, document)  # noqa: E731
+                        flex_options = dict(block_mask=flex.create_block_mask(flex_mask, batch, None, seqlen, seqlen,
+                                                                               device="cuda"))
+                        builtin = _packed(cuflash, cupy, xc, np.concatenate(lengths), backward)
+
+                    def flexed():
+                        out = flex_attention(qt, kt, vt, **flex_options)
+                        return torch.autograd.grad(out, (qt, kt, vt), dout_t) if backward else out
+
+                    ms = median_ms_each({"cuflash": _ours(cuflash, xc, backward, **options), "built-in": builtin,
+                                         "flex": flexed}, torch)
+                    print(f"{'fwd+bwd' if backward else 'fwd':>7} {name:>10} {d:4} {seqlen:6} {ms['cuflash']:8.3f} "
+                          f"{ms['built-in']:8.3f} {ms['flex']:8.3f} {ms['flex'] / ms['cuflash']:12.2f}", flush=True)
+                    torch.cuda.empty_cache()
+
+
+def _ours(cuflash, xc, backward: bool, **options):
+    """cuflash's call on (q, k, v, dout): the forward, or the forward and backward."""
+    q, k, v, dout = xc
+
+    def call():
+        if not backward:
+            return cuflash.attention(q, k, v, **options)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+        return cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    return call
+
+
+def _packed(cuflash, cupy, xc, lengths, backward: bool):
+    """The same rows as packed sequences of ``lengths`` (varlen, one batch)."""
+    q, k, v, dout = (t.reshape(-1, *t.shape[2:]) for t in xc)
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    longest = int(lengths.max())
+
+    def call():
+        if not backward:
+            return cuflash.attention_varlen(q, k, v, cu, cu, longest, longest)
+        out, lse = cuflash.attention_varlen(q, k, v, cu, cu, longest, longest, return_lse=True)
+        return cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, longest, longest)
+    return call
