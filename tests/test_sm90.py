@@ -109,6 +109,13 @@ def test_the_scheduler_interleaves_as_many_heads_as_fit_in_l2_under_a_causal_mas
     qkv = [np.zeros((2, 8192, 16, 128), np.float16) for _ in range(3)]
     assert section(*qkv) == 1 and section(*qkv, window_size=(64, 0)) == 1
     assert section(*qkv, causal=True) == budget // (4 * 8192 * 128)
+    # A block mask's tiles in a causal mask's order (a lower-triangular mask's longest first)
+    infos = [_arrays.inspect(x, name) for name, x in zip(("q", "k", "v"), qkv)]
+    made = _options.make_options(infos[0], infos[1], False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
+    mask_only = "struct UserMods { static constexpr bool kScore = false, kMask = true, kBlocks = true; };"
+    mods = _options.DeviceMods(mask_only, (), info((1, 1, 64, 64), "int8", 4096))
+    blocked = _plan.forward(*infos, infos[0], made._replace(mods=mods), None, device(sm90a=True))
+    assert Sm90ModParams.from_buffer_copy(blocked.params).section == budget // (4 * 8192 * 128)
 
 
 class TailModel:
@@ -562,7 +569,7 @@ def test_a_block_masked_mask_mod_alone_takes_the_plain_forward():
     plain = kernel(mask_only, blocks)  # (by default: SM90_MASK_TILES)
     assert not plain.extras and (plain.block_n, plain.consumers, plain.blocks) == (128, 2, True)
     packed = _options.Varlen(info((3,), "int32"), info((3,), "int32"), 600, 600)
-    assert isinstance(kernel(mask_only, blocks, varlen=packed), _plan.Kernel)  # (packed: the mma.sync forward)
+    assert kernel(mask_only, blocks, varlen=packed) == plain  # (packed sequences alike)
     for source, given, softcap in ((scored, blocks, 0.0), (mask_only, None, 0.0), (mask_only, blocks, 5.0)):
         assert isinstance(kernel(source, given, softcap), _plan.Kernel)  # (SM90_MODS_TILES empty: mma.sync)
         extras = kernel(source, given, softcap, MODS_TILES)

@@ -126,10 +126,9 @@ SM90_SHORT_CAUSAL_ROWS = 2048
 # forward, which ran a mask_mod without its block mask 1.3x faster (tuning.md);
 # experiment.override(sm90_mods_tiles={64: (64, 4, 2), 128: (64, 3, 2)}) sends them here.
 SM90_MODS_TILES: dict[int, tuple[int, int, int]] = {}
-# mask_mod alone with its block mask (no score_mod, softcap, ALiBi or dropout) rides on the plain
-# instance, its hidden scores -inf before the exp as a causal mask's: head dim -> tile, 128 keys
-# (one block of a block mask), two consumers (128 rows: a block's); 1.16-1.27x FlexAttention's
-# forward where a mask shows half the blocks or fewer than a fifth (tuning.md).
+# mask_mod alone with its block mask (no score_mod, softcap, ALiBi or dropout; dense or packed)
+# rides on the plain instance, its hidden scores -inf before the exp as a causal mask's: head dim
+# -> tile, 128 keys (one block of a block mask), two consumers (128 rows: a block's); tuning.md.
 SM90_MASK_TILES = {64: (128, 3, 2), 128: (128, 3, 2)}
 # With a block mask a row's key tiles are walked as bits in shared memory (mods.cuh kMaxKeyTileBits):
 # longer rows take the mma.sync forward.
@@ -226,8 +225,6 @@ def takes(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: Opt
         tile = mods_tile(next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1]), extras)
         if tile is None or options.mods.blocks is not None and seqlen_k > MAX_KEY_TILE_BITS * tile[0]:
             return False
-        if varlen is not None and not extras:  # (packed sequences: not yet checked on a GPU there)
-            return False
     if any(a.strides[-1] != 1 for a in (q, k, v)):
         return False
     return k.shape[-3] > 0 and seqlen_k > 0
@@ -256,7 +253,9 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
     if batch and p.seqlen_q and p.nheads:
         grid = kernel.grid(p.seqlen_q, p.nheads, batch, multiprocessors)
         steps = (Step(kernel, (max(grid[0], tail_ctas), *grid[1:])),)
-    section = sm90_section(options.window, p.seqlen_q, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
+    # (a block mask's rows taken as a causal mask's: a lower-triangular one's longest first)
+    window = (-1, 0) if kernel.blocks else options.window
+    section = sm90_section(window, p.seqlen_q, p.seqlen_k, head_dim, p.heads_per_kv, p.nheads * batch)
     pointers, workspace = tuple(f"p.{n}" for n in FORWARD_POINTERS), ()
     if options.local or kernel.blocks:  # (tiles of uneven length: taken from a counter)
         pointers, workspace = pointers + ("tile_counter",), (("tile_counter", (1,), "int32"),)

@@ -21,8 +21,8 @@
 // takes c, then whichever tile is next in order when it gets free, from a counter in
 // global memory that the launch starts at zero (FlashAttention-3's dynamic scheduler), as
 // the hardware hands out the CTAs of a grid of one a tile, yet each CTA loads its next
-// tile's Q and keys under its current tile. And under a causal mask (a section of more than one pair:
-// _plan.sm90_section) the pairs go in sections of equal size whose K and V fit in L2
+// tile's Q and keys under its current tile. And under a causal mask or a block mask (a section of
+// more than one pair: _plan.sm90_section) the pairs go in sections of equal size whose K and V fit in L2
 // together, and within a section query block by query block, the last first, across its
 // pairs (tile_major, the mma.sync grid's order): the longest tiles first, the short ones
 // filling in at the end, where pair after pair would leave the last pair's long tiles to
