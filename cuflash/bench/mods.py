@@ -97,20 +97,13 @@ def main(args, torch, gpu: str) -> int:
             block_mask = mod.create_block_mask(mask_mod, None, None, seqlen, seqlen, mod_tensors=tensors, like=xc[0])
             visible = float(np.mean(cupy.asnumpy(block_mask.statuses) > 0))
             flex_blocks = flex.create_block_mask(flex_mask, None, None, seqlen, seqlen, device="cuda")
-            qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(backward) for t in x[:3])
-            dout_t = x[3].transpose(1, 2)
-
-            def flexed():
-                out = flex_attention(qt, kt, vt, block_mask=flex_blocks)
-                return torch.autograd.grad(out, (qt, kt, vt), dout_t) if backward else out
-
             fns = {"cuflash": _ours(cuflash, xc, backward, block_mask=block_mask),
                    "no blocks": _ours(cuflash, xc, backward, mask_mod=mask_mod, mod_tensors=tensors)}
             if builtin is not None:
                 fns["built-in"] = _ours(cuflash, xc, backward, **builtin)
             elif name == "documents":  # the documents as packed sequences: varlen, one batch
                 fns["built-in"] = _packed(cuflash, cupy, xc, lengths, backward)
-            fns["flex"] = flexed
+            fns["flex"] = _flexed(torch, flex_attention, x, backward, block_mask=flex_blocks)
             ms = median_ms_each(fns, torch)
             cells = " ".join(f"{ms[c]:{w}.3f}" if c in ms else f"{'-':>{w}}"
                              for c, w in (("cuflash", 8), ("no blocks", 9), ("built-in", 8), ("flex", 8)))
@@ -138,8 +131,6 @@ def _grid(args, torch, flex, flex_attention, passes) -> None:
                     batch, nheads = TOKENS // seqlen, 2048 // d
                     x = [torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
                     xc = [cupy.from_dlpack(t) for t in x]
-                    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_(backward) for t in x[:3])
-                    dout_t = x[3].transpose(1, 2)
                     if name == "bias":
                         table = torch.randn(nheads, 2 * seqlen - 1, device="cuda")
                         options = dict(score_mod=relative_bias, mod_tensors=(cupy.from_dlpack(table),))
@@ -156,16 +147,22 @@ def _grid(args, torch, flex, flex_attention, passes) -> None:
                         flex_options = dict(block_mask=flex.create_block_mask(flex_mask, batch, None, seqlen, seqlen,
                                                                                device="cuda"))
                         builtin = _packed(cuflash, cupy, xc, np.concatenate(lengths), backward)
-
-                    def flexed():
-                        out = flex_attention(qt, kt, vt, **flex_options)
-                        return torch.autograd.grad(out, (qt, kt, vt), dout_t) if backward else out
-
                     ms = median_ms_each({"cuflash": _ours(cuflash, xc, backward, **options), "built-in": builtin,
-                                         "flex": flexed}, torch)
+                                         "flex": _flexed(torch, flex_attention, x, backward, **flex_options)}, torch)
                     print(f"{'fwd+bwd' if backward else 'fwd':>7} {name:>10} {d:4} {seqlen:6} {ms['cuflash']:8.3f} "
                           f"{ms['built-in']:8.3f} {ms['flex']:8.3f} {ms['flex'] / ms['cuflash']:12.2f}", flush=True)
                     torch.cuda.empty_cache()
+
+
+def _flexed(torch, flex_attention, x, backward: bool, **options):
+    """FlexAttention's call on the same (q, k, v, dout), heads before rows as it takes them."""
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_(backward) for t in x[:3])
+    dout = x[3].transpose(1, 2)
+
+    def call():
+        out = flex_attention(q, k, v, **options)
+        return torch.autograd.grad(out, (q, k, v), dout) if backward else out
+    return call
 
 
 def _ours(cuflash, xc, backward: bool, **options):
