@@ -53,9 +53,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if block_mask is not None:
         mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
-    key = _key((q, k, v), scalars, alibi_slopes)
-    if mods:
-        key = _warm_calls.mods_key(key, score_mod, mask_mod, mod_tensors, block_mask)
+    key = _key((q, k, v), scalars, alibi_slopes, (score_mod, mask_mod, mod_tensors, block_mask) if mods else None)
     warm = _warm_calls.lookup(_warm, key)
     if warm is not None:
         return _launch_warm(warm, q, k, v)
@@ -153,9 +151,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     if block_mask is not None:
         mask_mod, mod_tensors = _options.block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
-    key = _key(given, scalars, alibi_slopes)
-    if mods:
-        key = _warm_calls.mods_key(key, score_mod, mask_mod, mod_tensors, block_mask)
+    key = _key(given, scalars, alibi_slopes, (score_mod, mask_mod, mod_tensors, block_mask) if mods else None)
     warm = _warm_calls.lookup(_warm, key)
     if warm is not None:
         return _backward_warm(warm, given)
@@ -345,13 +341,15 @@ class _Warm:
 _warm: dict = {}
 
 
-def _key(arrays: tuple, scalars: tuple, alibi_slopes):
+def _key(arrays: tuple, scalars: tuple, alibi_slopes, mods: tuple | None = None):
     """The warm key of a call on these arrays with these other arguments (causal,
-    softmax_scale, window_size, softcap, dropout_p, ...), or None."""
+    softmax_scale, window_size, softcap, dropout_p, ...) and, where it has them, its
+    ``mods`` (score_mod, mask_mod, mod_tensors, block_mask), or None."""
     dropout_p = scalars[4]
     if alibi_slopes is not None or dropout_p.__class__ not in (int, float) or dropout_p != 0:
         return None
-    return _warm_calls.key(arrays, scalars, pair=2)
+    key = _warm_calls.key(arrays, scalars, pair=2)
+    return key if mods is None else _warm_calls.mods_key(key, *mods)
 
 
 def _lookup(key) -> _Warm | None:

@@ -580,9 +580,9 @@ def watched(fn):
     to different constants). A call whose functions' ``watched`` is unchanged reuses their
     trace and its compiled kernels (``cuflash._warm.mods_key``); the functions a mod calls
     are watched as objects, not their globals."""
-    code = getattr(fn, "__code__", None)
-    if code is None or not inspect.isfunction(fn):
+    if not inspect.isfunction(fn):
         return None
+    code = fn.__code__
     try:
         closure = tuple((c.cell_contents.__class__, c.cell_contents) for c in fn.__closure__ or ())
     except ValueError:  # (a closure variable not yet assigned: the trace will say)

@@ -365,7 +365,7 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   constexpr bool kSparse = kBlockSparse<Mods>;
   static_assert(!kSparse || kBlockMaskSize % kBlockM == 0, "a tile's rows lie in one block of the block mask");
   // A tile's output written under the next tile's first S; at d 256 O's 128 registers a
-  // thread, kept that long, spill, and with mods their evaluation's: written at once.
+  // thread, kept that long, spill, and so do the extras' with mods: written at once.
   constexpr bool kDeferOutput = kHeadDim < 256 && !(kHasMods<Mods> && kExtras);
   // The softmax kept ahead of P V's wait (sm90::keep_before_wait), but at d 256 under a
   // mask: there its registers beside O's 128 spill.
