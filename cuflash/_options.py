@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -61,6 +62,11 @@ class DeviceMods(NamedTuple):
     def mask_only(self) -> bool:
         """mask_mod without score_mod: the scores stay as they are, hidden ones -inf."""
         return "kScore = false" in self.source  # (cuflash.mod.kernel_source's struct)
+
+    @property
+    def reads_tensors(self) -> bool:
+        """Does a mod load elements of its tensors (their registers count: sm90 tiles)?"""
+        return re.search(r"\bt\d+\[", self.source) is not None  # (cuflash.mod.to_cuda's loads: t0[offset])
 
 
 class Varlen(NamedTuple):

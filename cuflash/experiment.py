@@ -41,7 +41,8 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
              sm90_banded_tiles: dict[int, tuple] | None = None,
              sm90_banded_extras_tiles: dict[int, tuple] | None = None,
              sm90_short_causal_tiles: dict[int, tuple] | None = None,
-             sm90_mods_tiles: dict[int, tuple] | None = None,
+             sm90_mods_tiles: dict[int, tuple] | None = None, sm90_mask_tiles: dict[int, tuple] | None = None,
+             sm90_mask_tensor_tiles: dict[int, tuple] | None = None,
              sm90_backward_extras_tiles: dict[int, tuple] | None = None, sm90_section_bytes: int | None = None,
              sm90_section_rows: int | None = None,
              sm90_tail: Callable[[int, int, int], tuple[int, int]] | None = None,
@@ -64,6 +65,10 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
     sm90_mods_tiles: {head dim: (keys a tile, stages, consumers)} of the sm_90a forward for
         calls with score_mod / mask_mod (``_plan.SM90_MODS_TILES``; a head dim it names
         takes them there rather than on the mma.sync forward).
+    sm90_mask_tiles, sm90_mask_tensor_tiles: {head dim: (keys a tile, stages, consumers)} of
+        the sm_90a forward for calls with mask_mod alone and its block mask
+        (``_plan.SM90_MASK_TILES``; where the mask reads mod tensors
+        ``_plan.SM90_MASK_TENSOR_TILES``).
     sm90_backward_extras_tiles: {head dim: (query rows a step, stages)} of the sm_90a
         backward for calls with softcap, ALiBi, dropout or mods
         (``_plan.SM90_BACKWARD_EXTRAS_TILES``; the head dims it takes them at).
@@ -96,7 +101,8 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
         for table, entries in ((_plan.SM90_TILES, sm90_tiles), (_plan.SM90_BANDED_TILES, sm90_banded_tiles),
                                (_plan.SM90_BANDED_EXTRAS_TILES, sm90_banded_extras_tiles),
                                (_plan.SM90_SHORT_CAUSAL_TILES, sm90_short_causal_tiles),
-                               (_plan.SM90_MODS_TILES, sm90_mods_tiles),
+                               (_plan.SM90_MODS_TILES, sm90_mods_tiles), (_plan.SM90_MASK_TILES, sm90_mask_tiles),
+                               (_plan.SM90_MASK_TENSOR_TILES, sm90_mask_tensor_tiles),
                                (_plan.SM90_BACKWARD_EXTRAS_TILES, sm90_backward_extras_tiles)):
             if entries:
                 undo.enter_context(_entries(table, {d: tuple(tile) for d, tile in entries.items()}))

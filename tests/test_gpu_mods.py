@@ -249,10 +249,10 @@ BLOCK_CASES = {
 BLOCK_LENGTHS = (1, 17, 128, 129, 131, 257, 300, 383, 512)
 
 
-def _run_blocks(case: str, shape, seed: int, deterministic: bool):
+def _run_blocks(case: tuple, shape, seed: int, deterministic: bool):
     """The call with a block mask (made on the GPU) against the oracle with its mask_mod."""
     import cupy
-    score_mod, mask_mod, tensor_case, dtype, head_dim, options = BLOCK_CASES[case]
+    score_mod, mask_mod, tensor_case, dtype, head_dim, options = case
     batch, seqlen_q, seqlen_k, nheads_kv, group = shape
     nheads = nheads_kv * group
     rng = np.random.default_rng(seed)
@@ -294,7 +294,47 @@ block_shapes = st.tuples(st.integers(1, 2), st.sampled_from(BLOCK_LENGTHS), st.s
 def test_block_masks_match_the_oracle(case, shape, seed, deterministic):
     """Forward and backward (both backward paths: the two-kernel one when deterministic, the
     one-pass one otherwise) with a block mask against the oracle with its mask_mod."""
-    _run_blocks(case, shape, seed, deterministic)
+    _run_blocks(BLOCK_CASES[case], shape, seed, deterministic)
+
+
+def causal_of_indices(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def band_of_indices(b, h, q_idx, kv_idx):  # 100 keys up to the diagonal, and the first 4
+    return ((kv_idx <= q_idx) & (kv_idx > q_idx - 100)) | (kv_idx < 4)
+
+
+def hidden_of_indices(b, h, q_idx, kv_idx):  # rows 128 .. 255 see nothing, keys 128 .. 255 seen by no one
+    return (kv_idx <= q_idx) & ((q_idx < 128) | (q_idx >= 256)) & ((kv_idx < 128) | (kv_idx >= 256))
+
+
+# d 64's block-masked forward on 192-row tiles (three consumers; SM90_MASK_TILES), which span
+# two rows of blocks: masks that load no mod tensor (those that do keep two consumers).
+TWO_ROW_CASES = {
+    "causal": (None, causal_of_indices, None, "bfloat16", 64, {}),
+    "band": (None, band_of_indices, None, "float16", 64, {}),
+    "hidden": (None, hidden_of_indices, None, "bfloat16", 64, {}),
+}
+TWO_ROW_LENGTHS = (1, 100, 129, 191, 193, 257, 385, 449, 640)
+
+
+@pytest.mark.parametrize("case", list(TWO_ROW_CASES))
+@settings(deadline=None, max_examples=6, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.tuples(st.integers(1, 2), st.sampled_from(TWO_ROW_LENGTHS), st.sampled_from(TWO_ROW_LENGTHS),
+                       st.integers(1, 2), st.integers(1, 2)), seed=st.integers(0, 2**32 - 1))
+def test_block_masks_on_tiles_over_two_rows_of_blocks(case, shape, seed):
+    """The 192-row tiles (forced on short calls too) skip a key tile only where both its blocks
+    are empty and skip mask_mod only where both are full: against the oracle."""
+    from cuflash import experiment
+    with experiment.override(sm90_short_causal_tiles={64: (128, 3, 3)}):
+        _run_blocks(TWO_ROW_CASES[case], shape, seed, deterministic=False)
+
+
+def test_long_block_masked_rows_on_three_consumers():
+    """A causal mask_mod over 2113 rows (SM90_SHORT_CAUSAL_ROWS and more: 192-row tiles by
+    default, the last one short) against the oracle."""
+    _run_blocks(TWO_ROW_CASES["causal"], (1, 2113, 2113, 1, 2), 7, deterministic=False)
 
 
 @pytest.mark.parametrize("head_dim,deterministic", [(64, False), (128, True), (256, False), (256, True)])

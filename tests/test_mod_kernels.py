@@ -81,20 +81,27 @@ def test_sm90_mod_variants_compile_without_spills(kind, head_dim, local, source)
 
 # mask_mod alone with a block mask: the sm_90a kernels' plain instances (the hidden scores -inf
 # before the exp, in partial blocks only), both head dims, causal or not.
+# A mask that loads from its tensors (the forward's SM90_MASK_TENSOR_TILES) and one of indices
+# only (at d 64 three consumers' 160 registers: SM90_MASK_TILES).
 MASK_ONLY = kernel_source(None, trace(same_document, "mask", T5_SPECS), True)
+INDEX_MASK = kernel_source(None, trace(lambda b, h, q_idx, kv_idx, *tensors: kv_idx <= q_idx, "mask", T5_SPECS),
+                           True)
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("local", [False, True])
-def test_sm90_plain_instances_take_a_mask_mod_alone_without_spills(kind, head_dim, local):
+@pytest.mark.parametrize("source", [MASK_ONLY, INDEX_MASK], ids=["loads", "indices"])
+def test_sm90_plain_instances_take_a_mask_mod_alone_without_spills(kind, head_dim, local, source):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (the cuda12/cuda13 extra) is not installed")
     if kind == "forward":
-        kernel = _plan.Sm90Forward.of("bfloat16", head_dim, local, False, False, MASK_ONLY, True)
+        kernel = _plan.Sm90Forward.of("bfloat16", head_dim, local, False, False, source, True,
+                                      mod_tensors=source is MASK_ONLY)
+        assert kernel.consumers == (3 if head_dim == 64 and source is INDEX_MASK else 2)
     else:
-        kernel = _plan.Sm90Backward.of("bfloat16", head_dim, local, False, MASK_ONLY)
+        kernel = _plan.Sm90Backward.of("bfloat16", head_dim, local, False, source)
     assert kernel.instance.endswith(", false, cuflash::UserMods>") and not kernel.extras
-    compiled = _compile.compile_kernel(kernel.source, kernel.instance, "sm_90a", prelude=MASK_ONLY)
+    compiled = _compile.compile_kernel(kernel.source, kernel.instance, "sm_90a", prelude=source)
     assert compiled.resources.spill_stores == compiled.resources.spill_loads == 0
 
 

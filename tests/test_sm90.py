@@ -566,7 +566,7 @@ def test_a_block_masked_mask_mod_alone_takes_the_plain_forward():
             return _plan.forward(*infos, infos[0], made._replace(mods=_options.DeviceMods(source, (), blocks)), varlen,
                                  device(sm90a=True)).steps[0].kernel
 
-    plain = kernel(mask_only, blocks)  # (by default: SM90_MASK_TILES)
+    plain = kernel(mask_only, blocks)  # (by default: SM90_MASK_TILES; below 2k rows the short causal tile)
     assert not plain.extras and (plain.block_n, plain.consumers, plain.blocks) == (128, 2, True)
     packed = _options.Varlen(info((3,), "int32"), info((3,), "int32"), 600, 600)
     assert kernel(mask_only, blocks, varlen=packed) == plain  # (packed sequences alike)
@@ -574,6 +574,23 @@ def test_a_block_masked_mask_mod_alone_takes_the_plain_forward():
         assert isinstance(kernel(source, given, softcap), _plan.Kernel)  # (SM90_MODS_TILES empty: mma.sync)
         extras = kernel(source, given, softcap, MODS_TILES)
         assert extras.extras and (extras.block_n, extras.consumers) == (64, 2)
+
+
+@pytest.mark.parametrize("seqlen,loads,consumers", [(2048, False, 3), (2047, False, 2), (4096, True, 2)])
+def test_block_masked_d64_takes_the_causal_tiles(seqlen, loads, consumers):
+    """At d 64 a block-masked mask_mod alone takes the built-in causal call's tiles: three
+    consumers (192 rows over two rows of blocks) from SM90_SHORT_CAUSAL_ROWS query rows, two
+    below; a mask that loads from its mod tensors keeps two (SM90_MASK_TENSOR_TILES)."""
+    infos = [_arrays.inspect(np.zeros((1, seqlen, 4, 64), np.float16), name) for name in ("q", "k", "v")]
+    blocks = info((1, 1, -(-seqlen // 128), -(-seqlen // 128)), "int8", 4096)
+    body = "return t0[(long long)q_idx * t0_stride0] == 1;" if loads else "return kv_idx <= q_idx;"
+    source = ("__device__ bool cuflash_mask_mod() { " + body + " }\n"
+              "struct UserMods { static constexpr bool kScore = false, kMask = true, kBlocks = true; };")
+    made = _options.make_options(infos[0], infos[1], False, None, (-1, -1), 0.0, None, 0.0, None, 0, backward=False)
+    made = made._replace(mods=_options.DeviceMods(source, (), blocks))
+    kernel = _plan.forward(*infos, infos[0], made, None, device(sm90a=True)).steps[0].kernel
+    assert isinstance(kernel, _plan.Sm90Forward) and not kernel.extras and kernel.blocks
+    assert (kernel.block_n, kernel.consumers, kernel.block_m) == (128, consumers, 64 * consumers)
 
 
 def _t5_bias(s, b, h, q_idx, kv_idx, table, doc_q, doc_k):

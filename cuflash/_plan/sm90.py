@@ -36,13 +36,14 @@ class Sm90Forward(NamedTuple):
 
     @classmethod
     def of(cls, dtype: str, head_dim: int, local: bool, extras: bool, short: bool = False,
-           mods: str = "", blocks: bool = False) -> Sm90Forward:
+           mods: str = "", blocks: bool = False, mod_tensors: bool = False) -> Sm90Forward:
         """The variant with the planner's tile (SM90_TILES; under a causal mask or a window
         SM90_BANDED_TILES, with softcap, ALiBi or dropout SM90_BANDED_EXTRAS_TILES, and
-        ``short``, a causal call of fewer than SM90_SHORT_CAUSAL_ROWS query rows,
-        SM90_SHORT_CAUSAL_TILES, where they name the head dim; with mods SM90_MODS_TILES, which
-        names the head dims whose calls with mods it takes, or on the plain instance (mask_mod
-        alone: not ``extras``) SM90_MASK_TILES)."""
+        ``short``, a causal or block-masked call of fewer than SM90_SHORT_CAUSAL_ROWS query
+        rows, SM90_SHORT_CAUSAL_TILES, where they name the head dim; with mods SM90_MODS_TILES,
+        which names the head dims whose calls with mods it takes, or on the plain instance
+        (mask_mod alone with its block mask: not ``extras``) SM90_MASK_TILES, or where it loads
+        from ``mod_tensors`` SM90_MASK_TENSOR_TILES)."""
         tile = SM90_TILES[head_dim]
         if local:
             tile = SM90_BANDED_TILES.get(head_dim, tile)
@@ -50,6 +51,9 @@ class Sm90Forward(NamedTuple):
             tile = SM90_SHORT_CAUSAL_TILES.get(head_dim, tile) if short else tile
         if mods:
             tile = mods_tile(head_dim, extras)
+            if not extras and mod_tensors:
+                tile = SM90_MASK_TENSOR_TILES.get(head_dim, tile)
+            tile = SM90_SHORT_CAUSAL_TILES.get(head_dim, tile) if short and not extras else tile
         return cls(dtype, head_dim, local, extras, *tile, mods, blocks)
 
     @property
@@ -128,8 +132,12 @@ SM90_SHORT_CAUSAL_ROWS = 2048
 SM90_MODS_TILES: dict[int, tuple[int, int, int]] = {}
 # mask_mod alone with its block mask (no score_mod, softcap, ALiBi or dropout; dense or packed)
 # rides on the plain instance, its hidden scores -inf before the exp as a causal mask's: head dim
-# -> tile, 128 keys (one block of a block mask), two consumers (128 rows: a block's); tuning.md.
-SM90_MASK_TILES = {64: (128, 3, 2), 128: (128, 3, 2)}
+# -> tile, 128 keys (one block of a block mask), the causal tiles (d 64: three consumers, 192
+# rows over two rows of blocks; below SM90_SHORT_CAUSAL_ROWS two); tuning.md.
+SM90_MASK_TILES = {64: (128, 3, 3), 128: (128, 3, 2)}
+# A mask_mod that reads mod tensors (a document's ids) keeps two consumers: its loads beside three
+# consumers' 160 registers spilled (same_document at d 64: 20 bytes).
+SM90_MASK_TENSOR_TILES = {64: (128, 3, 2)}
 # With a block mask a row's key tiles are walked as bits in shared memory (mods.cuh kMaxKeyTileBits):
 # longer rows take the mma.sync forward.
 MAX_KEY_TILE_BITS = 2048
@@ -239,10 +247,11 @@ def forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, options: O
     plan's workspace, which the launcher zeroes."""
     p, batch = call_params(q, k, v, options, varlen, o=out)
     head_dim = next(d for d in SM90_HEAD_DIMS if d >= q.shape[-1])
-    short = options.window == (-1, 0) and p.seqlen_q < SM90_SHORT_CAUSAL_ROWS  # (packed: the longest sequence)
+    blocks = options.mods is not None and options.mods.blocks is not None
+    short = (options.window == (-1, 0) or blocks) and p.seqlen_q < SM90_SHORT_CAUSAL_ROWS  # (packed: the longest)
     kernel = Sm90Forward.of(q.dtype, head_dim, options.local, extras_instance(options), short,
-                            "" if options.mods is None else options.mods.source,
-                            options.mods is not None and options.mods.blocks is not None)
+                            "" if options.mods is None else options.mods.source, blocks,
+                            options.mods is not None and options.mods.reads_tensors)
     maps = [tensor_map(name, a, varlen, rows) for name, a, rows in
             (("q", q, kernel.block_m), ("k", k, kernel.block_n), ("v", v, kernel.block_n))]
     tiles, key_tiles = -(-p.seqlen_q // kernel.block_m) * p.nheads * batch, -(-p.seqlen_k // kernel.block_n)

@@ -145,25 +145,37 @@ struct ModsAt {
 
 // The key tiles (kBlockN keys each) of one query tile's row of blocks: their statuses and
 // which of them a loop visits. Without a block mask nothing is read and every tile counts
-// as partial.
+// as partial. A tile of kBlockM rows above kBlockMaskSize (the sm_90a forward's 192) spans
+// two rows of blocks: a key tile is empty or full where both blocks are, else partial.
 // (The statuses' address is computed at each read from the kernel's argument, in the
 // constant bank: no pointer holds registers through the loop; at d 128 the forward with
 // mods has none to spare.)
-template <typename Mods, int kBlockN>
+template <typename Mods, int kBlockN, int kBlockM = kBlockMaskSize>
 struct KeyTiles {
   static_assert(!kBlockSparse<Mods> || kBlockMaskSize % kBlockN == 0, "a key tile lies in one block");
+  static_assert(kBlockMaskSize % kBlockM == 0 || (kBlockM % 64 == 0 && kBlockM <= kBlockMaskSize + 64),
+                "a query tile lies in one row of blocks, or (64-row aligned) spans two");
   static constexpr int kPerBlock = kBlockMaskSize / kBlockN;
+  static constexpr bool kTwoRows = kBlockM > kBlockMaskSize;
   const ParamsOf<Mods>& p;
-  int batch, head, m0;  // the query tile's
+  int batch, head, m0, m_last;  // the query tile's; m_last its last row in the sequence (kTwoRows)
 
-  static __device__ __forceinline__ KeyTiles of(const ParamsOf<Mods>& p, int batch, int head, int m0) {
-    return KeyTiles{p, batch, head, m0};
+  static __device__ __forceinline__ KeyTiles of(const ParamsOf<Mods>& p, int batch, int head, int m0,
+                                                int m_last = 0) {
+    return KeyTiles{p, batch, head, m0, m_last};
   }
   __device__ __forceinline__ int status(int n) const {
     if constexpr (kBlockSparse<Mods>) {
       const BlockMaskView& b = p.blocks;
-      return b.status[batch * b.batch_stride + head * b.head_stride + m0 / kBlockMaskSize * b.row_stride +
-                      n / kPerBlock];
+      const int first = b.status[batch * b.batch_stride + head * b.head_stride + m0 / kBlockMaskSize * b.row_stride +
+                                 n / kPerBlock];
+      if constexpr (kTwoRows) {
+        const int last = b.status[batch * b.batch_stride + head * b.head_stride +
+                                  m_last / kBlockMaskSize * b.row_stride + n / kPerBlock];
+        return first == last ? first : kBlockPartial;
+      } else {
+        return first;
+      }
     } else {
       return kBlockPartial;
     }
@@ -207,8 +219,8 @@ struct KeyTileBits {
     return {words, words + kWords, reinterpret_cast<int*>(words + 2 * kWords)};
   }
   // By the 32 lanes of one warp, the statuses of four words' tiles loaded before any is used.
-  template <typename Mods, int kBlockN>
-  __device__ __forceinline__ void fill(const KeyTiles<Mods, kBlockN>& keys, int n_begin, int n_end,
+  template <typename Mods, int kBlockN, int kBlockM>
+  __device__ __forceinline__ void fill(const KeyTiles<Mods, kBlockN, kBlockM>& keys, int n_begin, int n_end,
                                        int lane) const {
     int shown_tiles = 0;
     for (int w0 = n_begin / 32; w0 * 32 < n_end; w0 += 4) {

@@ -363,7 +363,6 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
   static_assert(kExtras || !Mods::kScore, "score_mod takes the scores in natural units: the extras' instances");
   constexpr int kBlockM = 64 * kConsumers;
   constexpr bool kSparse = kBlockSparse<Mods>;
-  static_assert(!kSparse || kBlockMaskSize % kBlockM == 0, "a tile's rows lie in one block of the block mask");
   // A tile's output written under the next tile's first S; at d 256 O's 128 registers a
   // thread, kept that long, spill, and so do the extras' with mods: written at once.
   constexpr bool kDeferOutput = kHeadDim < 256 && !(kHasMods<Mods> && kExtras);
@@ -406,8 +405,8 @@ __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
         const KeyTileBits bits = shared.key_bits(round);
         if constexpr (kSparse) {
           // (a block mask comes without the tail's cut: a tile is whole)
-          bits.fill(KeyTiles<Mods, kBlockN>::of(p, block.batch, block.head, block.m0), block.n_begin, block.n_end,
-                    lane);
+          bits.fill(KeyTiles<Mods, kBlockN, kBlockM>::of(p, block.batch, block.head, block.m0, block.row_end - 1),
+                    block.n_begin, block.n_end, lane);
           __syncwarp();
         }
         shared.q_released().wait((round++ & 1) ^ 1);
