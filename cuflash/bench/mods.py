@@ -70,6 +70,10 @@ def main(args, torch, gpu: str) -> int:
     import cuflash
     from cuflash import mod
 
+    # Each mask, score_mod and shape is a compile of its own: past dynamo's recompile limit
+    # flex_attention would run unfused (the whole score matrix in memory), not as FlexAttention.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
     flex_attention = torch.compile(flex.flex_attention)
     passes = {"fwd": (False,), "fwdbwd": (True,), "all": (False, True)}[args.mode]
     print(f"masks, ms, bf16, {NHEADS} heads of {HEADDIM}, {TOKENS} tokens, {gpu}, torch {torch.__version__}; "
@@ -154,15 +158,31 @@ def _grid(args, torch, flex, flex_attention, passes) -> None:
                     torch.cuda.empty_cache()
 
 
+# FlexAttention's kernel options, tried in turn where its compile finds no configuration that
+# fits (torch 2.11 on the H100: a score_mod reading a table at d 64 asked 240 KiB of shared memory).
+FLEX_FALLBACK_OPTIONS = ({}, {"num_stages": 2}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2})
+
+
 def _flexed(torch, flex_attention, x, backward: bool, **options):
-    """FlexAttention's call on the same (q, k, v, dout), heads before rows as it takes them."""
+    """FlexAttention's call on the same (q, k, v, dout), heads before rows as it takes them:
+    with its default kernel options, or the first of FLEX_FALLBACK_OPTIONS that compiles."""
     q, k, v = (t.transpose(1, 2).detach().requires_grad_(backward) for t in x[:3])
     dout = x[3].transpose(1, 2)
 
-    def call():
-        out = flex_attention(q, k, v, **options)
+    def run(kernel_options):
+        out = flex_attention(q, k, v, **options, **({"kernel_options": kernel_options} if kernel_options else {}))
         return torch.autograd.grad(out, (q, k, v), dout) if backward else out
-    return call
+
+    for kernel_options in FLEX_FALLBACK_OPTIONS:
+        try:
+            run(kernel_options)
+            break
+        except Exception as e:  # (torch._inductor.exc.InductorError: no configuration fits)
+            if "No valid triton configs" not in str(e) or kernel_options is FLEX_FALLBACK_OPTIONS[-1]:
+                raise
+            print(f"FlexAttention: {kernel_options or 'default kernel options'} did not compile; trying the next",
+                  flush=True)
+    return lambda: run(kernel_options)
 
 
 def _ours(cuflash, xc, backward: bool, **options):
