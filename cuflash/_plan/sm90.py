@@ -135,8 +135,8 @@ SM90_MODS_TILES: dict[int, tuple[int, int, int]] = {}
 # -> tile, 128 keys (one block of a block mask), the causal tiles (d 64: three consumers, 192
 # rows over two rows of blocks; below SM90_SHORT_CAUSAL_ROWS two); tuning.md.
 SM90_MASK_TILES = {64: (128, 3, 3), 128: (128, 3, 2)}
-# A mask_mod that reads mod tensors (a document's ids) keeps two consumers: its loads beside three
-# consumers' 160 registers spilled (same_document at d 64: 20 bytes).
+# A mask_mod that loads from its mod tensors (a document's ids) keeps two consumers: its loads
+# spilled three consumers' 160 registers (same_document at d 64: 20 bytes, 0.89x; tuning.md).
 SM90_MASK_TENSOR_TILES = {64: (128, 3, 2)}
 # With a block mask a row's key tiles are walked as bits in shared memory (mods.cuh kMaxKeyTileBits):
 # longer rows take the mma.sync forward.
