@@ -152,3 +152,29 @@ def test_mods_bench_grid_functions_mean_what_they_say():
     hidden = cuflash.attention(q, k, v, mask_mod=mods.same_document_of, mod_tensors=(ids,))
     alone = cuflash.attention(q[:1, 10:30], k[:1, 10:30], v[:1, 10:30])  # the second document of sequence 0
     np.testing.assert_allclose(hidden[:1, 10:30], alone, rtol=1e-6, atol=1e-6)
+
+
+def test_mods_bench_steps_flex_kernel_options_down_where_none_compiles():
+    """bench --mods: where FlexAttention's compile finds no kernel configuration that fits,
+    its calls take the next of FLEX_FALLBACK_OPTIONS; any other error is raised."""
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    from cuflash.bench import mods
+    tried = []
+
+    def flex(q, k, v, kernel_options=None, **options):
+        tried.append(kernel_options)
+        if kernel_options is None:
+            raise RuntimeError("No valid triton configs. OutOfMemoryError: out of resource")
+        return q
+
+    x = [torch.zeros(1, 4, 2, 8) for _ in range(4)]
+    call = mods._flexed(torch, flex, x, False)
+    assert tried == [None, mods.FLEX_FALLBACK_OPTIONS[1]]
+    call()
+    assert tried[-1] == mods.FLEX_FALLBACK_OPTIONS[1]
+
+    def broken(q, k, v, **options):
+        raise ValueError("another error")
+
+    with pytest.raises(ValueError, match="another error"):
+        mods._flexed(torch, broken, x, False)
