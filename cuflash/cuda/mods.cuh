@@ -167,12 +167,13 @@ struct KeyTiles {
   __device__ __forceinline__ int status(int n) const {
     if constexpr (kBlockSparse<Mods>) {
       const BlockMaskView& b = p.blocks;
-      const int first = b.status[batch * b.batch_stride + head * b.head_stride + m0 / kBlockMaskSize * b.row_stride +
-                                 n / kPerBlock];
+      auto of_row = [&](int m) {  // the status of row m's block
+        return b.status[batch * b.batch_stride + head * b.head_stride + m / kBlockMaskSize * b.row_stride +
+                        n / kPerBlock];
+      };
+      const int first = of_row(m0);
       if constexpr (kTwoRows) {
-        const int last = b.status[batch * b.batch_stride + head * b.head_stride +
-                                  m_last / kBlockMaskSize * b.row_stride + n / kPerBlock];
-        return first == last ? first : kBlockPartial;
+        return first == of_row(m_last) ? first : kBlockPartial;
       } else {
         return first;
       }
