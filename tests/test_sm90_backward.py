@@ -20,6 +20,7 @@ from .strategies import (Shape, VarlenShape, attention_shapes, random_dout, rand
 from .test_gpu_backward import check_gradients, packed_inputs
 from .test_gpu_forward import cupy_dtype, poisoned_allocations
 from .test_gpu_mods import _run as run_mods
+from .test_gpu_mods import BLOCK_CASES
 from .test_gpu_mods import _run_blocks as run_blocks
 from .test_gpu_variants import FEATURES, api_options, run_dense, run_varlen
 from .test_plan import dense, device, info, no_compiler  # noqa: F401 (a fixture)
@@ -275,4 +276,4 @@ def test_mods_match_the_oracle(sm90_plans, case, deterministic):
 def test_block_masks_match_the_oracle(sm90_plans, case, shape):
     """The steps leave out the block mask's empty (query head, query block) pairs and skip
     mask_mod in its full ones."""
-    run_blocks(case, shape, 8, False)
+    run_blocks(BLOCK_CASES[case], shape, 8, False)
