@@ -90,9 +90,9 @@ __device__ __forceinline__ void as_a_operand(const float (&s)[1][kNTiles][4], un
 
 // The products, m64nNk16 with fp32 accumulators d[0][kFirst + j][0..3] (j < N / 8: the
 // accumulator tiles of a larger array from tile kFirst on, so that a product of N = 256 can
-// be two of N = 128), for N = 64, 80, 128 and 176 (the key tiles and head dims of
+// be two of N = 128), for N = 40, 64, 80, 128 and 176 (the key tiles and head dims of
 // _plan.SM90_TILES; 80 keys is FlashAttention-3's tile at d 256, 176 its tile at d 128
-// without a causal mask):
+// without a causal mask; 40 a consumer's half of 80 keys in the wide backward, bwd_wide.cu):
 //   Wgmma<T, N>::ss      D (+)= A B, A and B K-major in shared memory (or, kMnMajorA /
 //                        kMnMajorB, MN-major: the transpose bits, A stored [k][m], B [k][n],
 //                        each with its m or n contiguous); D is overwritten where accumulate is 0.
@@ -141,6 +141,8 @@ struct Wgmma;
 
 // The accumulators of each N, each list the one before it and the tiles N adds; as asm
 // outputs (D) and as PTX operands (R).
+#define CUFLASH_WGMMA_D40 \
+  CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4)
 #define CUFLASH_WGMMA_D64 \
   CUFLASH_WGMMA_D4(0), CUFLASH_WGMMA_D4(1), CUFLASH_WGMMA_D4(2), CUFLASH_WGMMA_D4(3), CUFLASH_WGMMA_D4(4), \
   CUFLASH_WGMMA_D4(5), CUFLASH_WGMMA_D4(6), CUFLASH_WGMMA_D4(7)
@@ -151,10 +153,12 @@ struct Wgmma;
 #define CUFLASH_WGMMA_D176 \
   CUFLASH_WGMMA_D128, CUFLASH_WGMMA_D4(16), CUFLASH_WGMMA_D4(17), CUFLASH_WGMMA_D4(18), CUFLASH_WGMMA_D4(19), \
   CUFLASH_WGMMA_D4(20), CUFLASH_WGMMA_D4(21)
+#define CUFLASH_WGMMA_R40 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19"
 #define CUFLASH_WGMMA_R64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define CUFLASH_WGMMA_R80 CUFLASH_WGMMA_R64 ", %32, %33, %34, %35, %36, %37, %38, %39"
 #define CUFLASH_WGMMA_R128 CUFLASH_WGMMA_R80 ", %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define CUFLASH_WGMMA_R176 CUFLASH_WGMMA_R128 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87"
+CUFLASH_WGMMA_N(40, 20, 21, 22, 23, 24)
 CUFLASH_WGMMA_N(64, 32, 33, 34, 35, 36)
 CUFLASH_WGMMA_N(80, 40, 41, 42, 43, 44)
 CUFLASH_WGMMA_N(128, 64, 65, 66, 67, 68)
@@ -163,10 +167,12 @@ CUFLASH_WGMMA_N(176, 88, 89, 90, 91, 92)
 #undef CUFLASH_WGMMA_R128
 #undef CUFLASH_WGMMA_R80
 #undef CUFLASH_WGMMA_R64
+#undef CUFLASH_WGMMA_R40
 #undef CUFLASH_WGMMA_D176
 #undef CUFLASH_WGMMA_D128
 #undef CUFLASH_WGMMA_D80
 #undef CUFLASH_WGMMA_D64
+#undef CUFLASH_WGMMA_D40
 
 #undef CUFLASH_WGMMA_N
 #undef CUFLASH_WGMMA
@@ -179,6 +185,12 @@ CUFLASH_WGMMA_N(176, 88, 89, 90, 91, 92)
 __device__ __forceinline__ void store_matrices_transposed(unsigned address, const unsigned (&a)[4]) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(a[0]),
                "r"(a[1]), "r"(a[2]), "r"(a[3])
+               : "memory");
+}
+
+// The first two of those matrices alone (stmatrix.x2.trans: lanes 0-15 give the addresses).
+__device__ __forceinline__ void store_matrices_transposed(unsigned address, unsigned a0, unsigned a1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(address), "r"(a0), "r"(a1)
                : "memory");
 }
 
