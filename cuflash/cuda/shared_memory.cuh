@@ -109,4 +109,28 @@ struct Sm90BackwardSharedLayout {
   static constexpr int kBytes = kBarriers + (1 + 2 * kStages + 4) * 8 + 1024;
 };
 
+// The sm_90a backward for wide head dims (sm90/bwd_wide.cu, Sm90WideBackwardShared), byte
+// offsets from a 1024-byte aligned start: K, V (kBlockN rows each), kQStages Q tiles, one dO
+// tile, two P tiles and two dS tiles (a step writes one while the other consumer may still
+// read the step before's), kQStages rows of LSE (times log2 e, beside Q) and one of D
+// (beside dO), then the barriers: K/V's "landed", each Q stage's "landed" and "released",
+// dO's "landed" and "released". A tile of R rows is kHeadDim / 64 blocks of R x 128 bytes
+// (TMA's 128-byte swizzle); P and dS are stored transposed, [key][query]: kBlockN rows of
+// kBlockM = 64 queries (128 bytes), the same swizzle, so that dV^T = dO^T P and dK^T = Q^T dS
+// read them K-major and dQ^T = K^T dS^T MN-major. After the key loop K and V hold dK and dV
+// on their way to global memory. The launch asks for 1024 bytes more (alignment).
+template <int kHeadDim, int kBlockM, int kBlockN, int kQStages>
+struct Sm90WideBackwardSharedLayout {
+  static_assert(kBlockM == 64, "P and dS rows: 64 queries, 128 bytes");
+  static constexpr int kColumnBlocks = kHeadDim / 64;
+  static constexpr int kKvBlock = kBlockN * 128, kQBlock = kBlockM * 128;  // bytes of a 64-column block
+  static constexpr int kKvTile = kBlockN * kHeadDim * 2, kQTile = kBlockM * kHeadDim * 2;
+  static constexpr int kPdsTile = kBlockN * kBlockM * 2;
+  static constexpr int kK = 0, kV = kKvTile, kQ = 2 * kKvTile, kDo = kQ + kQStages * kQTile;
+  static constexpr int kP = kDo + kQTile, kDs = kP + 2 * kPdsTile;
+  static constexpr int kLse = kDs + 2 * kPdsTile, kDelta = kLse + kQStages * kBlockM * 4;
+  static constexpr int kBarriers = kDelta + kBlockM * 4;
+  static constexpr int kBytes = kBarriers + (1 + 2 * kQStages + 2) * 8 + 1024;
+};
+
 }  // namespace cuflash
