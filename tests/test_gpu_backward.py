@@ -115,21 +115,26 @@ def forget_warm_calls() -> None:
 
 
 @pytest.mark.parametrize("head_dim,deterministic,softcap,one_pass", [
-    (128, False, 0.0, True), (64, False, 0.0, True), (256, False, 0.0, True),
+    (128, False, 0.0, True), (64, False, 0.0, True), (256, False, 0.0, True), (192, False, 0.0, True),
+    (160, False, 0.0, True), (224, False, 0.0, True), (256, True, 0.0, False),
     (128, True, 0.0, False), (128, False, 5.0, True), (256, False, 5.0, True), (256, True, 5.0, False),
     (96, False, 0.0, True), (160, False, 5.0, True), (96, False, 5.0, True), (96, True, 5.0, False),
     (64, False, 5.0, True)])
 def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_pass):
     """The one-pass kernel (dQ by atomics) by default, at every head dim, extras too; the
     dK/dV + dQ passes when deterministic. On a Hopper GPU the sm_90a backward in their place
-    from d 64 to 128, extras too, deterministic too (dQ added in a fixed order)."""
+    from d 64 to 128, extras too, deterministic too (dQ added in a fixed order), and its wide
+    kernel at d 161-192 and 225-256 without extras, not deterministic."""
     import cupy
     q = cupy.ones((1, 70, 2, head_dim), dtype=cupy.float16)
     out, lse = cuflash.attention(q, q, q, softcap=softcap, return_lse=True)
     kinds = launched_kinds(monkeypatch)
     cuflash.attention_backward(q, q, q, q, out, lse, softcap=softcap, deterministic=deterministic)
-    sm90 = _device.facts(0).sm90a and 64 <= head_dim <= 128
-    expected = (["backward_preprocess", "backward_sm90" if sm90 else "backward", "backward_convert_dq"]
+    hopper = _device.facts(0).sm90a
+    sm90 = hopper and 64 <= head_dim <= 128
+    wide = hopper and _plan.head_dim_bucket(head_dim) in (192, 256) and softcap == 0 and not deterministic
+    kernel = "backward_sm90" if sm90 else "backward_sm90_wide" if wide else "backward"
+    expected = (["backward_preprocess", kernel, "backward_convert_dq"]
                 if one_pass or sm90 else ["backward_preprocess", "backward_dq", "backward_dkdv"])
     assert kinds == expected
 

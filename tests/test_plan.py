@@ -145,7 +145,7 @@ def test_planned_shared_memory_is_the_kernels_own_layout():
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                                 reason="NVRTC comes with CuPy (the cuda12/cuda13 extra), not installed")
     variants = {k for arch in _plan.SHARED_MEMORY_LIMIT for k in _plan.all_kernels(arch)
-                if isinstance(k, (_plan.Kernel, _plan.Sm90Forward, _plan.Sm90Backward))}
+                if isinstance(k, (_plan.Kernel, _plan.Sm90Forward, _plan.Sm90Backward, _plan.Sm90WideBackward))}
     variants.add(_plan.Sm90Forward("bfloat16", 128, False, True, 64, 3, 2, "", blocks=True))  # (its key tiles' bits)
     sources = _compile._sources()
     headers = {n: t for n, t in sources.items() if n.endswith(".cuh")}

@@ -24,7 +24,7 @@ from .test_plan import device, info
 def _compiled_sample(kernel) -> bool:
     """Every d 128 forward, each other head dim's forward with all its branches (compile-all
     builds the rest), and every backward."""
-    if isinstance(kernel, _plan.Sm90Backward):
+    if isinstance(kernel, (_plan.Sm90Backward, _plan.Sm90WideBackward)):
         return True
     return kernel.head_dim == 128 or kernel.local and kernel.extras
 
@@ -39,7 +39,7 @@ def test_sm90a_instances_compile_clean(kernel):
     compiled = _compile.run_nvrtc(kernel.source, kernel.instance, ("--gpu-architecture=sm_90a", *_compile.OPTIONS))
     resources = compiled.resources
     assert resources.spill_stores == 0 and resources.stack_bytes == 0, resources
-    if isinstance(kernel, _plan.Sm90Backward):
+    if isinstance(kernel, (_plan.Sm90Backward, _plan.Sm90WideBackward)):
         return
     nvdisasm = _sass.find_nvdisasm()
     if nvdisasm is None:

@@ -111,14 +111,14 @@ def test_softcap_alibi_dropout_and_mods_take_the_sm90_backward_with_extras(no_co
             _plan.pointer_offsets(Sm90BackwardParams, plan.pointers)  # (the pointers are Params' either way)
 
 
-@pytest.mark.parametrize("case", [dict(head_dim=256), dict(head_dim=32), dict(sm90a=False),
+@pytest.mark.parametrize("case", [dict(head_dim=160), dict(head_dim=224), dict(head_dim=32), dict(sm90a=False),
                                   dict(ptr=(1 << 20) + 8), dict(deterministic=True, head_dim=256),
                                   dict(deterministic=True, sm90a=False), dict(deterministic=True, ptr=(1 << 20) + 8),
                                   dict(deterministic=True, mods=BLOCK_MASK)])
 def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
-    """Head dims outside 64-128, other GPUs and arrays the copy engine cannot read;
-    deterministic ones there on the dQ pass (an ordered workspace the sm_90a kernel cannot
-    take included), and deterministic calls with a block mask."""
+    """Head dims outside 64-128 and the wide kernel's buckets, other GPUs and arrays the copy
+    engine cannot read; deterministic ones there on the dQ pass (an ordered workspace the
+    sm_90a kernel cannot take included), and deterministic calls with a block mask."""
     plan = _backward_plan(**case)
     assert plan.struct not in (Sm90BackwardParams, Sm90BackwardModParams)
     if case.get("deterministic"):

@@ -25,8 +25,9 @@ from .plan import (Plan, Step, TensorMapSpec, dropout_threshold, field_offset, g
 from .sm90 import (SM90_BACKWARD_EXTRAS_TILES, SM90_BACKWARD_HEAD_DIMS, SM90_BACKWARD_TILES, SM90_BANDED_EXTRAS_TILES,
                    SM90_BANDED_TILES, SM90_HEAD_DIMS, SM90_MASK_TENSOR_TILES, SM90_MASK_TILES, SM90_MODS_TILES,
                    SM90_SECTION_BYTES, SM90_SECTION_ROWS, SM90_SHORT_CAUSAL_ROWS, SM90_SHORT_CAUSAL_TILES,
-                   SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS, SM90_TILES, Sm90Backward,
-                   Sm90Forward, backward_orders, sm90_section, sm90_tail)
+                   SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS, SM90_TILES,
+                   SM90_WIDE_BACKWARD_BUCKETS, SM90_WIDE_BACKWARD_HEAD_DIM, Sm90Backward, Sm90Forward,
+                   Sm90WideBackward, backward_orders, sm90_section, sm90_tail)
 from .variants import (DTYPES, ELEMENTWISE, HEAD_DIM_BUCKETS, KINDS, MAX_HEAD_DIM, MERGES, SHARED_MEMORY_LIMIT,
                        Elementwise, Kernel, Kind, Merge, Tile, Variant, copy_run_rows, has_tile, head_dim_bucket,
                        kernel, shared_memory_limit)
@@ -71,7 +72,9 @@ def all_kernels(arch: str) -> list[Variant]:
         backwards = [Sm90Backward.of(dtype, d, local, extras)
                      for dtype, d, local, extras in itertools.product(DTYPES, SM90_BACKWARD_HEAD_DIMS, *flags[:2])
                      if not extras or d in SM90_BACKWARD_EXTRAS_TILES]
-        return [*forwards, *backwards]
+        wide = [Sm90WideBackward.of(dtype, SM90_WIDE_BACKWARD_HEAD_DIM, local)
+                for dtype, local in itertools.product(DTYPES, flags[0])]
+        return [*forwards, *backwards, *wide]
     limit = shared_memory_limit(arch)
     flags = (False, True)
     kinds = [kind for kind in KINDS if not KINDS[kind].clustered or int(arch[3:5]) >= 90]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .._params import Params, Sm90BackwardModParams, Sm90BackwardParams, Sm90ModParams, Sm90Params
 from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, backward_rows
 from .plan import Plan, Step, call_params, group_size, tensor_map, vectorizable, with_mods
-from .variants import DTYPES, Elementwise
+from .variants import DTYPES, Elementwise, head_dim_bucket
 
 if TYPE_CHECKING:
     from .._arrays import ArrayInfo
@@ -191,6 +191,58 @@ class Sm90Backward(NamedTuple):
                 + 16 + (1 + 2 * stages + 4) * 8 + 1024)
 
 
+class Sm90WideBackward(NamedTuple):
+    """The sm_90a backward for wide head dims (cuda/sm90/bwd_wide.cu: FlashAttention-3's d 256
+    structure): a CTA a block of 80 keys, 64 query rows a step, Q in two stages, dO, P and dS
+    in one (P and dS two buffers); the two consumer warpgroups split the scores by keys and
+    dK^T, dV^T, dQ^T by head dim (128 columns each). Head dims of SM90_WIDE_BACKWARD_BUCKETS,
+    those below 256 on the copy engine's zero columns; no softcap, ALiBi, dropout, mods or
+    deterministic order (those calls stay on the mma.sync backward)."""
+    dtype: str
+    head_dim: int
+    local: bool
+    kind = "backward_sm90_wide"
+    source = "sm90/bwd_wide.cu"
+    arch = "sm_90a"
+    extras = False
+    mods = ""
+    block_m = 64
+    block_n = 80
+    q_stages = 2
+    threads = 384
+
+    @classmethod
+    def of(cls, dtype: str, head_dim: int, local: bool) -> Sm90WideBackward:
+        return cls(dtype, head_dim, local)
+
+    @property
+    def instance(self) -> str:
+        return (f"cuflash::attention_backward_sm90_wide<{DTYPES[self.dtype]}, {self.head_dim}, "
+                f"{'true' if self.local else 'false'}>")
+
+    @property
+    def shared_layout(self) -> str:
+        return (f"cuflash::Sm90WideBackwardSharedLayout<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.q_stages}>")
+
+    @property
+    def shared_bytes(self) -> int:
+        """``Sm90WideBackwardSharedLayout<...>::kBytes``: K and V, the Q stages, dO, two P and two
+        dS tiles (80 x 64), each Q stage's LSE row and dO's D row, the barriers (K/V's, a landed
+        and a released one for each Q stage and for dO) and 1024 bytes of alignment."""
+        d, m, n, stages = self.head_dim, self.block_m, self.block_n, self.q_stages
+        return (2 * 2 * n * d + (stages + 1) * 2 * m * d + 2 * 2 * 2 * n * m + (stages + 1) * 4 * m
+                + (1 + 2 * stages + 2) * 8 + 1024)
+
+
+# The head-dim buckets (variants.head_dim_bucket) whose calls without extras, mods or the
+# deterministic order take Sm90WideBackward on sm_90a, the kernel's head dim 256 (161-192 and
+# 225-256; 129-160 and 193-224 stay on the mma.sync backward, most of a 256-column product
+# being zeros there). experiment.override(sm90_wide_backward_buckets=()) sends them back.
+SM90_WIDE_BACKWARD_BUCKETS = (192, 256)
+SM90_WIDE_BACKWARD_HEAD_DIM = 256
+
+
 # The sm_90a backward: head dim -> (query rows a step, Q/dO stages). A consumer keeps dK
 # and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and dP^T of a step's
 # query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128 (its 80 without a mask
@@ -341,25 +393,41 @@ def _backward_head_dim(head_dim: int, extras: bool) -> int | None:
 def backward_takes(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, dq: ArrayInfo, dk: ArrayInfo,
                    dv: ArrayInfo, options: Options) -> bool:
     """Does the sm_90a backward take this call? Head dims 64 to 128 (with softcap, ALiBi,
-    dropout or mods those of SM90_BACKWARD_EXTRAS_TILES); arrays the copy engine can read
-    (16-byte aligned, head dim contiguous, every stride a multiple of 16 bytes)."""
-    if _backward_head_dim(q.shape[-1], extras_instance(options)) is None or q.dtype not in DTYPES:
+    dropout or mods those of SM90_BACKWARD_EXTRAS_TILES) and the wide kernel's
+    (``wide_backward``); arrays the copy engine can read (16-byte aligned, head dim
+    contiguous, every stride a multiple of 16 bytes)."""
+    if q.dtype not in DTYPES:
+        return False
+    if _backward_head_dim(q.shape[-1], extras_instance(options)) is None and not wide_backward(q.shape[-1], options):
         return False
     return vectorizable(dout, q, k, v, dq, dk, dv) and all(a.strides[-1] == 1 for a in (dout, q, k, v))
+
+
+def wide_backward(head_dim: int, options: Options) -> bool:
+    """Does a call of this head dim take the wide sm_90a backward (Sm90WideBackward), given
+    that the sm_90a backward may run it? Its buckets (SM90_WIDE_BACKWARD_BUCKETS), none of
+    softcap, ALiBi, dropout or mods. (Deterministic calls never reach it: ``backward_orders``
+    is False at these head dims, so they get no dQ accumulator and take the mma.sync passes.)"""
+    return (head_dim > max(SM90_BACKWARD_HEAD_DIMS) and head_dim_bucket(head_dim) in SM90_WIDE_BACKWARD_BUCKETS
+            and not options.extras)
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
              dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo, options: Options, varlen: Varlen | None) -> Plan:
     """The sm_90a backward's plan (``backward_takes`` said it takes the call): the
-    preprocess, the kernel (a CTA a 128-key block), dQ's conversion; the Params inside
-    the struct of the maps, the elementwise steps given its ``p``."""
+    preprocess, the kernel (a CTA a block of 128 keys, or of 80 at the wide kernel's head
+    dims), dQ's conversion; the Params inside the struct of the maps, the elementwise steps
+    given its ``p``."""
     p, batch = call_params(q, k, v, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
     nheads_kv = k.shape[-2]
     accum_cols = dq_accum.shape[2] * dq_accum.shape[-1]  # (rows / 8, nheads, cols / 16, 8, 16)
     rows = backward_rows(p, batch, q, varlen, accum_cols)
     per_row, tasks = rows.args, rows.tasks
-    tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= p.headdim), options.local,
-                            extras_instance(options), "" if options.mods is None else options.mods.source)
+    if wide_backward(p.headdim, options):
+        tiled = Sm90WideBackward.of(q.dtype, SM90_WIDE_BACKWARD_HEAD_DIM, options.local)
+    else:
+        tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= p.headdim), options.local,
+                                extras_instance(options), "" if options.mods is None else options.mods.source)
     steps = []
     if tasks:
         steps.append(Step(Elementwise("backward_preprocess", q.dtype), rows.preprocess_grid, per_row, argument="p"))
