@@ -11,12 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _options, _plan, experiment
+from cuflash import _device, _options, _plan, experiment
 from cuflash._params import Sm90BackwardModParams, Sm90BackwardParams
 
 from .conftest import hopper
 from .strategies import (Shape, VarlenShape, attention_shapes, random_dout, random_qkv, record_calls,
                          window_sizes)
+from .test_device import gpus  # noqa: F401 (a fixture)
 from .test_gpu_backward import check_gradients, packed_inputs
 from .test_gpu_forward import cupy_dtype, poisoned_allocations
 from .test_gpu_mods import _run as run_mods
@@ -27,19 +28,21 @@ from .test_plan import dense, device, info, no_compiler  # noqa: F401 (a fixture
 
 
 def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, dropout_p=0.0, alibi=False, mods=None,
-                   causal=True, sm90a=True, ptr=1 << 20, dtype="bfloat16"):
+                   causal=True, sm90a=True, ptr=1 << 20, dtype="bfloat16", facts=None):
+    """The backward's plan of a (2, 300, 301, 4 heads, 2 KV heads) call on a stand-in GPU
+    (``facts``, a _device.Device; by default one with the sm_90a kernels where ``sm90a``)."""
+    facts = device(sm90a=sm90a) if facts is None else facts
     q, k, v = dense(2, 300, 301, 4, 2, head_dim, dtype)
     q = info(q.shape, dtype, ptr)
     options = _options.make_options(q, k, causal, None, (-1, -1), softcap, None, dropout_p, 1, 0, backward=True)
     options = options._replace(alibi=info((4,), "float32") if alibi else None, mods=mods)
     ordered = deterministic and _plan.backward_orders(head_dim, options.extras, mods is not None and
-                                                      mods.blocks is not None, sm90a)
+                                                      mods.blocks is not None, facts.sm90a)
     work = _plan.backward_workspace(q.shape, deterministic, options.extras, ordered)
     accum, semaphore = (info(work[name][0], work[name][1]) if name in work else None
                         for name in ("dq_accum", "dq_semaphore"))
     return _plan.backward(info(q.shape, dtype), q, k, v, info(q.shape, dtype), info(q.shape, dtype),
-                          info(k.shape, dtype), info(v.shape, dtype), accum, options, None, device(sm90a=sm90a),
-                          semaphore)
+                          info(k.shape, dtype), info(v.shape, dtype), accum, options, None, facts, semaphore)
 
 
 @pytest.mark.parametrize("head_dim,kernel_head_dim", [(64, 64), (80, 128), (96, 128), (128, 128)])
@@ -123,6 +126,78 @@ def test_the_rest_keeps_the_mma_sync_backward(no_compiler, case):
     assert plan.struct not in (Sm90BackwardParams, Sm90BackwardModParams)
     if case.get("deterministic"):
         assert [s.kernel.kind for s in plan.steps] == ["backward_preprocess", "backward_dq", "backward_dkdv"]
+
+
+@pytest.mark.parametrize("head_dim", [176, 192, 240, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_planner_sends_the_wide_sm90_backward_head_dims_161_to_192_and_225_to_256(no_compiler, head_dim, causal,
+                                                                                      dtype):
+    """dK and dV of 64 keys by d 256 do not fit the registers: the wide kernel, one instance
+    of head dim 256 (smaller ones on the copy engine's zero columns), a CTA a block of 80 keys,
+    64 query rows a step; dQ's accumulator as wide as the head dim's bucket."""
+    plan = _backward_plan(head_dim, causal=causal, dtype=dtype)
+    assert plan.struct is Sm90BackwardParams
+    assert [s.kernel.kind for s in plan.steps] == ["backward_preprocess", "backward_sm90_wide", "backward_convert_dq"]
+    preprocess, kernel, convert = plan.steps
+    assert preprocess.argument == convert.argument == "p" and kernel.argument == ""
+    assert kernel.kernel == _plan.Sm90WideBackward(dtype, 256, causal)
+    assert kernel.kernel in _plan.all_kernels("sm_90a")  # (the compile sweep builds it)
+    assert kernel.kernel.instance == \
+        f"cuflash::attention_backward_sm90_wide<{_plan.DTYPES[dtype]}, 256, {str(causal).lower()}>"
+    assert kernel.grid == (-(-301 // 80), 2, 2)
+    # K and V (80 x 256), two Q stages and dO (64 x 256), two P and two dS tiles (80 x 64),
+    # two LSE rows and one D row, 7 barriers, the alignment's 1024
+    assert (kernel.kernel.threads, kernel.kernel.shared_bytes) == (384, 223032)
+    assert kernel.kernel.shared_bytes <= _plan.shared_memory_limit("sm_90a")
+    assert plan.pointers == tuple(f"p.{n}" for n in _plan.BACKWARD_POINTERS)
+    assert {(m.field, m.rows) for m in plan.maps} == {("q", 64), ("dout", 64), ("k", 80), ("v", 80)}
+    params = Sm90BackwardParams.from_buffer_copy(plan.params)
+    assert params.batch == 2 and params.accum_cols == _plan.head_dim_bucket(head_dim) == (192 if head_dim <= 192
+                                                                                           else 256)
+
+
+@pytest.mark.parametrize("case", [dict(softcap=5.0), dict(alibi=True, causal=False), dict(dropout_p=0.1),
+                                  dict(mods=MODS), dict(mods=MASK_ONLY), dict(deterministic=True),
+                                  dict(deterministic=True, causal=False), dict(sm90a=False), dict(ptr=(1 << 20) + 8)])
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_the_wide_head_dims_keep_the_mma_sync_backward_for_what_the_wide_kernel_leaves_out(no_compiler, case,
+                                                                                          head_dim):
+    """Softcap, ALiBi, dropout, mods and block masks, the deterministic order (the dK/dV and
+    dQ passes: no dQ accumulator to add to in order), other GPUs, unaligned arrays."""
+    plan = _backward_plan(head_dim, **case)
+    assert plan.struct not in (Sm90BackwardParams, Sm90BackwardModParams)
+    assert [s.kernel.kind for s in plan.steps] == (
+        ["backward_preprocess", "backward_dq", "backward_dkdv"] if case.get("deterministic")
+        else ["backward_preprocess", "backward", "backward_convert_dq"])
+
+
+def test_portable_calls_keep_the_mma_sync_backward_at_the_wide_head_dims(no_compiler, gpus, monkeypatch):
+    """CUFLASH_PORTABLE=1 (read at each call of the device's facts): no sm_90a kernel."""
+    h100 = _device.facts(0)
+    assert _backward_plan(256, facts=h100).steps[1].kernel.kind == "backward_sm90_wide"
+    monkeypatch.setenv("CUFLASH_PORTABLE", "1")
+    assert _backward_plan(256, facts=_device.facts(0)).steps[1].kernel.kind == "backward"
+
+
+def test_the_override_of_the_wide_buckets_sends_their_calls_back(no_compiler):
+    """experiment.override(sm90_wide_backward_buckets=()) runs them on the mma.sync backward
+    (the comparison the wide kernel is timed against); the package's buckets come back after."""
+    def kernel_kind(head_dim):
+        return _backward_plan(head_dim).steps[1].kernel.kind
+
+    with experiment.override(sm90_wide_backward_buckets=()):
+        assert [kernel_kind(d) for d in (192, 256)] == ["backward", "backward"]
+    with experiment.override(sm90_wide_backward_buckets=(256,)):
+        assert [kernel_kind(d) for d in (192, 256)] == ["backward", "backward_sm90_wide"]
+    assert [kernel_kind(d) for d in (128, 192, 256)] == ["backward_sm90", "backward_sm90_wide", "backward_sm90_wide"]
+
+
+def test_the_sweep_holds_every_wide_instance():
+    """``python -m cuflash compile --arch sm_90a`` builds what the planner may launch."""
+    wide = [k for k in _plan.all_kernels("sm_90a") if isinstance(k, _plan.Sm90WideBackward)]
+    assert sorted(wide) == sorted(_plan.Sm90WideBackward(dtype, 256, local) for dtype in _plan.DTYPES
+                                  for local in (False, True))
 
 
 # -- on a Hopper GPU -----------------------------------------------------------------------
@@ -277,3 +352,4 @@ def test_block_masks_match_the_oracle(sm90_plans, case, shape):
     """The steps leave out the block mask's empty (query head, query block) pairs and skip
     mask_mod in its full ones."""
     run_blocks(BLOCK_CASES[case], shape, 8, False)
+
