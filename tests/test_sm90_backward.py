@@ -1,10 +1,11 @@
-"""The sm_90a backward (cuda/sm90/bwd.cu): the planner sends it the calls it takes and no
-other (no GPU needed); on a Hopper GPU its gradients meet flash-attn's rule against the
-float64 oracle (test_gpu_backward.check_gradients) in NaN-poisoned memory, on ragged
-lengths (1, a block + 1, primes), seqlen_q != seqlen_k, GQA and MQA, causal masks and
-windows, head dims 64 to 128 (those between on the copy engine's zero columns), packed
-sequences, the LSE's gradient, softcap, ALiBi, dropout, score_mod / mask_mod and block
-masks, with every launch planned on the sm_90a path."""
+"""The sm_90a backward (cuda/sm90/bwd.cu) and its wide kernel (cuda/sm90/bwd_wide.cu): the
+planner sends them the calls they take and no other (no GPU needed); on a Hopper GPU their
+gradients meet flash-attn's rule against the float64 oracle (test_gpu_backward.check_gradients)
+in NaN-poisoned memory, on ragged lengths (1, a block + 1, primes), seqlen_q != seqlen_k, GQA
+and MQA, causal masks and windows, head dims 64 to 128 and 161 to 256 (those between on the
+copy engine's zero columns), packed sequences, the LSE's gradient; bwd.cu with softcap,
+ALiBi, dropout, score_mod / mask_mod and block masks; with every launch planned on the
+kernel the test names."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -202,14 +203,33 @@ def test_the_sweep_holds_every_wide_instance():
 
 # -- on a Hopper GPU -----------------------------------------------------------------------
 
-@pytest.fixture
-def sm90_plans(monkeypatch):
-    """Every backward planned inside is checked to take the sm_90a kernel (plans made afresh)."""
+def _plans_launching(monkeypatch, kernels: set[str]):
+    """Every backward planned inside launches ``kernels`` between the elementwise steps (plans
+    made afresh, for the device's own kernels)."""
     planned = record_calls(monkeypatch, _plan, "backward")
     monkeypatch.setenv("CUFLASH_PORTABLE", "0")
     with experiment.override():  # (no plan made before, nor kept after)
         yield planned
-    assert planned and all(p.struct in (Sm90BackwardParams, Sm90BackwardModParams) for p in planned if p.steps)
+    elementwise = {"backward_preprocess", "backward_convert_dq"}
+    assert planned and all({s.kernel.kind for s in p.steps} - elementwise == kernels for p in planned if p.steps)
+
+
+@pytest.fixture
+def sm90_plans(monkeypatch):
+    """Every backward planned inside is checked to take the sm_90a kernel."""
+    yield from _plans_launching(monkeypatch, {"backward_sm90"})
+
+
+@pytest.fixture
+def wide_plans(monkeypatch):
+    """Every backward planned inside is checked to take the wide sm_90a kernel."""
+    yield from _plans_launching(monkeypatch, {"backward_sm90_wide"})
+
+
+@pytest.fixture
+def two_pass_plans(monkeypatch):
+    """Every backward planned inside is checked to take the mma.sync dQ and dK/dV passes."""
+    yield from _plans_launching(monkeypatch, {"backward_dq", "backward_dkdv"})
 
 
 def _gradients(shape, dtype: str, seed: int, window_size=(-1, -1), dlse: bool = False, repeats: int = 1,
@@ -353,3 +373,71 @@ def test_block_masks_match_the_oracle(sm90_plans, case, shape):
     mask_mod in its full ones."""
     run_blocks(BLOCK_CASES[case], shape, 8, False)
 
+
+# -- the wide kernel (sm90/bwd_wide.cu) on a Hopper GPU ---------------------------------------
+# Head dims 161-192 and 225-256 (d 256's instance, the rest on zero columns); ragged lengths
+# around the 80-key block and the 64-row query block: 1, 80, a block + 1, primes; seqlen_q
+# above and below seqlen_k (rows that see no key); MQA and GQA; a long causal call.
+WIDE_LONG = [Shape(1, 1, 1, 1, 1, 256, False), Shape(2, 80, 80, 4, 2, 256, True), Shape(1, 81, 81, 2, 1, 192, False),
+             Shape(2, 161, 81, 4, 2, 256, True), Shape(1, 127, 1031, 4, 4, 232, False),
+             Shape(1, 257, 131, 6, 1, 176, True), Shape(2, 401, 160, 4, 2, 256, False),
+             Shape(1, 79, 1000, 3, 1, 192, False), Shape(1, 2048, 2048, 4, 1, 256, True),
+             Shape(1, 1025, 700, 2, 2, 256, False)]
+
+
+@pytest.mark.gpu
+@hopper
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(shape=attention_shapes(max_batch=2, max_seqlen=700, max_nheads_kv=2, max_group=3,
+                              headdim=st.sampled_from([176, 192, 232, 256])),
+       dtype=st.sampled_from(["float16", "bfloat16"]), window=st.one_of(st.none(), window_sizes(700)),
+       dlse=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_drawn_wide_calls_match_the_oracle(wide_plans, shape, dtype, window, dlse, seed):
+    window_size = (-1, -1) if window is None or shape.causal else window
+    _check(shape, dtype, seed, window_size, dlse)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("shape", WIDE_LONG, ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_long_and_ragged_wide_calls_match_the_oracle(wide_plans, shape, dtype):
+    _check(shape, dtype, shape.seqlen_q + shape.seqlen_k)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("window_size", [(100, 0), (37, 250), (0, 0), (-1, 64)])
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_wide_windows_match_the_oracle(wide_plans, window_size, head_dim):
+    _check(Shape(2, 700, 900, 4, 2, head_dim, False), "bfloat16", 3, window_size)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_wide_sequences_match_the_oracle(wide_plans, head_dim, causal):
+    """Sequences shorter and longer than a block, one with no rows and one with no keys:
+    a block's boxes reach into the next sequence's rows, which must count for nothing; dQ's
+    red.v4 and dK/dV's row stores from any first row."""
+    shape = VarlenShape((100, 0, 257, 80, 1, 33), (130, 40, 0, 300, 81, 161), 4, 2, head_dim, causal)
+    (dout, q, k, v), packing = packed_inputs(shape, head_dim)
+    cu_q, cu_k = packing[:2]
+    out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=causal, return_lse=True)
+    with poisoned_allocations():
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=causal)
+    check_gradients(dout, q, k, v, grads, causal, varlen=(cu_q, cu_k))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("shape", [Shape(2, 333, 517, 4, 2, 256, True), Shape(1, 700, 300, 4, 1, 192, False)],
+                         ids=str)
+def test_deterministic_wide_head_dims_take_the_mma_sync_passes_bit_for_bit(two_pass_plans, shape):
+    """The wide kernel adds dQ by atomics, in no fixed order: deterministic calls keep the
+    dQ and dK/dV passes, the same bits each time."""
+    (dout, q, k, v), runs, _ = _gradients(shape, "bfloat16", 17, repeats=3, deterministic=True)
+    assert all(_bitwise_equal(runs[0], again) for again in runs[1:])
+    check_gradients(dout, q, k, v, runs[0], shape.causal)
