@@ -227,6 +227,12 @@ def wide_plans(monkeypatch):
 
 
 @pytest.fixture
+def plans_of(request, monkeypatch):
+    """Every backward planned inside is checked to take the kernel the test names (indirect)."""
+    yield from _plans_launching(monkeypatch, {request.param})
+
+
+@pytest.fixture
 def two_pass_plans(monkeypatch):
     """Every backward planned inside is checked to take the mma.sync dQ and dK/dV passes."""
     yield from _plans_launching(monkeypatch, {"backward_dq", "backward_dkdv"})
@@ -275,17 +281,29 @@ def test_deterministic_calls_match_the_oracle_bit_for_bit_each_time(sm90_plans, 
     check_gradients(dout, q, k, v, runs[0], shape.causal, window_size=window_size)
 
 
+def drawn_calls(head_dims: list[int]) -> dict:
+    """hypothesis' draws of a backward call (shape, dtype, window, dlse, seed) at these head dims."""
+    return dict(shape=attention_shapes(max_batch=2, max_seqlen=700, max_nheads_kv=2, max_group=3,
+                                       headdim=st.sampled_from(head_dims)),
+                dtype=st.sampled_from(["float16", "bfloat16"]), window=st.one_of(st.none(), window_sizes(700)),
+                dlse=st.booleans(), seed=st.integers(0, 2**32 - 1))
+
+
+drawn_settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+
+
 @pytest.mark.gpu
 @hopper
-@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
-@given(shape=attention_shapes(max_batch=2, max_seqlen=700, max_nheads_kv=2, max_group=3,
-                              headdim=st.sampled_from([64, 72, 96, 128])),
-       dtype=st.sampled_from(["float16", "bfloat16"]), window=st.one_of(st.none(), window_sizes(700)),
-       dlse=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_drawn_calls_match_the_oracle(sm90_plans, shape, dtype, window, dlse, seed):
-    window_size = (-1, -1) if window is None or shape.causal else window
-    _check(shape, dtype, seed, window_size, dlse)
+@pytest.mark.parametrize("plans_of,head_dims", [("backward_sm90", [64, 72, 96, 128]),
+                                                ("backward_sm90_wide", [176, 192, 232, 256])], indirect=["plans_of"])
+@settings(drawn_settings, max_examples=50)
+@given(data=st.data())
+def test_drawn_calls_match_the_oracle(plans_of, head_dims, data):
+    call = data.draw(st.fixed_dictionaries(drawn_calls(head_dims)))
+    window = call["window"]
+    window_size = (-1, -1) if window is None or call["shape"].causal else window
+    _check(call["shape"], call["dtype"], call["seed"], window_size, call["dlse"])
 
 
 # Ragged lengths around the 128-key block and the 64- and 128-row query blocks: 1, a block
@@ -297,19 +315,6 @@ LONG = [Shape(1, 1, 1, 1, 1, 128, False), Shape(2, 129, 129, 4, 2, 128, True), S
         Shape(1, 4096, 4096, 2, 2, 128, False)]
 
 
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("shape", LONG, ids=str)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_long_and_ragged_calls_match_the_oracle(sm90_plans, shape, dtype):
-    _check(shape, dtype, shape.seqlen_q + shape.seqlen_k)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("window_size", [(100, 0), (37, 250), (0, 0), (-1, 64)])
-def test_windows_match_the_oracle(sm90_plans, window_size):
-    _check(Shape(2, 700, 900, 4, 2, 128, False), "bfloat16", 3, window_size)
 
 
 @pytest.mark.gpu
@@ -320,17 +325,22 @@ def test_packed_sequences_match_the_oracle(sm90_plans, head_dim, causal):
     """Sequences shorter and longer than a block, one with no rows and one with no keys:
     a block's boxes reach into the next sequence's rows, which must count for nothing;
     sequences from row 100 on start inside a group of 8 rows (dQ by red.v4)."""
-    shape = VarlenShape((100, 0, 257, 64, 1), (130, 40, 0, 300, 129), 4, 2, head_dim, causal)
-    (dout, q, k, v), packing = packed_inputs(shape, head_dim)
+    _check_packed(VarlenShape((100, 0, 257, 64, 1), (130, 40, 0, 300, 129), 4, 2, head_dim, causal), ordered=2)
+
+
+def _check_packed(shape: VarlenShape, ordered: int = 0):
+    """The packed call's gradients against the oracle, and ``ordered`` deterministic calls'
+    too, bit for bit alike."""
+    (dout, q, k, v), packing = packed_inputs(shape, shape.headdim)
     cu_q, cu_k = packing[:2]
-    out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=causal, return_lse=True)
+    out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=shape.causal, return_lse=True)
     with poisoned_allocations():
-        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=causal)
-        ordered = [cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=causal,
-                                                     deterministic=True) for _ in range(2)]
-    check_gradients(dout, q, k, v, grads, causal, varlen=(cu_q, cu_k))
-    check_gradients(dout, q, k, v, ordered[0], causal, varlen=(cu_q, cu_k))
-    assert _bitwise_equal(*ordered)
+        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=shape.causal)
+        runs = [cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=shape.causal,
+                                                  deterministic=True) for _ in range(ordered)]
+    for gradients in [grads] + runs[:1]:
+        check_gradients(dout, q, k, v, gradients, shape.causal, varlen=(cu_q, cu_k))
+    assert all(_bitwise_equal(runs[0], again) for again in runs[1:])
 
 
 @pytest.mark.gpu
@@ -387,30 +397,19 @@ WIDE_LONG = [Shape(1, 1, 1, 1, 1, 256, False), Shape(2, 80, 80, 4, 2, 256, True)
 
 @pytest.mark.gpu
 @hopper
-@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
-@given(shape=attention_shapes(max_batch=2, max_seqlen=700, max_nheads_kv=2, max_group=3,
-                              headdim=st.sampled_from([176, 192, 232, 256])),
-       dtype=st.sampled_from(["float16", "bfloat16"]), window=st.one_of(st.none(), window_sizes(700)),
-       dlse=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_drawn_wide_calls_match_the_oracle(wide_plans, shape, dtype, window, dlse, seed):
-    window_size = (-1, -1) if window is None or shape.causal else window
-    _check(shape, dtype, seed, window_size, dlse)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("shape", WIDE_LONG, ids=str)
+@pytest.mark.parametrize("plans_of,shape", [("backward_sm90", s) for s in LONG] +
+                         [("backward_sm90_wide", s) for s in WIDE_LONG], indirect=["plans_of"], ids=str)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_long_and_ragged_wide_calls_match_the_oracle(wide_plans, shape, dtype):
+def test_long_and_ragged_calls_match_the_oracle(plans_of, shape, dtype):
     _check(shape, dtype, shape.seqlen_q + shape.seqlen_k)
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("window_size", [(100, 0), (37, 250), (0, 0), (-1, 64)])
-@pytest.mark.parametrize("head_dim", [192, 256])
-def test_wide_windows_match_the_oracle(wide_plans, window_size, head_dim):
+@pytest.mark.parametrize("plans_of,head_dim", [("backward_sm90", 128), ("backward_sm90_wide", 192),
+                                               ("backward_sm90_wide", 256)], indirect=["plans_of"])
+def test_windows_match_the_oracle(plans_of, window_size, head_dim):
     _check(Shape(2, 700, 900, 4, 2, head_dim, False), "bfloat16", 3, window_size)
 
 
@@ -422,13 +421,7 @@ def test_packed_wide_sequences_match_the_oracle(wide_plans, head_dim, causal):
     """Sequences shorter and longer than a block, one with no rows and one with no keys:
     a block's boxes reach into the next sequence's rows, which must count for nothing; dQ's
     red.v4 and dK/dV's row stores from any first row."""
-    shape = VarlenShape((100, 0, 257, 80, 1, 33), (130, 40, 0, 300, 81, 161), 4, 2, head_dim, causal)
-    (dout, q, k, v), packing = packed_inputs(shape, head_dim)
-    cu_q, cu_k = packing[:2]
-    out, lse = cuflash.attention_varlen(q, k, v, *packing, causal=causal, return_lse=True)
-    with poisoned_allocations():
-        grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *packing, causal=causal)
-    check_gradients(dout, q, k, v, grads, causal, varlen=(cu_q, cu_k))
+    _check_packed(VarlenShape((100, 0, 257, 80, 1, 33), (130, 40, 0, 300, 81, 161), 4, 2, head_dim, causal))
 
 
 @pytest.mark.gpu
