@@ -31,6 +31,7 @@
 #include "mods.cuh"
 #include "score.cuh"
 #include "shared_memory.cuh"
+#include "sm90/bwd_common.cuh"
 #include "sm90/bwd_params.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
@@ -40,19 +41,17 @@ namespace cuflash {
 
 // The shared memory of Sm90BackwardSharedLayout (shared_memory.cuh), its loads and its barriers.
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages>
-struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages> {
+struct Sm90BackwardShared : Sm90KeyBlockShared<Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages>> {
   using Layout = Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kStages>;
-  using Layout::kBarriers, Layout::kColumnBlocks, Layout::kDelta, Layout::kDo, Layout::kDs, Layout::kDsTile,
-      Layout::kDq, Layout::kDqDestination, Layout::kDqSlice, Layout::kDqTurn, Layout::kK, Layout::kKvBlock,
-      Layout::kKvTile, Layout::kLse, Layout::kQ, Layout::kQBlock, Layout::kQTile, Layout::kV;
-
-  unsigned char* base;
+  using Base = Sm90KeyBlockShared<Layout>;
+  using Base::barrier, Base::base, Base::kv_landed;
+  using Layout::kColumnBlocks, Layout::kDelta, Layout::kDo, Layout::kDs, Layout::kDsTile, Layout::kDq,
+      Layout::kDqDestination, Layout::kDqSlice, Layout::kDqTurn, Layout::kLse, Layout::kQ, Layout::kQBlock,
+      Layout::kQTile;
 
   static __device__ __forceinline__ Sm90BackwardShared of(unsigned char* dynamic) {
-    return {{}, dynamic + ((1024 - (smem_addr(dynamic) & 1023)) & 1023)};
+    return {{{}, Base::aligned(dynamic)}};
   }
-  __device__ __forceinline__ unsigned char* k() const { return base + kK; }
-  __device__ __forceinline__ unsigned char* v() const { return base + kV; }
   __device__ __forceinline__ unsigned char* q(int stage) const { return base + kQ + stage * kQTile; }
   __device__ __forceinline__ unsigned char* dout(int stage) const { return base + kDo + stage * kQTile; }
   __device__ __forceinline__ unsigned char* ds(int buffer) const { return base + kDs + buffer * kDsTile; }
@@ -75,10 +74,6 @@ struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN,
     int turn;
   };
   __device__ __forceinline__ DqTurn* dq_turn() const { return reinterpret_cast<DqTurn*>(base + kDqTurn); }
-  __device__ __forceinline__ sm90::Barrier barrier(int index) const {
-    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
-  }
-  __device__ __forceinline__ sm90::Barrier kv_landed() const { return barrier(0); }
   __device__ __forceinline__ sm90::Barrier landed(int stage) const { return barrier(1 + stage); }
   __device__ __forceinline__ sm90::Barrier released(int stage) const { return barrier(1 + kStages + stage); }
   __device__ __forceinline__ sm90::Barrier dq_staged(int consumer) const {
@@ -98,18 +93,8 @@ struct Sm90BackwardShared : Sm90BackwardSharedLayout<kHeadDim, kBlockM, kBlockN,
     for (int c = 0; c < 2; ++c) dq_staged(c).init(consumer_threads / 2), dq_drained(c).init(kBlockM / 8);
     sm90::Barrier::fence_init();
   }
-  // K and V of the block's rows from `row`, and a step's Q and dO (rows from `row`), each
-  // by one thread; boxes past a packed sequence's end bring the next one's rows, which
-  // the mask and the LSE of +inf take out.
-  template <typename Args>
-  __device__ __forceinline__ void load_kv(const Args& args, int row, int kv_head, int batch) const {
-    kv_landed().arrive_expecting(2 * kKvTile);
-#pragma unroll
-    for (int c = 0; c < kColumnBlocks; ++c) {
-      sm90::tma_load(k() + c * kKvBlock, args.k, kv_landed(), 64 * c, row, kv_head, batch);
-      sm90::tma_load(v() + c * kKvBlock, args.v, kv_landed(), 64 * c, row, kv_head, batch);
-    }
-  }
+  // A step's Q and dO (rows from `row`), by one thread (as load_kv: rows past a packed
+  // sequence's end count for nothing).
   template <typename Args>
   __device__ __forceinline__ void load_step(const Args& args, int stage, int row, int head, int batch) const {
     landed(stage).arrive_expecting(2 * kQTile);
@@ -164,14 +149,6 @@ __device__ __forceinline__ void store_gradients(unsigned char* tile, const unsig
   for (int j = 0; j < kBlockM / 16; ++j) sm90::store_matrices_transposed(row + j * 16 * 128, a[j]);
 }
 
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// The copy engine's writes to global memory before this thread's next ordinary accesses.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-
 // dQ added to the accumulator by red.v4, where the copy engine cannot take it (128 rows a
 // step, or a packed sequence that starts inside a group of 8 rows): this warp's rows g and
 // g + 8 (none past the end), 16 bytes of a lane's two neighbouring 8-column fragments.
@@ -191,9 +168,6 @@ __device__ __forceinline__ void add_dq(const float (&acc_dq)[1][kDqCols / 8][4],
                         acc_dq[0][2 * j + 1][2 * h], acc_dq[0][2 * j + 1][2 * h + 1]);
   }
 }
-
-// The two consumer warpgroups meet (named barrier 1): every key's dS^T is in shared memory.
-__device__ __forceinline__ void consumers_meet() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
 // Warpgroup 0 produces (its first warp loads, its second adds dQ to the accumulator; 24
 // registers a thread), warpgroups 1 and 2 compute
@@ -276,13 +250,7 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
 
-  if (threadIdx.x == 0) {
-    unsigned launched;  // the launch's shared memory must hold the layout (_plan.Sm90Backward.shared_bytes)
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(launched));
-    if (launched < Shared::kBytes) __trap();
-    shared.init_barriers(256);
-  }
-  __syncthreads();
+  set_up_shared(shared, 256);  // (_plan.Sm90Backward.shared_bytes)
 
   if (group == 0) {  // the producer
     sm90::set_max_registers<24, false>();

@@ -34,6 +34,7 @@
 #include "dq_accum.cuh"
 #include "mask.cuh"
 #include "shared_memory.cuh"
+#include "sm90/bwd_common.cuh"
 #include "sm90/bwd_params.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
@@ -43,19 +44,16 @@ namespace cuflash {
 
 // The shared memory of Sm90WideBackwardSharedLayout (shared_memory.cuh), its loads and its barriers.
 template <int kHeadDim, int kBlockM, int kBlockN, int kQStages>
-struct Sm90WideBackwardShared : Sm90WideBackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kQStages> {
+struct Sm90WideBackwardShared : Sm90KeyBlockShared<Sm90WideBackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kQStages>> {
   using Layout = Sm90WideBackwardSharedLayout<kHeadDim, kBlockM, kBlockN, kQStages>;
-  using Layout::kBarriers, Layout::kColumnBlocks, Layout::kDelta, Layout::kDo, Layout::kDs, Layout::kK,
-      Layout::kKvBlock, Layout::kKvTile, Layout::kLse, Layout::kP, Layout::kPdsTile, Layout::kQ, Layout::kQBlock,
-      Layout::kQTile, Layout::kV;
-
-  unsigned char* base;
+  using Base = Sm90KeyBlockShared<Layout>;
+  using Base::barrier, Base::base, Base::kv_landed;
+  using Layout::kColumnBlocks, Layout::kDelta, Layout::kDo, Layout::kDs, Layout::kLse, Layout::kP, Layout::kPdsTile,
+      Layout::kQ, Layout::kQBlock, Layout::kQTile;
 
   static __device__ __forceinline__ Sm90WideBackwardShared of(unsigned char* dynamic) {
-    return {{}, dynamic + ((1024 - (smem_addr(dynamic) & 1023)) & 1023)};
+    return {{{}, Base::aligned(dynamic)}};
   }
-  __device__ __forceinline__ unsigned char* k() const { return base + kK; }
-  __device__ __forceinline__ unsigned char* v() const { return base + kV; }
   __device__ __forceinline__ unsigned char* q(int stage) const { return base + kQ + stage * kQTile; }
   __device__ __forceinline__ unsigned char* dout() const { return base + kDo; }
   __device__ __forceinline__ unsigned char* probs(int buffer) const { return base + kP + buffer * kPdsTile; }
@@ -64,10 +62,6 @@ struct Sm90WideBackwardShared : Sm90WideBackwardSharedLayout<kHeadDim, kBlockM, 
     return reinterpret_cast<float*>(base + kLse) + stage * kBlockM;
   }
   __device__ __forceinline__ float* delta() const { return reinterpret_cast<float*>(base + kDelta); }
-  __device__ __forceinline__ sm90::Barrier barrier(int index) const {
-    return {reinterpret_cast<unsigned long long*>(base + kBarriers) + index};
-  }
-  __device__ __forceinline__ sm90::Barrier kv_landed() const { return barrier(0); }
   __device__ __forceinline__ sm90::Barrier q_landed(int stage) const { return barrier(1 + stage); }
   __device__ __forceinline__ sm90::Barrier q_released(int stage) const { return barrier(1 + kQStages + stage); }
   __device__ __forceinline__ sm90::Barrier do_landed() const { return barrier(1 + 2 * kQStages); }
@@ -82,18 +76,8 @@ struct Sm90WideBackwardShared : Sm90WideBackwardSharedLayout<kHeadDim, kBlockM, 
     do_landed().init(32), do_released().init(consumer_threads);
     sm90::Barrier::fence_init();
   }
-  // K and V of the block's rows from `row`, a step's Q or dO (rows from `row`), each by one
-  // thread; boxes past a packed sequence's end bring the next one's rows, which the mask and
-  // the LSE of +inf take out; head-dim blocks past the array's columns arrive as zeros.
-  template <typename Args>
-  __device__ __forceinline__ void load_kv(const Args& args, int row, int kv_head, int batch) const {
-    kv_landed().arrive_expecting(2 * kKvTile);
-#pragma unroll
-    for (int c = 0; c < kColumnBlocks; ++c) {
-      sm90::tma_load(k() + c * kKvBlock, args.k, kv_landed(), 64 * c, row, kv_head, batch);
-      sm90::tma_load(v() + c * kKvBlock, args.v, kv_landed(), 64 * c, row, kv_head, batch);
-    }
-  }
+  // A step's Q or dO (rows from `row`), by one thread (as load_kv: rows past a packed
+  // sequence's end count for nothing; head-dim blocks past the array's columns arrive as zeros).
   __device__ __forceinline__ void load_rows(unsigned char* tile, const sm90::TensorMap& map, sm90::Barrier landed,
                                             int row, int head, int batch) const {
     landed.arrive_expecting(kQTile);
@@ -191,12 +175,6 @@ __device__ __forceinline__ void add_dq_transposed(const float (&acc)[1][kQueryTi
   }
 }
 
-// This thread's stores to shared memory (stmatrix), before the tensor cores' reads of it.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// The two consumer warpgroups meet (named barrier 1).
-__device__ __forceinline__ void consumers_meet() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 // The four warps of consumer c meet (named barrier 2 + c; immediate ids: a register id makes
 // ptxas reserve all 16).
 __device__ __forceinline__ void consumer_meets(int consumer) {
@@ -246,13 +224,7 @@ __global__ void __launch_bounds__(384, 1)
       m0 += kBlockM;
   };
 
-  if (threadIdx.x == 0) {
-    unsigned launched;  // the launch's shared memory must hold the layout (_plan.Sm90WideBackward.shared_bytes)
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(launched));
-    if (launched < Shared::kBytes) __trap();
-    shared.init_barriers(256);
-  }
-  __syncthreads();
+  set_up_shared(shared, 256);  // (_plan.Sm90WideBackward.shared_bytes)
 
   if (group == 0) {  // the producer
     sm90::set_max_registers<24, false>();
