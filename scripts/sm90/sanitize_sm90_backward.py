@@ -9,8 +9,9 @@ Both tiles (d 64: 128 x 128; d 128: 64 x 128, also serving d 72-120), causal and
 a sliding window, GQA and MQA, ragged lengths (sq != sk, a block + 1, a single query),
 the LSE's gradient, packed sequences with an empty one, deterministic calls (dQ added in
 turns), softcap, ALiBi, dropout and score_mod (the extras' instances), a block mask of
-mask_mod alone (the plain one). Each call's gradients are checked against the float64 reference (dropout's
-run only).
+mask_mod alone (the plain one); the wide kernel (d 192 and 256, 80-key blocks) causal and
+not, with a window, GQA, ragged and packed. Each call's gradients are checked against the
+float64 reference (dropout's run only).
 """
 import cupy
 import numpy as np
@@ -80,6 +81,12 @@ def main() -> None:
         call(1, 257, 300, 4, 4, d, causal=True, deterministic=True)
         packed([100, 0, 129, 7], 4, 2, d, deterministic=True)
         extras(d)
+    for d in (192, 256):  # the wide kernel's 80-key blocks
+        call(2, 161, 161, 4, 2, d)
+        call(1, 81, 257, 4, 2, d, causal=True, dlse=True)
+        call(1, 1, 200, 2, 2, d)
+        call(1, 257, 130, 4, 4, d, window_size=(70, 20))
+        packed([100, 0, 81, 7], 4, 2, d, causal=True)
 
 
 def relative_bias(s, b, h, q_idx, kv_idx, bias):
