@@ -70,7 +70,8 @@ def test_the_planner_sends_the_sm90_forward_what_it_takes():
     assert _plan_of(*qkv(1000)).struct is Sm90Params
     assert [m.field for m in _plan_of(*qkv(1000)).maps] == ["q", "k", "v"]
     assert isinstance(kernel(*qkv(1000), causal=True), _plan.Sm90Forward)
-    assert [kernel(*qkv(1000, d=d)).head_dim for d in (64, 96, 128, 136, 200, 256)] == [64, 128, 128, 256, 256, 256]
+    assert [kernel(*qkv(1000, d=d)).head_dim for d in (64, 96, 128, 136, 192, 200, 256)] == \
+        [64, 128, 128, 192, 192, 256, 256]
     # d 64: three consumers, 192 query rows; d 128: 176 keys, 128 under a causal mask
     plans = _plan_of(*qkv(1000, d=64)), _plan_of(*qkv(1000)), _plan_of(*qkv(1000), causal=True)
     assert [(p.steps[0].kernel.threads, [m.rows for m in p.maps]) for p in plans] == \
@@ -308,10 +309,11 @@ def _both_paths(paths, call):
 
 SHAPES = [(1, 128, 128, 1, 1), (2, 1, 300, 4, 2), (1, 129, 257, 2, 2), (2, 300, 517, 4, 1), (1, 1000, 1000, 2, 2),
           (1, 2048, 2048, 4, 4), (1, 700, 5, 2, 1)]
-# d 128 with every shape in both dtypes; the other head dims (the kernels of 64 and 256, and
-# 96 and 192 on the copy engine's zero columns) with four shapes in one dtype each.
+# d 128 with every shape in both dtypes; the other head dims (the kernels of 64, 192 and 256,
+# and 96, 160 and 232 on the copy engine's zero columns) with four shapes in one dtype each.
 CASES = [(128, dtype, *shape) for dtype in ("float16", "bfloat16") for shape in SHAPES] + \
-        [(d, dtype, *shape) for d, dtype in ((64, "bfloat16"), (96, "float16"), (192, "bfloat16"), (256, "float16"))
+        [(d, dtype, *shape) for d, dtype in ((64, "bfloat16"), (96, "float16"), (160, "float16"), (192, "bfloat16"),
+                                             (232, "bfloat16"), (256, "float16"))
          for shape in SHAPES[1:5]]
 
 
@@ -478,6 +480,7 @@ def test_the_sm90_forward_is_bitwise_reproducible(paths, causal):
 # on d 128's kernel with zero columns.
 TAIL_CASES = [(128, "bfloat16", 1, 1000, 4001, 4, 2), (128, "float16", 2, 1000, 4000, 10, 1),
               (64, "bfloat16", 1, 700, 5003, 3, 3), (256, "float16", 1, 300, 3001, 2, 1),
+              (192, "bfloat16", 1, 300, 3001, 2, 1),
               (96, "float16", 1, 129, 9000, 1, 1)]
 
 

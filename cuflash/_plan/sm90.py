@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 class Sm90Forward(NamedTuple):
     """The sm_90a forward (cuda/sm90/fwd.cu: TMA, wgmma) for head dims up to ``head_dim``
-    (64, 128 or 256; a smaller one rides on the copy engine's zero columns): a producer
+    (64, 128, 192 or 256; a smaller one rides on the copy engine's zero columns): a producer
     warpgroup and ``consumers`` consumer warpgroups of 64 query rows, key tiles and K/V
     stages (SM90_TILES); ``extras``: softcap, ALiBi, dropout or mods may be on, ``mods`` the
     call's score_mod / mask_mod as CUDA text (cuflash.mod.kernel_source) or "", ``blocks``
@@ -112,9 +112,9 @@ SM90_SECTION_BYTES = 16 << 20
 SM90_SECTION_ROWS = 2048
 # Head dim -> (keys a tile, K/V stages, consumer warpgroups), after FlashAttention-3: S, P and O
 # fit a consumer's 240 registers, or at d 64 its 160 with a third consumer serving each K/V tile
-# (d 128 spills there). Two stages keep up at d 128 and 256 only because each stage's K and V
+# (d 128 spills there). Two stages keep up at d 128-256 only because each stage's K and V
 # are released apart (Sm90Shared::kApart); tuning.md, "The Hopper forward".
-SM90_TILES = {64: (128, 3, 3), 128: (176, 2, 2), 256: (80, 2, 2)}
+SM90_TILES = {64: (128, 3, 3), 128: (176, 2, 2), 192: (80, 2, 2), 256: (80, 2, 2)}
 # Under a causal mask or a window d 128 keeps 128 keys in three stages (FlashAttention-3's
 # causal tile): a diagonal tile masks more of 176 keys, and short calls have few key tiles a row.
 SM90_BANDED_TILES = {128: (128, 3, 2)}

@@ -5,7 +5,7 @@ capability 9.0 GPU:
     compute-sanitizer --tool racecheck python scripts/sm90/sanitize_sm90.py
     compute-sanitizer --tool synccheck python scripts/sm90/sanitize_sm90.py
 
-Every head dim's tile (d 64: three consumers; 128, 256: two), not causal on the persistent
+Every head dim's tile (d 64: three consumers; 128, 192, 256: two), not causal on the persistent
 grid with more tiles than multiprocessors (so CTAs take several tiles and the producer loads
 the next tile's Q under the last one's output), causal (CTAs taking several tiles from the
 launch's counter; pair after pair, and in the scheduler's sections, of three pairs here), a
@@ -63,7 +63,7 @@ def sections(seqlen_k: int, d: int, kv_heads: int):
 def main() -> None:
     major, _ = cupy.cuda.Device().compute_capability
     assert int(major) == 9, "needs a compute capability 9.0 GPU"
-    for d in (64, 128, 256):
+    for d in (64, 128, 192, 256):
         call(4, 1000, 1000, 8, 2, d)  # 24-32 tiles a head group: more tiles than multiprocessors
         call(4, 1000, 1000, 8, 2, d, causal=True)  # the CTAs take tiles from the launch's counter
         call(2, 333, 517, 4, 4, d, causal=True)

@@ -160,7 +160,7 @@ __device__ __forceinline__ void issue_scores(
 }
 
 // O += P V: P from registers, the stage's keys in k16 steps of 16 rows of V (2048 bytes);
-// a head dim of 256 as two products of 128 columns (two 64-column blocks each).
+// a head dim over 128 as two products, of 128 columns (two 64-column blocks) and the rest.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, int kKeyBitBytes>
 __device__ __forceinline__ void issue_values(
     const Sm90Shared<kHeadDim, kBlockM, kBlockN, kStages, kKeyBitBytes>& shared, int stage,
@@ -173,9 +173,9 @@ __device__ __forceinline__ void issue_values(
   for (int k = 0; k < kBlockN / 16; ++k) {
     const unsigned char* v_rows = shared.v(stage) + k * 16 * 128;
     Product::template rs_bt<0>(acc_o, p[k], sm90::SmemDesc::n_major(v_rows, Shared::kKvBlock));
-    if constexpr (kHeadDim == 256)
-      Product::template rs_bt<16>(acc_o, p[k],
-                                  sm90::SmemDesc::n_major(v_rows + 2 * Shared::kKvBlock, Shared::kKvBlock));
+    if constexpr (kHeadDim > 128)
+      sm90::Wgmma<T, kHeadDim - 128>::template rs_bt<16>(
+          acc_o, p[k], sm90::SmemDesc::n_major(v_rows + 2 * Shared::kKvBlock, Shared::kKvBlock));
   }
   sm90::wgmma_commit();
 }
@@ -356,9 +356,9 @@ template <typename T, int kHeadDim, int kBlockN, int kConsumers, int kStages, bo
           typename Mods = NoMods>
 __global__ void __launch_bounds__((kConsumers + 1) * 128, 1)
     attention_forward_sm90(const __grid_constant__ Sm90ParamsOf<kHasMods<Mods>> args) {
-  static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256) &&
+  static_assert((kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256) &&
                     (kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176),
-                "the products: m64n64, m64n80, m64n128, m64n176 (S); m64n64, m64n128 (O; two at d 256)");
+                "the products: m64n64, m64n80, m64n128, m64n176 (S); m64n64, m64n128 (O; two over d 128)");
   static_assert(kConsumers == 2 || kConsumers == 3, "turn taking among two or three consumers");
   static_assert(kExtras || !Mods::kScore, "score_mod takes the scores in natural units: the extras' instances");
   constexpr int kBlockM = 64 * kConsumers;
