@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, NamedTuple
 
 
@@ -102,6 +103,27 @@ class Framework:
         return ArrayInfo(out, self.like.framework, calls.pointer(out), shape, contiguous_strides(shape), dtype,
                          self.like.device)
 
+    def scratch(self, pieces: list) -> tuple[list[ArrayInfo | None], tuple]:
+        """A call's scratch in one allocation: each of ``pieces`` ((shape, dtype) of 4-byte
+        items, or None for one the call has not) as an array in one float32 buffer (None for
+        None), at a multiple of 256 bytes (an allocation of its own had that alignment), and
+        the layout ``allocate_scratch`` makes the same from: the buffer's shape and dtype
+        and each piece's byte offset (None for None)."""
+        places, end = [], 0  # (byte offset, shape, dtype) of each piece, or None
+        for piece in pieces:
+            if piece is None:
+                places.append(None)
+                continue
+            shape, dtype = piece
+            places.append((end, tuple(shape), dtype))
+            end += -(-math.prod(shape) * _ITEM_BYTES[dtype] // 256) * 256
+        buffer = self.empty((end // 4,), "float32")
+        arrays = [None if place is None else buffer._replace(ptr=buffer.ptr + place[0], shape=place[1],
+                                                             strides=contiguous_strides(place[1]), dtype=place[2])
+                  for place in places]
+        offsets = tuple(None if place is None else place[0] for place in places)
+        return arrays, (buffer.shape, self.calls.dtype("float32"), offsets)
+
     def finish(self, out):
         """Hand a result allocated by ``empty`` back as the caller's kind."""
         if self.like.framework != "jax":
@@ -109,6 +131,19 @@ class Framework:
         import jax
         self.calls.synchronize(self.like.device)  # JAX reads it on its own stream
         return jax.dlpack.from_dlpack(out)
+
+
+_ITEM_BYTES = {"float32": 4, "int32": 4}  # (the dtypes of scratch pieces)
+
+
+def allocate_scratch(calls, device: int, layout: tuple) -> tuple:
+    """A warm call's scratch laid out as ``Framework.scratch`` said, through its library's
+    ``calls``: the buffer (held until the launch: freed memory would be handed to the next)
+    and each piece's pointer (0 for one the call has not)."""
+    shape, dtype, offsets = layout
+    buffer = calls.empty(shape, dtype, device)
+    base = calls.pointer(buffer)
+    return buffer, [0 if offset is None else base + offset for offset in offsets]
 
 
 # -- warm calls ------------------------------------------------------------------------------

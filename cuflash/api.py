@@ -222,11 +222,15 @@ def _forward_gpu(q, k, v, options: Options, varlen: Varlen | None, return_lse: b
         launcher = _kernels.forward_launcher(q, k, v, out, options, varlen)
         if warm:  # (out is this call's own allocation: its layout is the same every call)
             warm.launcher = launcher
-    work = [framework.empty(shape, dtype) for _, shape, dtype in launcher.plan.workspace]  # (stream-ordered)
+    work, scratch = [], None
+    if launcher.plan.workspace:  # (the sm_90a forward's counters and tail pieces; stream-ordered)
+        work, scratch = framework.scratch([(shape, dtype) for _, shape, dtype in launcher.plan.workspace])
     launcher(framework.stream, q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr, *(w.ptr for w in work))
     if warm:
+        dtype = framework.calls.dtype
         warm.calls, warm.device = framework.calls, q.device
-        warm.outputs = (out.shape, framework.calls.dtype(out.dtype), None if lse is None else lse.shape)
+        warm.outputs = (out.shape, dtype(out.dtype), None if lse is None else lse.shape, dtype("float32"))
+        warm.workspace = scratch
     return framework.finish(out.obj), None if lse is None else framework.finish(lse.obj)
 
 
@@ -241,16 +245,15 @@ def warm_forward(q, k, v, scalars: tuple):
 
 def _launch_warm(warm: _Warm, q, k, v):
     """The forward of a warm signature on these arrays: out, or (out, lse)."""
-    calls, device, (out_shape, dtype, lse_shape) = warm.calls, warm.device, warm.outputs
+    calls, device, (out_shape, dtype, lse_shape, float32) = warm.calls, warm.device, warm.outputs
     pointer = calls.pointer
     out = calls.empty(out_shape, dtype, device)
-    work = [calls.empty(shape, calls.dtype(dtype), device) for _, shape, dtype in warm.launcher.plan.workspace]
+    buffer, work = (None, ()) if warm.workspace is None else _arrays.allocate_scratch(calls, device, warm.workspace)
     if lse_shape is None:
-        warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), 0, *map(pointer, work))
+        warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), 0, *work)
         return out
-    lse = calls.empty(lse_shape, calls.dtype("float32"), device)
-    warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), pointer(lse),
-                  *map(pointer, work))
+    lse = calls.empty(lse_shape, float32, device)
+    warm.launcher(calls.stream(device), pointer(q), pointer(k), pointer(v), pointer(out), pointer(lse), *work)
     return out, lse
 
 
@@ -263,18 +266,18 @@ def _backward_gpu(arrays: dict, options: Options, varlen: Varlen | None, determi
     ordered = deterministic and _plan.backward_orders(q.shape[-1], options.extras, block_mask,
                                                       _kernels.device_facts(q.device).sm90a)
     workspace = _plan.backward_workspace(q.shape, deterministic, options.extras, ordered)
-    work = {name: framework.empty(shape, dtype) for name, (shape, dtype) in workspace.items()}
-    dq_accum, dq_semaphore, dlse = work.get("dq_accum"), work.get("dq_semaphore"), arrays.get("dlse")
+    (delta, dq_accum, dq_semaphore), scratch = framework.scratch([workspace.get(name) for name in
+                                                                  ("delta", "dq_accum", "dq_semaphore")])
     launcher = _kernels.backward_launcher(arrays["dout"], q, k, v, arrays["out"], dq, dk, dv, dq_accum, options,
                                           varlen, dq_semaphore)
-    pointers = (arrays["dout"], q, k, v, arrays["out"], arrays["lse"], dlse, dq, dk, dv, work["delta"], dq_accum,
-                dq_semaphore)
+    pointers = (arrays["dout"], q, k, v, arrays["out"], arrays["lse"], arrays.get("dlse"), dq, dk, dv, delta,
+                dq_accum, dq_semaphore)
     launcher(framework.stream, *(0 if a is None else a.ptr for a in pointers))
     if warm:  # (the same for every call of a signature: the arrays' shapes, deterministic, options)
         dtype = framework.calls.dtype
         warm.launcher, warm.calls, warm.device = launcher, framework.calls, q.device
         warm.outputs = tuple((a.shape, dtype(a.dtype)) for a in grads)
-        warm.workspace = tuple(None if a is None else (a.shape, dtype(a.dtype)) for a in pointers[-3:])
+        warm.workspace = scratch
     return tuple(framework.finish(g.obj) for g in grads)
 
 
@@ -285,11 +288,9 @@ def _backward_warm(warm: _Warm, given: tuple):
     calls, device = warm.calls, warm.device
     empty, pointer = calls.empty, calls.pointer
     grads = [empty(shape, dtype, device) for shape, dtype in warm.outputs]
-    # (each scratch array held until the launch: a freed one's memory would be handed to the next)
-    work = [None if w is None else empty(w[0], w[1], device) for w in warm.workspace]
+    buffer, work = _arrays.allocate_scratch(calls, device, warm.workspace)
     arrays = map(pointer, given) if len(given) == 7 else (*map(pointer, given), 0)
-    warm.launcher(calls.stream(device), *arrays, *map(pointer, grads),
-                  *(0 if w is None else pointer(w) for w in work))
+    warm.launcher(calls.stream(device), *arrays, *map(pointer, grads), *work)
     return tuple(grads)
 
 
@@ -329,9 +330,9 @@ def _mod_options(score_mod, mask_mod, mod_tensors, block_mask=None) -> dict:
 class _Warm:
     """A call signature that passed the checks: its options and, once it has run on
     the GPU (the only calls kept), its launcher, its arrays' library and device, its
-    outputs' shapes and dtype ((forward) out's, its dtype and lse's shape or None;
-    (backward) dq's, dk's and dv's (shape, dtype)s) and (backward) its scratch buffers'
-    (shape, dtype)s, or None for those it has not: delta, dq_accum, dq_semaphore."""
+    outputs' shapes and dtypes ((forward) out's shape and dtype, lse's shape or None, and
+    float32; (backward) dq's, dk's and dv's (shape, dtype)s) and its scratch's layout
+    (``_arrays.Framework.scratch``; the forward's None where its plan has none)."""
     __slots__ = ("options", "launcher", "calls", "device", "outputs", "workspace")
 
     def __init__(self, options: Options):

@@ -1,8 +1,9 @@
 """Warm-call keys (cuflash/_warm.py) on the CPU: a stand-in array type whose library
 reads a signature, as CuPy's and torch's do on the GPU, so that what makes two calls one
 signature (and what does not) is checked everywhere; and, on a stand-in GPU, the functions
-a warm call enters, counted: none of the checks, the planner, the compiler or the binding;
-and the path of a cold call, from module to module, held short."""
+a warm call enters, counted: none of the checks, the planner, the compiler or the binding
+(a training step through cuflash.torch too, on meta tensors: its allocations, launches and
+driver calls counted as well); and the path of a cold call, from module to module, held short."""
 import functools
 import itertools
 import os
@@ -134,12 +135,20 @@ class DeviceArray:
 
 
 class DeviceCalls(StandInCalls):
-    """The stand-in library's calls (as _arrays._CuPyCalls'), its launches counted, and the
-    calls into the driver layer (``_driver``'s functions), by name."""
+    """The stand-in library's calls (as _arrays._CuPyCalls'), its allocations and launches
+    counted, and the calls into the driver layer (``_driver``'s functions), by name."""
+    array_type = DeviceArray
 
     def __init__(self):
-        self.launches = 0
+        self.launches = self.allocations = 0
         self.driver = []
+
+    @staticmethod
+    def describe(x):
+        """x as ``_arrays.inspect`` describes a CUDA array of device 0, or None for another."""
+        if isinstance(x, DeviceArray):
+            return _arrays.ArrayInfo(x, "cupy", x.ptr, x.shape, x.strides, x.dtype, 0)
+        return None
 
     def driver_call(self, name: str, result):
         """A stand-in for ``_driver.<name>`` that returns ``result``, its calls recorded."""
@@ -152,8 +161,8 @@ class DeviceCalls(StandInCalls):
     def stream(device):
         return 7
 
-    @staticmethod
-    def empty(shape, dtype, device, zeros=False):
+    def empty(self, shape, dtype, device, zeros=False):
+        self.allocations += 1
         return DeviceArray(shape, dtype)
 
     @staticmethod
@@ -165,23 +174,51 @@ class DeviceCalls(StandInCalls):
         self.launches += 1
 
 
-@pytest.fixture
-def stand_in_gpu(monkeypatch):
-    """cuflash's calls on DeviceArrays run as on an A100 (mma.sync kernels): planned, their
-    kernels 'loaded' (never compiled; the compile layer's, once a kernel and process, as the
-    device's facts are once a device: tests/test_device.py) and launched into
-    DeviceCalls.launches. Plans and warm tables start empty, and what the stand-in put in
-    them is forgotten after (experiment.override)."""
-    calls = DeviceCalls()
+class TensorCalls(DeviceCalls):
+    """The stand-in library's calls on torch meta tensors (shapes, strides and dtypes, no
+    memory), which stand for CUDA tensors of device 0; a tensor's address is its id."""
+
+    def __init__(self):
+        super().__init__()
+        import torch
+        self.torch, self.array_type = torch, torch.Tensor
+
+    @staticmethod
+    def signature(x):
+        return x.device, x.shape, x.stride(), x.dtype, True
+
+    @staticmethod
+    def pointer(x):
+        return id(x)
+
+    @staticmethod
+    def describe(x):
+        if getattr(x, "is_meta", False):
+            return _arrays.ArrayInfo(x, "cupy", id(x), tuple(x.shape), x.stride(), str(x.dtype).split(".")[-1], 0)
+        return None
+
+    def empty(self, shape, dtype, device, zeros=False):
+        self.allocations += 1
+        return self.torch.empty(shape, dtype=dtype, device="meta")
+
+    def dtype(self, name):
+        return getattr(self.torch, name)
+
+
+def on_stand_in_gpu(monkeypatch, calls: DeviceCalls):
+    """cuflash's calls on the arrays ``calls`` describes run as on an A100 (mma.sync
+    kernels): planned, their kernels 'loaded' (never compiled; the compile layer's, once a
+    kernel and process, as the device's facts are once a device: tests/test_device.py) and
+    launched into calls.launches. Plans and warm tables start empty, and what the stand-in
+    put in them is forgotten after the block this returns (experiment.override)."""
     real_inspect = _arrays.inspect
 
     def inspect(x, name):
-        if not isinstance(x, DeviceArray):
-            return real_inspect(x, name)
-        return _arrays.ArrayInfo(x, "cupy", x.ptr, x.shape, x.strides, x.dtype, 0)
+        info = calls.describe(x)
+        return real_inspect(x, name) if info is None else info
 
     monkeypatch.setattr(_arrays, "inspect", inspect)
-    monkeypatch.setitem(_arrays._LIBRARIES, DeviceArray, calls)
+    monkeypatch.setitem(_arrays._LIBRARIES, calls.array_type, calls)
     monkeypatch.setattr(_arrays, "cupy_calls", lambda: calls)
     monkeypatch.setattr(_device, "facts", lambda device: _device.Device("A100", (8, 0), 163 * 1024, 108, 12080))
     monkeypatch.setattr(_compile, "load_kernel", lambda kernel, device: 1)
@@ -189,7 +226,23 @@ def stand_in_gpu(monkeypatch):
     monkeypatch.setattr(_driver, "primary_context", calls.driver_call("primary_context", 5))
     monkeypatch.setattr(_driver, "launcher", calls.driver_call("launcher", (calls.launch, lambda: 5)))
     monkeypatch.setattr(_driver, "zero_words", calls.driver_call("zero_words", None))
-    with experiment.override():
+    return experiment.override()
+
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch):
+    """DeviceArrays on the stand-in GPU (``on_stand_in_gpu``)."""
+    calls = DeviceCalls()
+    with on_stand_in_gpu(monkeypatch, calls):
+        yield calls
+
+
+@pytest.fixture
+def stand_in_torch_gpu(monkeypatch):
+    """torch meta tensors as CUDA tensors on the stand-in GPU (``on_stand_in_gpu``)."""
+    pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    calls = TensorCalls()
+    with on_stand_in_gpu(monkeypatch, calls):
         yield calls
 
 
@@ -266,7 +319,7 @@ def test_a_warm_backward_enters_only_the_key_the_lookup_and_the_launch(stand_in_
     assert stand_in_gpu.launches == 2 * launches
     assert not [name for name in warm if name.startswith(COLD_ONLY) and name not in WARM_TOO], warm
     assert warm == ["api.attention_backward", "_options.has_mods", "api._key", "_warm.key",
-                    *["_arrays.signature"] * 6, "_warm.lookup", "api._backward_warm",
+                    *["_arrays.signature"] * 6, "_warm.lookup", "api._backward_warm", "_arrays.allocate_scratch",
                     "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
 
 
@@ -287,6 +340,127 @@ def test_a_warm_backward_launches_what_the_cold_one_did(stand_in_gpu, monkeypatc
             assert len(cold) == len(warm) == 13
             assert [p == 0 for p in cold[7:]] == [p == 0 for p in warm[7:]]
             assert not (set(warm[7:]) - {0}) & set(cold[7:])  # (its own allocations)
+
+
+LAUNCH = ["_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
+
+
+def training_step(return_lse=False, dout_strides=None):
+    """A training step through cuflash.torch on meta tensors (the stand-in GPU's arrays): the
+    forward of q, k and v, which require grad, and their gradients through autograd (on
+    this thread: meta tensors have no device thread); with ``return_lse``, lse's gradient
+    too. ``dout_strides``: the layout of out's gradient (contiguous by default)."""
+    import torch
+
+    import cuflash.torch
+    q, k, v = (torch.empty(shape(), dtype=torch.float16, device="meta", requires_grad=True) for _ in "qkv")
+    dout = torch.empty_strided(shape(), dout_strides or (300 * 4 * 64, 4 * 64, 64, 1), dtype=torch.float16,
+                               device="meta")
+    dlse = torch.empty((2, 4, 300), dtype=torch.float32, device="meta")
+
+    def step():
+        result = cuflash.torch.attention(q, k, v, causal=True, return_lse=return_lse)
+        return torch.autograd.grad(result, (q, k, v), (dout, dlse) if return_lse else dout)
+
+    return step
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_warm_training_step_enters_only_its_step_the_lookup_and_the_launches(stand_in_torch_gpu, return_lse):
+    """A training step through cuflash.torch on a signature that ran: its forward reads the
+    signatures of q, k and v, its backward those of dout (and dlse) alone (q, k, v, out and
+    lse are the forward's), and neither checks, plans nor describes an array. The functions
+    it enters are this list, its allocations out, lse, dq, dk, dv and one scratch buffer,
+    its launches the first step's: a change that adds a call, an allocation, a launch or a
+    driver call to the step shows here."""
+    calls, step = stand_in_torch_gpu, training_step(return_lse)
+    cold = entered(step)
+    for name in ("_options.check_qkv", "_plan.forward", "_plan.backward", "torch.calls._op_options"):
+        assert name in cold, (name, cold)
+    launches, allocations, driver = calls.launches, calls.allocations, len(calls.driver)
+    assert launches == 4  # (the forward, then the backward's preprocess, kernel and dQ's conversion)
+    warm = entered(step)
+    assert calls.launches - launches == launches
+    assert calls.allocations - allocations == 6
+    assert calls.driver[driver:] == ["launcher"] * 2  # (the launch's handles, as each launcher launches)
+    assert not [name for name in warm if name.startswith(COLD_ONLY) and name not in WARM_TOO], warm
+    dlse = ["_arrays.signature"] if return_lse else []
+    assert warm == ["torch.calls.attention", "_options.has_mods", "torch.calls._tracked", "api._key", "_warm.key",
+                    *["_arrays.signature"] * 3, "_warm.lookup", "torch.calls._Steps.forward", "api._launch_warm",
+                    *LAUNCH, "torch.calls._Steps.backward", "torch.calls._output_gradients", "_arrays.signature",
+                    *dlse, "api._backward_warm", "_arrays.allocate_scratch", *LAUNCH]
+
+
+def test_a_warm_training_step_launches_what_the_cold_one_did(stand_in_torch_gpu, monkeypatch):
+    """A warm step launches the first step's launchers (the ones cuflash.attention and
+    attention_backward made for the same arrays and options) with its arrays' pointers in
+    the same places, its own outputs and scratch laid out alike; out's gradient in another
+    layout is another backward, planned once."""
+    launched = []
+    monkeypatch.setattr(_kernels.Launcher, "__call__", lambda self, stream, *pointers: launched.append((self,
+                                                                                                        pointers)))
+    step = training_step()
+    for _ in range(2):
+        step()
+    (forward, cold_forward), (backward, cold_backward), (warm_forward, warm), (warm_backward, warm_grads) = launched
+    assert warm_forward is forward and warm_backward is backward
+    assert cold_forward[:3] == warm[:3] and cold_backward[:4] == warm_grads[:4]  # (q, k, v; dout, q, k, v)
+    for cold, warm in ((cold_forward, warm), (cold_backward, warm_grads)):
+        assert len(cold) == len(warm) and [p == 0 for p in cold] == [p == 0 for p in warm]
+    delta, dq_accum, semaphore = warm_grads[-3:]
+    assert semaphore == 0 and dq_accum - delta == cold_backward[-2] - cold_backward[-3] > 0
+    other = training_step(dout_strides=(300 * 4 * 64, 64, 300 * 64, 1))  # (dout as (batch, nheads, seqlen, d))
+    assert "_plan.backward" in entered(other) and "_plan.backward" not in entered(other)
+    assert launched[-1][0] is launched[-3][0] is not backward
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_training_step_computes_what_the_general_path_does(monkeypatch, return_lse, deterministic):
+    """CPU tensors take a training step's path too once torch tensors have a signature (as
+    after a call on CUDA tensors): its outputs and gradients are the general path's, bit
+    for bit, with each option a step carries and out's gradient in two layouts."""
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    import cuflash.torch
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 4, 16, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 11, 2, 16, generator=generator, dtype=torch.float64) for _ in "kv")
+    douts = (torch.randn(q.shape, generator=generator, dtype=torch.float64),
+             torch.randn(2, 4, 9, 16, generator=generator, dtype=torch.float64).transpose(1, 2))
+    dlse = torch.randn(2, 4, 9, generator=generator, dtype=torch.float64).float()
+    options = dict(causal=True, softmax_scale=0.3, window_size=(5, 1), softcap=4.0, deterministic=deterministic,
+                   return_lse=return_lse)
+
+    def steps():
+        results = []
+        for dout in douts:
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            outputs = cuflash.torch.attention(*leaves, **options)
+            outputs = outputs if return_lse else (outputs,)
+            grads = torch.autograd.grad(outputs, leaves, (dout, dlse)[:len(outputs)])
+            results.append((type(outputs[0].grad_fn).__name__, *outputs, *grads))
+        return results
+
+    monkeypatch.delitem(_arrays._LIBRARIES, torch.Tensor, raising=False)
+    general = steps()
+    monkeypatch.setitem(_arrays._LIBRARIES, torch.Tensor, TensorCalls())
+    stepped = steps()
+    for (general_path, *expected), (path, *got) in zip(general, stepped):
+        assert general_path != path == "_StepsBackward"
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@pytest.mark.parametrize("options", [dict(dropout_p=0.2), dict(dropout_p=0.2, seed=5), dict(seed=5)])
+def test_a_training_call_with_dropout_or_a_seed_takes_the_general_path(monkeypatch, options):
+    """Dropout draws its seed and offset a call, and the backward needs them: such calls
+    (and those with a seed) never take a step's path, cold or warm."""
+    torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]'")
+    import cuflash.torch
+    monkeypatch.setitem(_arrays._LIBRARIES, torch.Tensor, TensorCalls())
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    for _ in range(2):
+        out = cuflash.torch.attention(q, k, v, causal=True, **options)
+        assert type(out.grad_fn).__name__ != "_StepsBackward"
 
 
 def test_a_warm_kv_cache_call_enters_no_check_plan_or_compile(stand_in_gpu):
@@ -417,9 +591,10 @@ def test_a_warm_call_with_mods_traces_checks_and_plans_nothing(stand_in_gpu):
         assert stand_in_gpu.launches > launches
         assert not [name for name in warm if name.startswith(COLD_ONLY) and name not in WARM_TOO], warm
         signatures = ["_arrays.signature"] * (3 if call is forward else 6)
+        scratch = [] if call is forward else ["_arrays.allocate_scratch"]
         assert warm == [first, "_options.has_mods", "api._key", "_warm.key", *signatures, "_warm.mods_key",
                         "mod.watched", "mod.watched", "_arrays.signature", "_arrays.library", "_warm.lookup", launch,
-                        "_kernels.Launcher.__call__", "_kernels.Launcher._launch", "_kernels.Launcher._launch_steps"]
+                        *scratch, *LAUNCH]
     global OFFSET
     OFFSET = 2
     try:

@@ -16,7 +16,10 @@ take lse's gradient as an optional ``dlse`` and skip it when None (lse unused). 
 (unlike an autograd.Function calling CuPy) is what keeps ``torch.compile(fullgraph=True)``
 whole. Eager calls of ``attention`` / ``attention_varlen`` (and ``flash_attn_interface``)
 run the same functions and formulas through an autograd.Function instead: the ops' eager
-dispatch checks every output against every input for aliasing, ~500 us a training step.
+dispatch checks every output against every input for aliasing, ~500 us a training step. A
+dense eager training call without ALiBi, dropout, a seed or mods whose signature has run
+checks nothing: its forward launches what the first call launched, and its backward reads
+the signatures of dout and dlse only (q, k, v, out and lse are the forward's).
 
 Programmable attention (``score_mod``, ``mask_mod``, ``mod_tensors``; ``cuflash.mod``)
 takes four more ops, ``cuflash::attention_mod_forward`` / ``attention_mod_backward`` and

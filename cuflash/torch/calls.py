@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import _options, _warm, api, kvcache
+from .. import _arrays, _options, _warm, api, kvcache
 
 _UINT64 = 2**64
 
@@ -37,17 +37,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if block_mask is not None:
         mask_mod, mod_tensors = _block_mask_mods(block_mask, mask_mod, mod_tensors)
     mods = _options.has_mods(score_mod, mask_mod, mod_tensors)
-    if alibi_slopes is None and not mods and q.__class__ is torch.Tensor and deterministic.__class__ is bool \
-            and not _tracked(q, k, v):  # inference on a signature that ran: straight to its launch
-        result = api.warm_forward(q, k, v, (causal, softmax_scale, window_size, softcap, dropout_p, seed, 0,
-                                            return_lse))
-        if result is not None:
-            return result
+    step_key = None
+    if alibi_slopes is None and not mods and q.__class__ is torch.Tensor and deterministic.__class__ is bool:
+        if not _tracked(q, k, v):  # inference on a signature that ran: straight to its launch
+            result = api.warm_forward(q, k, v, (causal, softmax_scale, window_size, softcap, dropout_p, seed, 0,
+                                                return_lse))
+            if result is not None:
+                return result
+        elif seed is None and return_lse.__class__ is bool and not torch.compiler.is_compiling():
+            # Training, eagerly: a signature that ran takes its step (_Step) with no check.
+            step_key = api._key((q, k, v), (causal, softmax_scale, window_size, softcap, dropout_p, deterministic,
+                                            _Step), None)
+            step = _warm.lookup(api._warm, step_key)
+            if step is not None:
+                out, lse = _Steps.apply(q, k, v, step)
+                return (out, lse) if return_lse else out
     _options.check_bool("return_lse", return_lse)
     args = _op_options(dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, **_mod_tensor_names(mods, mod_tensors)),
                        causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                        seed=seed)
+    if step_key is not None:  # (no dropout: api._key makes no key for a call with it)
+        step = _Step(args)
+        out, lse = _Steps.apply(q, k, v, step)
+        if step.forward is not None:  # (CUDA tensors: a CPU call is not kept)
+            _warm.remember(api._warm, step_key, step)
+        return (out, lse) if return_lse else out
     if mods:
         args = (*args, *_mod_arguments(score_mod, mask_mod, mod_tensors))
         if block_mask is not None:
@@ -336,6 +351,64 @@ def _differentiable(op, run, backward_op, backward, setup_context, formula):
 
 _forward = _differentiable(attention_forward, _run_forward, attention_backward, _run_backward, _setup_context,
                            _backward)
+
+
+# Eager training calls without ALiBi, dropout, a seed or mods: after a signature's first
+# call, its forward launches what that call launched, and its backward reads the
+# signatures of dout and dlse only (q, k, v, out and lse are the forward's). A step is
+# kept in api's table, keyed with _Step among its scalars: what forgets api's warm calls
+# (experiment.override) forgets the steps made of them.
+
+class _Step:
+    """A training call's signature: the ops' checked options after q, k and v (``args``),
+    the forward's warm entry (``api._Warm``; None until it has run, and on the CPU), and
+    the backward's entries by the signatures of dout and dlse (False without one)."""
+    __slots__ = ("args", "forward", "backwards")
+
+    def __init__(self, args: tuple):
+        self.args, self.forward, self.backwards = args, None, {}
+
+
+def _api_scalars(args: tuple, last) -> tuple:
+    """api's warm-key scalars of the calls ``_run_forward`` and ``_run_backward`` make with
+    a step's ``args`` (no seed, offset 0), ``last`` return_lse or deterministic."""
+    causal, softmax_scale, _, left, right, softcap, _, dropout_p, _ = args
+    return causal, softmax_scale, (left, right), softcap, dropout_p, None, 0, last
+
+
+class _Steps(torch.autograd.Function):
+    """attention's autograd for a ``_Step``: (out, lse) of q, k and v, and their gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, step):
+        ctx.set_materialize_grads(False)  # no zero gradient made for an unused lse
+        if step.forward is None:
+            out, lse, _ = _run_forward(q, k, v, *step.args, return_lse=True)
+            step.forward = api._lookup(api._key((q, k, v), _api_scalars(step.args, True), None))
+        else:
+            out, lse = api._launch_warm(step.forward, q, k, v)
+        ctx.step = step
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:  # out's and lse's gradients are undefined: so are the inputs'
+            return None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        dout, dlse = _output_gradients(dout, dlse, out)
+        step, signature = ctx.step, _arrays.signature
+        key = signature(dout), dlse is not None and signature(dlse)
+        given = (dout, q, k, v, out, lse) if dlse is None else (dout, q, k, v, out, lse, dlse)
+        warm = step.backwards.get(key)
+        if warm is not None:
+            return (*api._backward_warm(warm, given), None)
+        args = step.args
+        grads = _run_backward(dout, q, k, v, out, lse, *args[:8], None, dlse)
+        warm = api._lookup(api._key(given, _api_scalars(args, args[2]), None))
+        if warm is not None and None not in key:  # (None: a type the call itself registered, no key before it)
+            _warm.remember(step.backwards, key, warm)
+        return (*grads, None)
 
 
 # The same with score_mod / mask_mod: a custom op's schema has no default for a tensor

@@ -44,6 +44,7 @@ def main() -> None:
     q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16) for _ in range(3))
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     dout = torch.randn_like(q)
+    dlse = torch.randn(shape[0], shape[2], shape[1], device="cuda")
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     tensors = (dout, q, k, v, out, lse)
     arrays = tuple(cupy.asarray(x) for x in tensors)
@@ -55,9 +56,14 @@ def main() -> None:
     def cuflash_step():
         return torch.autograd.grad(cuflash.torch.attention(*leaves, causal=True), leaves, dout)
 
+    def cuflash_lse_step():  # (lse's gradient too: the backward reads dlse's signature beside dout's)
+        return torch.autograd.grad(cuflash.torch.attention(*leaves, causal=True, return_lse=True), leaves,
+                                   (dout, dlse))
+
     rows = {
         "torch SDPA (flash) fwd+bwd": sdpa_step,
         "cuflash.torch fwd+bwd": cuflash_step,
+        "cuflash.torch fwd+bwd, dlse": cuflash_lse_step,
         "torch SDPA (flash) forward, grad": lambda: sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True),
         "cuflash.torch forward, grad": lambda: cuflash.torch.attention(*leaves, causal=True),
         "cuflash.attention_backward, torch": lambda: cuflash.attention_backward(*tensors, causal=True),
