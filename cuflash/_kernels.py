@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import threading
 
 from . import _compile, _device, _driver, _plan, _warm
@@ -193,7 +194,10 @@ class Launcher:
                         tuple(map(ctypes.c_int, s.args)), s.cluster, s.dependent) for s in plan.steps]
         self._maps = [(_plan.field_offset(plan.struct, m.field), plan.pointers.index(m.pointer), m)
                       for m in plan.maps]
-        self._mapped = None  # the pointers self.params' maps were encoded for
+        # The pointers the maps hold (their arrays' addresses), and those self.params' maps were
+        # encoded for: a call whose mapped arrays did not move encodes nothing.
+        self._map_pointers = operator.itemgetter(*(index for _, index, _ in self._maps)) if self._maps else None
+        self._mapped = None
         # The counters the steps count on from 0: (pointer index, 4-byte words) each.
         self._zeroed = tuple((plan.pointers.index(name), math.prod(shape))
                              for name, shape, _ in plan.workspace if name in plan.counters)
@@ -221,9 +225,11 @@ class Launcher:
                              f"arrays' ({self.plan.pointers})")
         if self._lock.acquire(blocking=False):
             try:
-                if self._maps and pointers != self._mapped:
-                    self._encode_maps(self.params, pointers)
-                    self._mapped = pointers
+                if self._maps:
+                    mapped = self._map_pointers(pointers)
+                    if mapped != self._mapped:
+                        self._encode_maps(self.params, pointers)
+                        self._mapped = mapped
                 self._launch(self.params, self._words, self._calls, stream, pointers)
             finally:
                 self._lock.release()

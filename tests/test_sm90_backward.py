@@ -6,13 +6,15 @@ and MQA, causal masks and windows, head dims 64 to 128 and 161 to 256 (those bet
 copy engine's zero columns), packed sequences, the LSE's gradient; bwd.cu with softcap,
 ALiBi, dropout, score_mod / mask_mod and block masks; with every launch planned on the
 kernel the test names."""
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _device, _options, _plan, experiment
+from cuflash import _compile, _device, _options, _plan, experiment
 from cuflash._params import Sm90BackwardModParams, Sm90BackwardParams
 
 from .conftest import hopper
@@ -44,6 +46,50 @@ def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, dropout_p=
                         for name in ("dq_accum", "dq_semaphore"))
     return _plan.backward(info(q.shape, dtype), q, k, v, info(q.shape, dtype), info(q.shape, dtype),
                           info(k.shape, dtype), info(v.shape, dtype), accum, options, None, facts, semaphore)
+
+
+def test_a_launch_encodes_the_maps_only_when_a_mapped_array_moves(monkeypatch):
+    """The backward's maps hold q's, k's, v's and dout's addresses: a launch whose other
+    pointers (out, the gradients, the scratch: fresh each call) moved writes no map into its
+    Params, one whose q moved writes all four again (the driver encoding q's alone: maps are
+    kept by their arguments), on a stand-in driver."""
+    from cuflash import _driver, _kernels, _tensormap
+    encoded, made = [], []
+
+    def fake_encode(result, dtype, rank, pointer, *rest):
+        encoded.append(pointer.value)
+        return 0
+
+    def counted(pointer, *args):
+        made.append(pointer)
+        return kept(pointer, *args)
+
+    kept = _tensormap.encode
+    monkeypatch.setattr(_tensormap, "encode_function", lambda: fake_encode)
+    monkeypatch.setattr(_tensormap, "encode", counted)
+    monkeypatch.setattr(_compile, "load_kernel", lambda kernel, device: 1)
+    monkeypatch.setattr(_driver, "primary_context", lambda device: 5)
+    monkeypatch.setattr(_driver, "launcher", lambda: (lambda *args: None, lambda: 5))
+    monkeypatch.setattr(_driver, "zero_words", lambda *args: None)
+    monkeypatch.setattr(_driver, "in_context", lambda device: contextlib.nullcontext())
+    kept.cache_clear()
+    try:
+        plan = _backward_plan(causal=False)
+        launcher = _kernels.Launcher(plan, 0)
+        mapped = {plan.pointers.index(f"p.{name}") for name in ("dout", "q", "k", "v")}
+
+        def launch(moved=()):  # pointers 16 bytes apart; those in moved 4096 bytes further on
+            launcher(7, *((1 << 20) + 16 * i + (4096 if i in moved else 0) for i in range(len(plan.pointers))))
+
+        launch()
+        assert len(made) == len(encoded) == len(plan.maps) == 4
+        launch(moved=set(range(len(plan.pointers))) - mapped)
+        assert len(made) == len(encoded) == 4
+        q = plan.pointers.index("p.q")
+        launch(moved={q})
+        assert len(made) == 8 and encoded[4:] == [(1 << 20) + 16 * q + 4096]
+    finally:
+        kept.cache_clear()
 
 
 @pytest.mark.parametrize("head_dim,kernel_head_dim", [(64, 64), (80, 128), (96, 128), (128, 128)])
