@@ -44,7 +44,8 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
              sm90_mods_tiles: dict[int, tuple] | None = None, sm90_mask_tiles: dict[int, tuple] | None = None,
              sm90_mask_tensor_tiles: dict[int, tuple] | None = None,
              sm90_backward_extras_tiles: dict[int, tuple] | None = None,
-             sm90_wide_backward_buckets: tuple[int, ...] | None = None, sm90_section_bytes: int | None = None,
+             sm90_wide_backward_buckets: tuple[int, ...] | None = None,
+             sm90_backward_section_bytes: int | None = None, sm90_section_bytes: int | None = None,
              sm90_section_rows: int | None = None,
              sm90_tail: Callable[[int, int, int], tuple[int, int]] | None = None,
              tile_group: Callable[[object, int, object], int] | None = None, shared_limit: int | None = None,
@@ -75,6 +76,8 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
         (``_plan.SM90_BACKWARD_EXTRAS_TILES``; the head dims it takes them at).
     sm90_wide_backward_buckets: the head-dim buckets whose calls take the wide sm_90a
         backward (``_plan.SM90_WIDE_BACKWARD_BUCKETS``; ``()``: none, the mma.sync backward).
+    sm90_backward_section_bytes: the L2 bytes of the sm_90a backwards' groups of pairs
+        under a causal mask or a window (``_plan.backward_section``).
     sm90_section_bytes, sm90_section_rows: the sm_90a causal scheduler's sections
         (``_plan.sm90_section``).
     sm90_tail: ``(tiles, key_tiles, multiprocessors) -> (tail_start, tail_ctas)``, in
@@ -110,7 +113,8 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
             if entries:
                 undo.enter_context(_entries(table, {d: tuple(tile) for d, tile in entries.items()}))
         wide_buckets = None if sm90_wide_backward_buckets is None else tuple(sm90_wide_backward_buckets)
-        for name, value in (("SM90_SECTION_BYTES", sm90_section_bytes), ("SM90_SECTION_ROWS", sm90_section_rows),
+        for name, value in (("SM90_BACKWARD_SECTION_BYTES", sm90_backward_section_bytes),
+                            ("SM90_SECTION_BYTES", sm90_section_bytes), ("SM90_SECTION_ROWS", sm90_section_rows),
                             ("SM90_WIDE_BACKWARD_BUCKETS", wide_buckets), ("sm90_tail", sm90_tail),
                             ("tile_group", tile_group)):
             if value is not None:

@@ -92,6 +92,24 @@ def test_a_launch_encodes_the_maps_only_when_a_mapped_array_moves(monkeypatch):
         kept.cache_clear()
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_under_a_mask_the_backward_starts_its_longest_key_blocks_first(no_compiler, head_dim):
+    """Causal (and windowed) backwards run tile-major (GridTile: key block 0 of each pair of
+    a group first) in groups of (KV head, sequence) pairs whose Q, dO and dQ's accumulator
+    fit SM90_BACKWARD_SECTION_BYTES, of equal size; without a mask the grid's own order."""
+    def group(**kwargs):
+        plan = _backward_plan(head_dim, **kwargs)
+        return plan.struct.from_buffer_copy(plan.params).p.tile_group
+
+    pair_bytes = 300 * head_dim * 2 * 8  # (2 query heads a KV head)
+    assert group(causal=True) == 4 and group(causal=False) == 0  # 2 sequences x 2 KV heads
+    for pairs_fitting, expected in ((1, 1), (2, 2), (3, 2)):  # (3 of 4 pairs: two groups of 2)
+        with experiment.override(sm90_backward_section_bytes=pairs_fitting * pair_bytes):
+            assert group(causal=True) == expected
+    if head_dim == 128:  # (deterministic calls of d 256 take the mma.sync passes)
+        assert group(causal=True, deterministic=True) == 4  # (the kernel keeps its order then: bwd.cu)
+
+
 @pytest.mark.parametrize("head_dim,kernel_head_dim", [(64, 64), (80, 128), (96, 128), (128, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_planner_sends_the_sm90_backward_what_it_takes(no_compiler, head_dim, kernel_head_dim, causal):

@@ -22,12 +22,13 @@ from .decoding import DECODE_POINTERS, MERGE_POINTERS, decode, decode_splits, me
 from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, PREPROCESS_ROWS, backward_workspace
 from .plan import (Plan, Step, TensorMapSpec, dropout_threshold, field_offset, group_size, pointer_offsets, scale_log2,
                    tile_group, vectorizable)
-from .sm90 import (SM90_BACKWARD_EXTRAS_TILES, SM90_BACKWARD_HEAD_DIMS, SM90_BACKWARD_TILES, SM90_BANDED_EXTRAS_TILES,
+from .sm90 import (SM90_BACKWARD_EXTRAS_TILES, SM90_BACKWARD_HEAD_DIMS, SM90_BACKWARD_SECTION_BYTES,
+                   SM90_BACKWARD_TILES, SM90_BANDED_EXTRAS_TILES,
                    SM90_BANDED_TILES, SM90_HEAD_DIMS, SM90_MASK_TENSOR_TILES, SM90_MASK_TILES, SM90_MODS_TILES,
                    SM90_SECTION_BYTES, SM90_SECTION_ROWS, SM90_SHORT_CAUSAL_ROWS, SM90_SHORT_CAUSAL_TILES,
                    SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS, SM90_TILES,
                    SM90_WIDE_BACKWARD_BUCKETS, SM90_WIDE_BACKWARD_HEAD_DIM, Sm90Backward, Sm90Forward,
-                   Sm90WideBackward, backward_orders, sm90_section, sm90_tail)
+                   Sm90WideBackward, backward_orders, backward_section, sm90_section, sm90_tail)
 from .variants import (DTYPES, ELEMENTWISE, HEAD_DIM_BUCKETS, KINDS, MAX_HEAD_DIM, MERGES, SHARED_MEMORY_LIMIT,
                        Elementwise, Kernel, Kind, Merge, Tile, Variant, copy_run_rows, has_tile, head_dim_bucket,
                        kernel, shared_memory_limit)

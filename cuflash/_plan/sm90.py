@@ -240,6 +240,10 @@ class Sm90WideBackward(NamedTuple):
 # 225-256; 129-160 and 193-224 stay on the mma.sync backward, most of a 256-column product
 # being zeros there). experiment.override(sm90_wide_backward_buckets=()) sends them back.
 SM90_WIDE_BACKWARD_BUCKETS = (192, 256)
+# Under a causal mask or a window the backwards' key blocks start longest first across groups
+# of (KV head, sequence) pairs whose Q, dO and dQ's accumulator fit these bytes of L2
+# (backward_section); experiment.override(sm90_backward_section_bytes=...) changes them.
+SM90_BACKWARD_SECTION_BYTES = 32 << 20
 SM90_WIDE_BACKWARD_HEAD_DIM = 256
 
 
@@ -374,6 +378,16 @@ def sm90_section(window: tuple[int, int], seqlen_q: int, seqlen_k: int, head_dim
     return group_size(pairs, kv_heads * heads_per_kv)
 
 
+def backward_section(seqlen_q: int, head_dim: int, heads_per_kv: int, pairs: int) -> int:
+    """(KV head, sequence) pairs a group of the sm_90a backwards' tile-major order under a
+    causal mask or a window (GridTile in cuda/common.cuh: key block 0 of every pair of a
+    group, the longest, then key block 1, ...; the short blocks fill the last wave): at
+    most as many as keep their Q, dO and dQ's accumulator within SM90_BACKWARD_SECTION_BYTES
+    of L2, in groups of equal size."""
+    pair_bytes = seqlen_q * head_dim * heads_per_kv * (2 + 2 + 4)
+    return group_size(pairs, SM90_BACKWARD_SECTION_BYTES // max(1, pair_bytes))
+
+
 def backward_orders(head_dim: int, extras: bool, block_mask: bool, sm90a: bool) -> bool:
     """May a deterministic backward of this head dim run on the sm_90a kernel (dQ added in
     a fixed order; backward_workspace's ``ordered``)? ``extras``: softcap, ALiBi, dropout or
@@ -438,6 +452,8 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     maps = tuple(tensor_map(name, a, varlen, rows) for name, a, rows in
                  (("q", q, tiled.block_m), ("k", k, tiled.block_n), ("v", v, tiled.block_n),
                   ("dout", dout, tiled.block_m)))
+    if options.local:  # (a deterministic call keeps its order: bwd.cu)
+        p.tile_group = backward_section(p.seqlen_q, tiled.head_dim, p.heads_per_kv, batch * nheads_kv)
     p, struct = with_mods(p, options)
     struct = Sm90BackwardParams if struct is Params else Sm90BackwardModParams
     params = struct(p=p, batch=batch, accum_cols=accum_cols)

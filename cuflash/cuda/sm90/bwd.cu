@@ -208,8 +208,13 @@ __global__ void __launch_bounds__(384, 1)
   // after another, where in the forward order key block n's first query block waits until
   // key block 0 has walked down to it. Turns follow the launch order: the grid runs its
   // key blocks in reverse.
+  // Otherwise, under a causal mask or window, key block 0 (the longest) of every (KV head,
+  // sequence) pair of a group starts first, then key block 1, ... (GridTile, p.tile_group:
+  // _plan.backward_section), so that the short blocks fill the last wave.
   const bool backwards = kLocal && p.dq_semaphore != nullptr;
-  const int n_block = backwards ? gridDim.x - 1 - blockIdx.x : blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const auto grid_tile = GridTile<kLocal>::of_block(backwards ? 1 : p.tile_group);
+  const int n_block = backwards ? gridDim.x - 1 - blockIdx.x : grid_tile.tile;
+  const int kv_head = grid_tile.head, batch = grid_tile.batch;
   const Sequence seq = Sequence::of(p, batch);
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.seqlen_k) return;  // packed: the grid covers the longest sequence

@@ -201,7 +201,10 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   const auto shared = Shared::of(dynamic_shared);
   const Params& p = args.p;
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  // Under a causal mask or window, key block 0 (the longest) of every (KV head, sequence)
+  // pair of a group first, then key block 1, ... (GridTile: _plan.backward_section).
+  const auto grid_tile = GridTile<kLocal>::of_block(p.tile_group);
+  const int n_block = grid_tile.tile, kv_head = grid_tile.head, batch = grid_tile.batch;
   const Sequence seq = Sequence::of(p, batch);
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.seqlen_k) return;  // packed: the grid covers the longest sequence
