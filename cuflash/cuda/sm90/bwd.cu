@@ -210,9 +210,10 @@ __global__ void __launch_bounds__(384, 1)
   // key blocks in reverse.
   // Otherwise, under a causal mask or window, key block 0 (the longest) of every (KV head,
   // sequence) pair of a group starts first, then key block 1, ... (GridTile, p.tile_group:
-  // _plan.backward_section), so that the short blocks fill the last wave.
+  // _plan.backward_section), so that the short blocks fill the last wave (not with mods:
+  // decoding the order spilled the producer's 24 registers).
   const bool backwards = kLocal && p.dq_semaphore != nullptr;
-  const auto grid_tile = GridTile<kLocal>::of_block(backwards ? 1 : p.tile_group);
+  const auto grid_tile = GridTile<kLocal && !kHasMods<Mods>>::of_block(backwards ? 1 : p.tile_group);
   const int n_block = backwards ? gridDim.x - 1 - blockIdx.x : grid_tile.tile;
   const int kv_head = grid_tile.head, batch = grid_tile.batch;
   const Sequence seq = Sequence::of(p, batch);
