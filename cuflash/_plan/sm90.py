@@ -240,11 +240,11 @@ class Sm90WideBackward(NamedTuple):
 # 225-256; 129-160 and 193-224 stay on the mma.sync backward, most of a 256-column product
 # being zeros there). experiment.override(sm90_wide_backward_buckets=()) sends them back.
 SM90_WIDE_BACKWARD_BUCKETS = (192, 256)
+SM90_WIDE_BACKWARD_HEAD_DIM = 256
 # Under a causal mask or a window the backwards' key blocks start longest first across groups
 # of (KV head, sequence) pairs whose Q, dO and dQ's accumulator fit these bytes of L2
 # (backward_section); experiment.override(sm90_backward_section_bytes=...) changes them.
 SM90_BACKWARD_SECTION_BYTES = 32 << 20
-SM90_WIDE_BACKWARD_HEAD_DIM = 256
 
 
 # The sm_90a backward: head dim -> (query rows a step, Q/dO stages). A consumer keeps dK
@@ -452,7 +452,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     maps = tuple(tensor_map(name, a, varlen, rows) for name, a, rows in
                  (("q", q, tiled.block_m), ("k", k, tiled.block_n), ("v", v, tiled.block_n),
                   ("dout", dout, tiled.block_m)))
-    if options.local:  # (a deterministic call keeps its order: bwd.cu)
+    if options.local:  # (deterministic calls and mods keep the grid's order: bwd.cu)
         p.tile_group = backward_section(p.seqlen_q, tiled.head_dim, p.heads_per_kv, batch * nheads_kv)
     p, struct = with_mods(p, options)
     struct = Sm90BackwardParams if struct is Params else Sm90BackwardModParams
