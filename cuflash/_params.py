@@ -103,10 +103,11 @@ class Sm90ModParams(_Struct):
 
 def _sm90_backward_fields(params: type) -> list:
     """``cuflash::Sm90BackwardParamsOf`` (cuda/sm90/bwd_params.cuh) over ``params``: the
-    backward's Params (or ModParams), the batch, the columns of dQ's accumulator, then the
-    tensor maps of Q, K, V and dO from the next 64-byte boundary."""
-    return [("p", params), ("batch", ctypes.c_int), ("accum_cols", ctypes.c_int),
-            ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(params) + 8) % 64)),
+    backward's Params (or ModParams), the batch, the columns of dQ's accumulator, whether
+    each CTA counts its end for the dQ conversion, then the tensor maps of Q, K, V and dO
+    from the next 64-byte boundary."""
+    return [("p", params), ("batch", ctypes.c_int), ("accum_cols", ctypes.c_int), ("count_done", ctypes.c_int),
+            ("_align", ctypes.c_uint8 * (-(ctypes.sizeof(params) + 12) % 64)),
             ("q", TensorMap), ("k", TensorMap), ("v", TensorMap), ("dout", TensorMap)]
 
 

@@ -124,7 +124,9 @@ def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_
     """The one-pass kernel (dQ by atomics) by default, at every head dim, extras too; the
     dK/dV + dQ passes when deterministic. On a Hopper GPU the sm_90a backward in their place
     from d 64 to 128, extras too, deterministic too (dQ added in a fixed order), and its wide
-    kernel at d 161-192 and 225-256 without extras, not deterministic."""
+    kernel at d 161-192 and 225-256 without extras, not deterministic; for these dense calls
+    at d 65-128, dQ's conversion beside the kernel's last CTAs where the device launches
+    dependents."""
     import cupy
     q = cupy.ones((1, 70, 2, head_dim), dtype=cupy.float16)
     out, lse = cuflash.attention(q, q, q, softcap=softcap, return_lse=True)
@@ -134,7 +136,8 @@ def test_which_backward_runs(monkeypatch, head_dim, deterministic, softcap, one_
     sm90 = hopper and 64 <= head_dim <= 128
     wide = hopper and _plan.head_dim_bucket(head_dim) in (192, 256) and softcap == 0 and not deterministic
     kernel = "backward_sm90" if sm90 else "backward_sm90_wide" if wide else "backward"
-    expected = (["backward_preprocess", kernel, "backward_convert_dq"]
+    beside = sm90 and head_dim > 64 and _device.facts(0).dependent_launches  # (dense, 64 rows: beside)
+    expected = (["backward_preprocess", kernel, "backward_convert_dq_by_head" if beside else "backward_convert_dq"]
                 if one_pass or sm90 else ["backward_preprocess", "backward_dq", "backward_dkdv"])
     assert kinds == expected
 

@@ -110,6 +110,26 @@ def test_under_a_mask_the_backward_starts_its_longest_key_blocks_first(no_compil
         assert group(causal=True, deterministic=True) == 4  # (the kernel keeps its order then: bwd.cu)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_calls_convert_dq_beside_the_sm90_backward_where_the_device_launches_dependents(no_compiler, causal):
+    """With programmatic dependent launches, a dense call's dQ conversion at the tile of 64
+    query rows (d 65-128) is the backward's dependent, one grid column a (sequence, head),
+    told the kernel's key blocks to wait for, and the kernel counts each CTA's end; without
+    them, at d 64 (128 rows) and on the wide kernel, the conversion after the kernel and no
+    count."""
+    def last_step_and_count(head_dim, **flags):
+        plan = _backward_plan(head_dim, causal=causal, facts=device(sm90a=True, **flags))
+        return plan.steps[-1], plan.struct.from_buffer_copy(plan.params).count_done
+
+    for head_dim, lanes in ((96, 16), (128, 16)):
+        step, count = last_step_and_count(head_dim, dependent_launches=True)
+        assert step.kernel.kind == "backward_convert_dq_by_head" and step.dependent and step.argument == "p"
+        assert step.grid == (-(-300 * lanes // 256), 4, 2) and step.args[-1] == -(-301 // 128) and count == 1
+    for head_dim, dependent in ((128, False), (64, True), (256, True)):
+        step, count = last_step_and_count(head_dim, dependent_launches=dependent)
+        assert step.kernel.kind == "backward_convert_dq" and not step.dependent and count == 0
+
+
 @pytest.mark.parametrize("head_dim,kernel_head_dim", [(64, 64), (80, 128), (96, 128), (128, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_planner_sends_the_sm90_backward_what_it_takes(no_compiler, head_dim, kernel_head_dim, causal):
@@ -274,7 +294,7 @@ def _plans_launching(monkeypatch, kernels: set[str]):
     monkeypatch.setenv("CUFLASH_PORTABLE", "0")
     with experiment.override():  # (no plan made before, nor kept after)
         yield planned
-    elementwise = {"backward_preprocess", "backward_convert_dq"}
+    elementwise = {"backward_preprocess", "backward_convert_dq", "backward_convert_dq_by_head"}
     assert planned and all({s.kernel.kind for s in p.steps} - elementwise == kernels for p in planned if p.steps)
 
 
@@ -368,6 +388,22 @@ def test_drawn_calls_match_the_oracle(plans_of, head_dims, data):
     window = call["window"]
     window_size = (-1, -1) if window is None or call["shape"].causal else window
     _check(call["shape"], call["dtype"], call["seed"], window_size, call["dlse"])
+
+
+# Dense calls whose dQ is converted beside the backward's last CTAs, each head once its KV
+# head's key blocks have counted their ends: GQA 4 (four heads wait on one count), one key,
+# a block and 8 rows, many key blocks, rows in sixteens and not.
+BESIDE = [Shape(2, 8, 129, 8, 2, 128, False), Shape(1, 72, 1, 4, 1, 96, False), Shape(3, 521, 77, 8, 2, 128, True),
+          Shape(1, 2056, 1500, 4, 1, 80, False)]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("shape", BESIDE, ids=str)
+@pytest.mark.parametrize("dtype,dlse", [("bfloat16", False), ("float16", True)])
+def test_calls_converting_dq_beside_the_kernel_match_the_oracle(sm90_plans, shape, dtype, dlse):
+    _check(shape, dtype, 5, dlse=dlse)
+    assert all(p.steps[-1].dependent for p in sm90_plans if p.steps)
 
 
 # Ragged lengths around the 128-key block and the 64- and 128-row query blocks: 1, a block

@@ -60,7 +60,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     usable = dq_accum is not None and (ordered or has_tile("backward", q.shape[-1], options.extras,
                                                               device.shared_limit))
     if device.sm90a and usable and sm90.backward_takes(dout, q, k, v, dq, dk, dv, options):
-        return sm90.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen)
+        return sm90.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, device.dependent_launches)
     return mma_sync.backward(dout, q, k, v, out, dq, dk, dv, None if ordered else dq_accum, options, varlen, device)
 
 

@@ -90,7 +90,9 @@ def backward_workspace(q_shape, deterministic: bool = False, extras: bool = Fals
                        ordered: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Scratch buffers of the backward (contents on entry do not matter): D = rowsum(dO * O),
     laid out like the LSE, and dQ's fp32 accumulator in blocks of 8 x 16, (rows / 8, nheads,
-    head-dim bucket / 16, 8, 16) (dq_accum.cuh, DqAccum): unless ``deterministic``, where the
+    head-dim bucket / 16, 8, 16) (dq_accum.cuh, DqAccum), then whole groups of 8 rows more
+    for its counters (an int32 a sequence and query head, zeroed with it: the sm_90a
+    backward counts its finished key blocks there): unless ``deterministic``, where the
     one-pass kernel has a tile for this head dim and ``extras`` (softcap, ALiBi or dropout
     on); when ``deterministic`` and ``ordered`` (the device runs the sm_90a backward, which
     adds dQ in a fixed order: ``sm90.backward_orders``), with the order's semaphores, int32
@@ -99,7 +101,9 @@ def backward_workspace(q_shape, deterministic: bool = False, extras: bool = Fals
     delta_shape = (rows[0], nheads, rows[1]) if len(rows) == 2 else (nheads, rows[0])
     work = {"delta": (delta_shape, "float32")}
     bucket = head_dim_bucket(head_dim)
-    accum = ((-(-math.prod(rows) // 8), nheads, bucket // 16, 8, 16), "float32")
+    counters = math.prod(rows[:-1]) * nheads  # (a sequence's query heads; packed rows: one sequence)
+    groups = -(-math.prod(rows) // 8) + -(-counters // (8 * nheads * bucket))
+    accum = ((groups, nheads, bucket // 16, 8, 16), "float32")
     if not deterministic and KINDS["backward"].candidates(bucket, extras):
         work["dq_accum"] = accum
     elif deterministic and ordered:

@@ -427,11 +427,13 @@ def wide_backward(head_dim: int, options: Options) -> bool:
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
-             dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo, options: Options, varlen: Varlen | None) -> Plan:
+             dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo, options: Options, varlen: Varlen | None,
+             dependent: bool = False) -> Plan:
     """The sm_90a backward's plan (``backward_takes`` said it takes the call): the
     preprocess, the kernel (a CTA a block of 128 keys, or of 80 at the wide kernel's head
-    dims), dQ's conversion; the Params inside the struct of the maps, the elementwise steps
-    given its ``p``."""
+    dims), dQ's conversion (beside the kernel's last CTAs where the device takes ``dependent``
+    launches: ``converts_beside``); the Params inside the struct
+    of the maps, the elementwise steps given its ``p``."""
     p, batch = call_params(q, k, v, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
     nheads_kv = k.shape[-2]
     accum_cols = dq_accum.shape[2] * dq_accum.shape[-1]  # (rows / 8, nheads, cols / 16, 8, 16)
@@ -442,12 +444,18 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     else:
         tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= p.headdim), options.local,
                                 extras_instance(options), "" if options.mods is None else options.mods.source)
+    beside = dependent and converts_beside(tiled, p, varlen)
     steps = []
     if tasks:
         steps.append(Step(Elementwise("backward_preprocess", q.dtype), rows.preprocess_grid, per_row, argument="p"))
     if batch and p.seqlen_k and nheads_kv:
         steps.append(Step(tiled, (-(-p.seqlen_k // tiled.block_n), nheads_kv, batch)))
-    if tasks:
+    if tasks and beside:  # (a grid column a (sequence, head), 256 / lanes rows a CTA; the kernel's key blocks)
+        lanes = per_row[-1]
+        steps.append(Step(Elementwise("backward_convert_dq_by_head", q.dtype),
+                          (-(-p.seqlen_q * lanes // 256), p.nheads, batch), (*per_row, -(-p.seqlen_k // tiled.block_n)),
+                          argument="p", dependent=True))
+    elif tasks:
         steps.append(Step(Elementwise("backward_convert_dq", q.dtype), rows.convert_grid, per_row, argument="p"))
     maps = tuple(tensor_map(name, a, varlen, rows) for name, a, rows in
                  (("q", q, tiled.block_m), ("k", k, tiled.block_n), ("v", v, tiled.block_n),
@@ -456,5 +464,15 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
         p.tile_group = backward_section(p.seqlen_q, tiled.head_dim, p.heads_per_kv, batch * nheads_kv)
     p, struct = with_mods(p, options)
     struct = Sm90BackwardParams if struct is Params else Sm90BackwardModParams
-    params = struct(p=p, batch=batch, accum_cols=accum_cols)
+    params = struct(p=p, batch=batch, accum_cols=accum_cols, count_done=int(beside))
     return Plan(bytes(params), tuple(f"p.{n}" for n in BACKWARD_POINTERS), tuple(steps), struct, maps=maps)
+
+
+def converts_beside(kernel, p, varlen: Varlen | None) -> bool:
+    """Does dQ's conversion run beside the sm_90a backward's last CTAs (each CTA counts its
+    end on its (sequence, KV head)'s counter, the conversion by head waits for its head's
+    count)? On dense rows, where every CTA of the grid counts (a packed call's CTAs past a
+    sequence's keys end at once), at the tile of 64 query rows (dQ by the copy engine: d 65
+    to 128); at d 64 (dQ added by the consumers) it measured slower (docs/tuning.md), and
+    the wide kernel's consumers add dQ too."""
+    return varlen is None and p.seqlen_k > 0 and isinstance(kernel, Sm90Backward) and kernel.block_m == 64

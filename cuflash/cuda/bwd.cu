@@ -22,7 +22,8 @@
 //
 // Both paths share the per-element step from S and dP to P and dS (softmax_bwd.cuh).
 // This file holds the elementwise kernels around them: the preprocess (D, and the dQ
-// accumulator zeroed) and the conversion of the accumulator into dq.
+// accumulator zeroed) and the conversion of the accumulator into dq (after the backward, or
+// beside the sm_90a backward's last CTAs).
 #include "common.cuh"
 #include "dq_accum.cuh"
 #include "params.cuh"
@@ -56,7 +57,6 @@ struct ElementwiseTask {
   }
 };
 
-__device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<unsigned long long>(p) % 16 == 0; }
 // Every row of `a` starts on 16 bytes: one test for the whole grid, so that a thread's
 // loads of several rows go out together.
 __device__ __forceinline__ bool rows_aligned16(const ArrayView& a) {
@@ -99,7 +99,7 @@ attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int
       x[k] = load ? *reinterpret_cast<const uint4*>(tasks[k].at(p.dout.ptr, p.dout) + 8 * lane) : uint4{};
       y[k] = load ? *reinterpret_cast<const uint4*>(tasks[k].at(p.o.ptr, p.o) + 8 * lane) : uint4{};
     }
-    zero_dq_accum(p, rows, accum_cols, thread);  // under the loads
+    zero_dq_accum(p, batch, rows_per_batch, accum_cols, thread);  // under the loads
 #pragma unroll
     for (int k = 0; k < kPreprocessRows; ++k) {
       const unsigned xs[4] = {x[k].x, x[k].y, x[k].z, x[k].w}, ys[4] = {y[k].x, y[k].y, y[k].z, y[k].w};
@@ -109,7 +109,7 @@ attention_backward_preprocess(const Params p, int batch, int rows_per_batch, int
                    DType<T>::to_float(elem_t(xs[w] >> 16)) * DType<T>::to_float(elem_t(ys[w] >> 16));
     }
   } else {
-    zero_dq_accum(p, rows, accum_cols, thread);
+    zero_dq_accum(p, batch, rows_per_batch, accum_cols, thread);
 #pragma unroll
     for (int k = 0; k < kPreprocessRows; ++k) {
       if (!tasks[k].exists) continue;
@@ -136,21 +136,29 @@ __global__ void __launch_bounds__(256)
 attention_backward_convert_dq(const Params p, int batch, int rows_per_batch, int accum_cols, int lanes) {
   const auto task = ElementwiseTask::of_thread(p, batch, rows_per_batch, lanes);
   if (!task.exists) return;
-  elem_t* dq = task.at(p.dq.ptr, p.dq);
-  const float* accum = DqAccum::at(p.dq_accum, task.row, task.head, p.nheads, accum_cols, 0);
-  if (p.headdim % 8 == 0 && aligned16(dq)) {
-    for (int c = 8 * task.lane; c < p.headdim; c += 8 * lanes) {
-      const float* pairs = accum + DqAccum::column(c);  // columns c + 2i, c + 2i + 1 at 4i
-      float2 x[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = *reinterpret_cast<const float2*>(pairs + 4 * i);
-      *reinterpret_cast<uint4*>(dq + c) =
-          make_uint4(DType<T>::pack(x[0].x * p.scale, x[0].y * p.scale), DType<T>::pack(x[1].x * p.scale, x[1].y * p.scale),
-                     DType<T>::pack(x[2].x * p.scale, x[2].y * p.scale), DType<T>::pack(x[3].x * p.scale, x[3].y * p.scale));
-    }
-  } else {
-    for (int c = task.lane; c < p.headdim; c += lanes) dq[c] = DType<T>::from_float(accum[DqAccum::column(c)] * p.scale);
-  }
+  convert_dq_row<T>(p, DqAccum::at(p.dq_accum, task.row, task.head, p.nheads, accum_cols, 0), task.at(p.dq.ptr, p.dq),
+                    task.lane, lanes);
+}
+
+// The same beside the sm_90a backward (launched as its programmatic dependent: it starts as
+// the backward's last CTAs leave multiprocessors free): a grid column a (sequence, head),
+// 256 / lanes of its rows a CTA, which first waits for every one of its KV head's
+// `key_blocks` CTAs to have counted its end (Sm90BackwardParams::count_done), so that the
+// heads done first are converted while the last ones still run.
+template <typename T>
+__global__ void __launch_bounds__(256) attention_backward_convert_dq_by_head(const Params p, int batch,
+                                                                             int rows_per_batch, int accum_cols,
+                                                                             int lanes, int key_blocks) {
+  const int b = blockIdx.z, head = blockIdx.y, i = blockIdx.x * (blockDim.x / lanes) + threadIdx.x / lanes;
+  if (threadIdx.x == 0)
+    wait_count(DqAccum::counters(p.dq_accum, int64(batch) * rows_per_batch, p.nheads, accum_cols) +
+                   b * (p.nheads / p.heads_per_kv) + head / p.heads_per_kv,
+               key_blocks);
+  __syncthreads();
+  if (i >= rows_per_batch) return;
+  convert_dq_row<T>(p, DqAccum::at(p.dq_accum, int64(b) * rows_per_batch + i, head, p.nheads, accum_cols, 0),
+                    p.dq.ptr + b * p.dq.batch_stride + i * p.dq.row_stride + head * p.dq.head_stride,
+                    int(threadIdx.x % lanes), lanes);
 }
 
 }  // namespace cuflash

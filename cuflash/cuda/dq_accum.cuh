@@ -1,6 +1,8 @@
-// dQ's fp32 accumulator in the one-pass backward: its layout, zeroing it, and the
-// reduction into it. bwd_one_pass.cu adds each step's dQ to it; bwd.cu zeroes it (in the
-// preprocess) and rounds it into dq (attention_backward_convert_dq).
+// dQ's fp32 accumulator in the one-pass backward: its layout, zeroing it, the reduction
+// into it and its rounding into dq. bwd_one_pass.cu and sm90/bwd.cu add each step's dQ to
+// it; bwd.cu zeroes it (in the preprocess) and rounds it into dq
+// (attention_backward_convert_dq, or attention_backward_convert_dq_by_head beside the sm_90a
+// backward's last CTAs).
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -45,7 +47,35 @@ struct DqAccum {
   }
   // floats from one row to the one 8 rows further down
   static __device__ __forceinline__ int64 eight_rows(int nheads, int cols) { return int64(8) * cols * nheads; }
+  // After the rows (`rows` of all sequences): an int32 counter a (sequence, query head),
+  // zeroed with them (_plan.backward_workspace allocates it): the sm_90a backward counts
+  // there, for each (sequence, KV head), its key blocks whose dQ is all added.
+  static __device__ __forceinline__ int* counters(float* base, int64 rows, int nheads, int cols) {
+    return reinterpret_cast<int*>(base + ceil_div(rows, int64(8)) * 8 * nheads * cols);
+  }
 };
+
+__device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<unsigned long long>(p) % 16 == 0; }
+
+// One row of dQ: the accumulator's row (`accum`, DqAccum::at's column 0) times the scale,
+// rounded into `dq`, by `lanes` lanes from `lane`, 16 bytes of dq a lane where the row
+// allows it. (Read through L2: the rows were added there, by other CTAs too.)
+template <typename T>
+__device__ __forceinline__ void convert_dq_row(const Params& p, const float* accum, elem_t* dq, int lane, int lanes) {
+  if (p.headdim % 8 == 0 && aligned16(dq)) {
+    for (int c = 8 * lane; c < p.headdim; c += 8 * lanes) {
+      const float* pairs = accum + DqAccum::column(c);  // columns c + 2i, c + 2i + 1 at 4i
+      float2 x[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = __ldcg(reinterpret_cast<const float2*>(pairs + 4 * i));
+      *reinterpret_cast<uint4*>(dq + c) =
+          make_uint4(DType<T>::pack(x[0].x * p.scale, x[0].y * p.scale), DType<T>::pack(x[1].x * p.scale, x[1].y * p.scale),
+                     DType<T>::pack(x[2].x * p.scale, x[2].y * p.scale), DType<T>::pack(x[3].x * p.scale, x[3].y * p.scale));
+    }
+  } else {
+    for (int c = lane; c < p.headdim; c += lanes) dq[c] = DType<T>::from_float(__ldcg(accum + DqAccum::column(c)) * p.scale);
+  }
+}
 
 // dQ's additions in a fixed order (deterministic): the key blocks that add to a query
 // block take turns, their turn counted on a semaphore in global memory. One thread waits
@@ -61,10 +91,27 @@ __device__ __forceinline__ void pass_turn(int* semaphore) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(semaphore) : "memory");
 }
 
-// All of dQ's accumulator, (rows / 8 rounded up, nheads, accum_cols / 16, 8, 16) floats,
-// set to zero by the grid's threads, 16 contiguous bytes each at a time.
-__device__ __forceinline__ void zero_dq_accum(const Params& p, int64 rows, int accum_cols, int64 thread) {
-  const int64 count = ceil_div(rows, int64(8)) * 8 * p.nheads * accum_cols / 4;  // float4s
+// One more on `counter` (release: the CTA's additions, fenced and met before it).
+__device__ __forceinline__ void count_done(int* counter) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+}
+// Until `counter` reaches `count` (acquire), sleeping between reads.
+__device__ __forceinline__ void wait_count(const int* counter, int count) {
+  for (int now = 0;; __nanosleep(128)) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(now) : "l"(counter) : "memory");
+    if (now >= count) return;
+  }
+}
+
+// All of dQ's accumulator, (rows / 8 rounded up, nheads, accum_cols / 16, 8, 16) floats, and
+// its counters, set to zero by the grid's threads, 16 contiguous bytes each at a time
+// (nothing where `accum_cols` is 0: the two-pass backward has no accumulator).
+__device__ __forceinline__ void zero_dq_accum(const Params& p, int batch, int rows_per_batch, int accum_cols,
+                                              int64 thread) {
+  const int64 rows = int64(batch) * rows_per_batch;
+  const int64 count = accum_cols == 0 ? 0
+                                      : (ceil_div(rows, int64(8)) * 8 * p.nheads * accum_cols +
+                                         ceil_div(int64(batch) * p.nheads, int64(4)) * 4) / 4;  // float4s
   const int64 threads = int64(gridDim.x) * blockDim.x;
   for (int64 i = thread; i < count; i += threads)
     reinterpret_cast<float4*>(p.dq_accum)[i] = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -256,7 +256,19 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
 
+  // args.count_done: once all of the CTA's dQ is in the accumulator (the writer's additions,
+  // or the consumers'), one thread counts the CTA on its (sequence, KV head)'s counter for the
+  // conversion beside the grid (bwd.cu, attention_backward_convert_dq_by_head); its block is
+  // decoded again there (kept from here, it spilled the producer's 24 registers). Only the
+  // tile of 64 rows has it (_plan.sm90.converts_beside: at 128 rows it measured slower).
+  constexpr bool kCounts = kBlockM != 128;
+  auto count_end = [&] {
+    const auto tile = GridTile<kLocal && !kHasMods<Mods>>::of_block(kLocal && p.dq_semaphore ? 1 : p.tile_group);
+    count_done(DqAccum::counters(p.dq_accum, int64(args.batch) * p.seqlen_q, p.nheads, args.accum_cols) +
+               tile.batch * (p.nheads / p.heads_per_kv) + tile.head);
+  };
   set_up_shared(shared, 256);  // (_plan.Sm90Backward.shared_bytes)
+  if (kCounts) allow_dependents();  // (the conversion may start on free multiprocessors once every CTA has)
 
   if (group == 0) {  // the producer
     sm90::set_max_registers<24, false>();
@@ -310,6 +322,11 @@ __global__ void __launch_bounds__(384, 1)
         shared.dq_drained(c).arrive();
       }
       sm90::bulk_wait<0>();
+      if (args.count_done) {  // (every addition of the CTA's dQ done)
+        fence_proxy_async_global();
+        __syncwarp(kWriters);
+        if (lane == 0) count_end();
+      }
     }
   } else {  // a consumer: keys 64c .. 64c + 63 of the block
     sm90::set_max_registers<240, true>();
@@ -458,6 +475,11 @@ __global__ void __launch_bounds__(384, 1)
         *reinterpret_cast<unsigned*>(dv + int64(8 * h) * p.dv.row_stride + dt * 8) =
             DType<T>::pack(acc_dv[0][dt][2 * h], acc_dv[0][dt][2 * h + 1]);
       }
+    }
+    if (kCounts && args.count_done && !staged_dq) {  // (the consumers' additions done)
+      __threadfence();
+      consumers_meet();
+      if (threadIdx.x == 128) count_end();
     }
   }
 }
