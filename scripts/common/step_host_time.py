@@ -1,6 +1,7 @@
 """Host time of a warm training step: cuflash.torch's forward with inputs that require grad
 and its backward through autograd, beside torch SDPA's (flash), and a warm
-cuflash.attention_backward call alone.
+cuflash.attention_backward call alone; and SDPA's own flash kernels behind a Python autograd
+node (SdpaFunction), the part of a step's host time that the node's language alone sets.
 
     PYTHONPATH=. python scripts/common/step_host_time.py            # table of rows
     PYTHONPATH=. python scripts/common/step_host_time.py --profile  # and the calls a cuflash step makes
@@ -39,6 +40,24 @@ def calls_per_step(fn, n=200) -> collections.Counter:
     return counts
 
 
+class SdpaFunction(torch.autograd.Function):
+    """torch's own flash kernels behind a Python autograd node (the same launches as SDPA's
+    step, its C++ node replaced by a Python one): the host time any Python front end pays."""
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+        ctx.rest = (cq, ck, mq, mk)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, seed, offset = ctx.saved_tensors
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, *ctx.rest, 0.0, True, seed, offset)
+
+
 def main() -> None:
     shape = (1, 128, 1, 64)
     q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -60,8 +79,13 @@ def main() -> None:
         return torch.autograd.grad(cuflash.torch.attention(*leaves, causal=True, return_lse=True), leaves,
                                    (dout, dlse))
 
+    def sdpa_python_node_step():
+        qt, kt, vt = (x.transpose(1, 2) for x in leaves)
+        return torch.autograd.grad(SdpaFunction.apply(qt, kt, vt), leaves, dout.transpose(1, 2))
+
     rows = {
         "torch SDPA (flash) fwd+bwd": sdpa_step,
+        "SDPA's kernels, Python node fwd+bwd": sdpa_python_node_step,
         "cuflash.torch fwd+bwd": cuflash_step,
         "cuflash.torch fwd+bwd, dlse": cuflash_lse_step,
         "torch SDPA (flash) forward, grad": lambda: sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=True),
