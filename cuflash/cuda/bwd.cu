@@ -156,9 +156,9 @@ __global__ void __launch_bounds__(256) attention_backward_convert_dq_by_head(con
                key_blocks);
   __syncthreads();
   if (i >= rows_per_batch) return;
-  convert_dq_row<T>(p, DqAccum::at(p.dq_accum, int64(b) * rows_per_batch + i, head, p.nheads, accum_cols, 0),
-                    p.dq.ptr + b * p.dq.batch_stride + i * p.dq.row_stride + head * p.dq.head_stride,
-                    int(threadIdx.x % lanes), lanes);
+  convert_dq_row<T, true>(p, DqAccum::at(p.dq_accum, int64(b) * rows_per_batch + i, head, p.nheads, accum_cols, 0),
+                          p.dq.ptr + b * p.dq.batch_stride + i * p.dq.row_stride + head * p.dq.head_stride,
+                          int(threadIdx.x % lanes), lanes);
 }
 
 }  // namespace cuflash

@@ -57,23 +57,32 @@ struct DqAccum {
 
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<unsigned long long>(p) % 16 == 0; }
 
+// A load of dQ's accumulator, through L2 only where `kThroughL2`.
+template <bool kThroughL2, typename X>
+__device__ __forceinline__ X load_accum(const X* from) {
+  if constexpr (kThroughL2) return __ldcg(from);
+  else return *from;
+}
+
 // One row of dQ: the accumulator's row (`accum`, DqAccum::at's column 0) times the scale,
 // rounded into `dq`, by `lanes` lanes from `lane`, 16 bytes of dq a lane where the row
-// allows it. (Read through L2: the rows were added there, by other CTAs too.)
-template <typename T>
+// allows it. kThroughL2: read through L2 only (beside the backward, whose CTAs add the rows
+// there while this kernel runs); after it, plain loads.
+template <typename T, bool kThroughL2 = false>
 __device__ __forceinline__ void convert_dq_row(const Params& p, const float* accum, elem_t* dq, int lane, int lanes) {
   if (p.headdim % 8 == 0 && aligned16(dq)) {
     for (int c = 8 * lane; c < p.headdim; c += 8 * lanes) {
       const float* pairs = accum + DqAccum::column(c);  // columns c + 2i, c + 2i + 1 at 4i
       float2 x[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = __ldcg(reinterpret_cast<const float2*>(pairs + 4 * i));
+      for (int i = 0; i < 4; ++i) x[i] = load_accum<kThroughL2>(reinterpret_cast<const float2*>(pairs + 4 * i));
       *reinterpret_cast<uint4*>(dq + c) =
           make_uint4(DType<T>::pack(x[0].x * p.scale, x[0].y * p.scale), DType<T>::pack(x[1].x * p.scale, x[1].y * p.scale),
                      DType<T>::pack(x[2].x * p.scale, x[2].y * p.scale), DType<T>::pack(x[3].x * p.scale, x[3].y * p.scale));
     }
   } else {
-    for (int c = lane; c < p.headdim; c += lanes) dq[c] = DType<T>::from_float(__ldcg(accum + DqAccum::column(c)) * p.scale);
+    for (int c = lane; c < p.headdim; c += lanes)
+      dq[c] = DType<T>::from_float(load_accum<kThroughL2>(accum + DqAccum::column(c)) * p.scale);
   }
 }
 
