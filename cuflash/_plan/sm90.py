@@ -432,8 +432,8 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     """The sm_90a backward's plan (``backward_takes`` said it takes the call): the
     preprocess, the kernel (a CTA a block of 128 keys, or of 80 at the wide kernel's head
     dims), dQ's conversion (beside the kernel's last CTAs where the device takes ``dependent``
-    launches: ``converts_beside``); the Params inside the struct
-    of the maps, the elementwise steps given its ``p``."""
+    launches: ``converts_beside``); the Params inside the struct of the maps, the
+    elementwise steps given its ``p``."""
     p, batch = call_params(q, k, v, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
     nheads_kv = k.shape[-2]
     accum_cols = dq_accum.shape[2] * dq_accum.shape[-1]  # (rows / 8, nheads, cols / 16, 8, 16)
