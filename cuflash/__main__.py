@@ -251,7 +251,8 @@ def main(argv=None) -> int:
                  "and cuDNN backends (--compare); needs a CUDA GPU and PyTorch",
                  "python -m cuflash bench --quick --mode fwd --head-dims 128 --compare")
     p.add_argument("--quick", action="store_true", help="every other sequence length")
-    p.add_argument("--mode", choices=("fwd", "fwdbwd", "all"), default="all", help="forward, forward+backward, or both")
+    p.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd", "all"), default="all",
+                   help="forward, the backward alone, forward+backward, or all three")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--head-dims", type=_head_dims, help="comma-separated head dims (default 64,128,256)")
     p.add_argument("--compare", action="store_true", help="also time torch SDPA's flash and cuDNN backends")

@@ -2,8 +2,9 @@
 
 Grid (FlashAttention's): hidden 2048 (nheads = 2048 / d), batch * seqlen = 16k,
 seqlen 512..16k, d 64, 128 and 256, causal off and on, bf16 (--dtype float16 for
-fp16). Forward FLOPs = 4 b h sq sk d, halved when causal; forward + backward = 3.5 x
-forward (the backward does 2.5x the forward's matmul work). Each figure is the median
+fp16). Forward FLOPs = 4 b h sq sk d, halved when causal; the backward alone 2.5 x forward
+(its matmul work; timed from the forward's saved outputs), forward + backward 3.5 x forward.
+Each figure is the median
 of at least ``timing.REPEATS`` CUDA-event timings after ``timing.WARMUP`` calls, all
 implementations in the same run on the same inputs, taking turns call by call in orders
 where each runs right after every other equally often (timed one after another, the first
@@ -24,23 +25,27 @@ HIDDEN = 2048
 TOKENS = 16 * 1024
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128, 256)
+# pass -> (backward, the backward alone, FLOPs over the forward's)
+PASSES = {"fwd": (False, False, 1.0), "bwd": (True, True, 2.5), "fwd+bwd": (True, False, 3.5)}
+MODES = {"fwd": ("fwd",), "bwd": ("bwd",), "fwdbwd": ("fwd+bwd",), "all": tuple(PASSES)}  # (--mode)
 
 
 def main(args, torch, gpu: str) -> int:
     """The grid's table (and its CSV, plot and extra checks, as ``args`` asks)."""
     baseline = load_baseline(args.baseline) if args.baseline else None
     seqlens = SEQLENS[::2] if args.quick else SEQLENS
-    passes = {"fwd": (False,), "fwdbwd": (True,), "all": (False, True)}[args.mode]
+    passes = MODES[args.mode]
     rows = []
-    for backward in passes:
+    for name in passes:
+        backward, alone, work = PASSES[name]
         for d in (args.head_dims or HEAD_DIMS):
             for causal in (False, True):
                 for s in seqlens:
                     b, h = TOKENS // s, HIDDEN // d
-                    flops = 4 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1)
-                    row = {"pass": "fwd+bwd" if backward else "fwd", "d": d, "causal": causal, "seqlen": s,
-                           "batch": b, "nheads": h}
-                    impls = implementations(torch, b, s, h, d, causal, backward, baseline, args.dtype, args.compare)
+                    flops = 4 * b * h * s * s * d / (2 if causal else 1) * work
+                    row = {"pass": name, "d": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
+                    impls = implementations(torch, b, s, h, d, causal, backward, baseline, args.dtype, args.compare,
+                                            alone)
                     for name, ms in median_ms_each(impls, torch).items():
                         row[name] = flops / (ms * 1e-3) / 1e12
                     rows.append(row)
@@ -82,13 +87,24 @@ def run(module, q, k, v, dout, backward, **options):
     return module.attention_backward(dout, q, k, v, out, lse, **options)
 
 
-def implementations(torch, b, s, h, d, causal, backward, baseline=None, dtype="bfloat16", compare=True):
-    """name -> zero-argument callable running one forward (and backward) on fresh random inputs."""
+def backward_alone(module, q, k, v, dout, **options):
+    """A zero-argument callable running ``module``'s backward alone, from one forward's out and LSE."""
+    out, lse = module.attention(q, k, v, return_lse=True, **options)
+    return lambda: module.attention_backward(dout, q, k, v, out, lse, **options)
+
+
+def implementations(torch, b, s, h, d, causal, backward, baseline=None, dtype="bfloat16", compare=True,
+                    alone=False):
+    """name -> zero-argument callable running one forward (and backward; with ``alone`` the
+    backward only, from a forward run once) on fresh random inputs."""
     import cuflash
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=getattr(torch, dtype)) for _ in range(4))
-    impls = {"cuflash": lambda: run(cuflash, q, k, v, dout, backward, causal=causal)}
-    if baseline is not None:
-        impls["baseline"] = lambda: run(baseline, q, k, v, dout, backward, causal=causal)
+    modules = {"cuflash": cuflash, **({} if baseline is None else {"baseline": baseline})}
+    if alone:
+        impls = {name: backward_alone(module, q, k, v, dout, causal=causal) for name, module in modules.items()}
+    else:
+        impls = {name: lambda module=module: run(module, q, k, v, dout, backward, causal=causal)
+                 for name, module in modules.items()}
     if not compare:
         return impls
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -103,9 +119,14 @@ def implementations(torch, b, s, h, d, causal, backward, baseline=None, dtype="b
                 if backward:
                     return torch.autograd.grad(out, (qt, kt, vt), dout_t)
                 return out
+
+        def call_backward(backend=backend):  # (the graph of one forward, kept for every call)
+            with sdpa_kernel(backend):
+                out = sdpa(qt, kt, vt, is_causal=causal)
+            return lambda: torch.autograd.grad(out, (qt, kt, vt), dout_t, retain_graph=True)
         try:
-            call()
-            impls[name] = call
+            impls[name] = call_backward() if alone else call
+            impls[name]()
         except RuntimeError:  # backend not available for this shape or build
             pass
     return impls
