@@ -31,11 +31,11 @@ from .test_plan import dense, device, info, no_compiler  # noqa: F401 (a fixture
 
 
 def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, dropout_p=0.0, alibi=False, mods=None,
-                   causal=True, sm90a=True, ptr=1 << 20, dtype="bfloat16", facts=None):
-    """The backward's plan of a (2, 300, 301, 4 heads, 2 KV heads) call on a stand-in GPU
-    (``facts``, a _device.Device; by default one with the sm_90a kernels where ``sm90a``)."""
+                   causal=True, sm90a=True, ptr=1 << 20, dtype="bfloat16", facts=None, seqlen_q=300):
+    """The backward's plan of a (2, ``seqlen_q``, 301, 4 heads, 2 KV heads) call on a stand-in
+    GPU (``facts``, a _device.Device; by default one with the sm_90a kernels where ``sm90a``)."""
     facts = device(sm90a=sm90a) if facts is None else facts
-    q, k, v = dense(2, 300, 301, 4, 2, head_dim, dtype)
+    q, k, v = dense(2, seqlen_q, 301, 4, 2, head_dim, dtype)
     q = info(q.shape, dtype, ptr)
     options = _options.make_options(q, k, causal, None, (-1, -1), softcap, None, dropout_p, 1, 0, backward=True)
     options = options._replace(alibi=info((4,), "float32") if alibi else None, mods=mods)
@@ -161,6 +161,45 @@ def test_deterministic_calls_take_the_sm90_backward_in_order(no_compiler, head_d
 MODS = _options.DeviceMods("struct UserMods;", (info((4, 9), "float32"),))  # (text the planner only passes on)
 BLOCK_MASK = MODS._replace(blocks=info((1, 1, 3, 3), "int8"))
 MASK_ONLY = BLOCK_MASK._replace(source="struct UserMods { static constexpr bool kScore = false, kMask = true; };")
+
+
+@pytest.mark.parametrize("head_dim", [72, 96, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_unmasked_dense_calls_take_80_query_rows_a_step_with_dq_transposed(no_compiler, head_dim, dtype):
+    """Without a mask, window, extras or the deterministic order, on dense rows that come in
+    eights, d 65-128 takes SM90_BACKWARD_UNMASKED_TILES (FlashAttention-3's 80 rows): dQ^T in
+    DqAccum's transposed order, rounded by 16 threads a block of 8 rows x 16 columns, beside the
+    kernel's last CTAs where the device launches dependents; the compile sweep builds it and
+    its shared memory fits."""
+    columns = _plan.head_dim_bucket(head_dim)  # (the accumulator's)
+    for dependent in (False, True):
+        plan = _backward_plan(head_dim, causal=False, seqlen_q=304, dtype=dtype,
+                              facts=device(sm90a=True, dependent_launches=dependent))
+        kinds = ["backward_preprocess", "backward_sm90",
+                 "backward_convert_dq_transposed_by_head" if dependent else "backward_convert_dq_transposed"]
+        assert [s.kernel.kind for s in plan.steps] == kinds
+        kernel, convert = plan.steps[1].kernel, plan.steps[2]
+        assert kernel == _plan.Sm90Backward(dtype, 128, False, False, 80, 2) and kernel.transposed_dq
+        assert kernel.instance == f"cuflash::attention_backward_sm90<{_plan.DTYPES[dtype]}, 128, 80, 2, false, false>"
+        assert kernel in _plan.all_kernels("sm_90a") and kernel.shared_bytes <= _plan.shared_memory_limit("sm_90a")
+        assert {(m.field, m.rows) for m in plan.maps} == {("q", 80), ("dout", 80), ("k", 128), ("v", 128)}
+        assert convert.grid == ((-(-304 * columns // (8 * 256)), 4, 2) if dependent
+                                else (-(-2 * 304 * 4 * columns // (8 * 256)), 1, 1))
+        assert convert.dependent == dependent == plan.struct.from_buffer_copy(plan.params).count_done
+        if dependent:
+            assert convert.args[-1] == -(-301 // 128)  # (the kernel's key blocks: the count to wait for)
+    with experiment.override(sm90_backward_unmasked_tiles={}):
+        assert _backward_plan(head_dim, causal=False, seqlen_q=304).steps[1].kernel.block_m == 64
+    assert _backward_plan(head_dim, causal=False, seqlen_q=304).steps[1].kernel.block_m == 80
+
+
+@pytest.mark.parametrize("case", [dict(causal=True), dict(seqlen_q=300), dict(deterministic=True),
+                                  dict(softcap=5.0), dict(dropout_p=0.1), dict(mods=MASK_ONLY), dict(head_dim=64)])
+def test_the_rest_keeps_64_query_rows_a_step(no_compiler, case):
+    """A mask, rows that do not come in eights (a group of 8 rows of dQ's accumulator would
+    hold two sequences' rows), the deterministic order, extras and mods; d 64 keeps its 128."""
+    kernel = _backward_plan(**{"causal": False, "seqlen_q": 304, **case}).steps[1].kernel
+    assert kernel.block_m == (128 if case.get("head_dim") == 64 else 64) and not kernel.transposed_dq
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -294,7 +333,8 @@ def _plans_launching(monkeypatch, kernels: set[str]):
     monkeypatch.setenv("CUFLASH_PORTABLE", "0")
     with experiment.override():  # (no plan made before, nor kept after)
         yield planned
-    elementwise = {"backward_preprocess", "backward_convert_dq", "backward_convert_dq_by_head"}
+    elementwise = {"backward_preprocess", "backward_convert_dq", "backward_convert_dq_by_head",
+                   "backward_convert_dq_transposed", "backward_convert_dq_transposed_by_head"}
     assert planned and all({s.kernel.kind for s in p.steps} - elementwise == kernels for p in planned if p.steps)
 
 
@@ -402,8 +442,29 @@ BESIDE = [Shape(2, 8, 129, 8, 2, 128, False), Shape(1, 72, 1, 4, 1, 96, False), 
 @pytest.mark.parametrize("shape", BESIDE, ids=str)
 @pytest.mark.parametrize("dtype,dlse", [("bfloat16", False), ("float16", True)])
 def test_calls_converting_dq_beside_the_kernel_match_the_oracle(sm90_plans, shape, dtype, dlse):
-    _check(shape, dtype, 5, dlse=dlse)
+    with experiment.override(sm90_backward_unmasked_tiles={}):  # (the dense unmasked ones at 64 rows a step too)
+        _check(shape, dtype, 5, dlse=dlse)
     assert all(p.steps[-1].dependent for p in sm90_plans if p.steps)
+
+
+# Dense calls without a mask whose rows come in eights: 80 query rows a step, dQ^T staged in
+# its fragments' order (SM90_BACKWARD_UNMASKED_TILES). 8 rows (one group: the rest of the step
+# past the end), a step, a step and a group; GQA 4, MHA and MQA; keys 1, a block + 1, primes;
+# d 72 and 96 on zero columns (a consumer's half of dQ partly past the accumulator's row);
+# many steps and key blocks.
+UNMASKED = [Shape(2, 8, 129, 8, 2, 128, False), Shape(1, 80, 1, 4, 1, 96, False), Shape(3, 88, 77, 4, 4, 128, False),
+            Shape(1, 168, 1031, 6, 1, 72, False), Shape(2, 2000, 1999, 4, 2, 128, False),
+            Shape(1, 4096, 4096, 2, 2, 128, False)]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("shape", UNMASKED, ids=str)
+@pytest.mark.parametrize("dtype,dlse", [("bfloat16", False), ("float16", True)])
+def test_unmasked_calls_on_80_query_rows_a_step_match_the_oracle(sm90_plans, shape, dtype, dlse):
+    _check(shape, dtype, 7, dlse=dlse)
+    assert all(p.steps[1].kernel.block_m == 80 and p.steps[-1].kernel.kind.startswith("backward_convert_dq_transposed")
+               for p in sm90_plans if p.steps)
 
 
 # Ragged lengths around the 128-key block and the 64- and 128-row query blocks: 1, a block

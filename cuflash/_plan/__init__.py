@@ -23,7 +23,7 @@ from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, PREPROCESS_ROWS, back
 from .plan import (Plan, Step, TensorMapSpec, dropout_threshold, field_offset, group_size, pointer_offsets, scale_log2,
                    tile_group, vectorizable)
 from .sm90 import (SM90_BACKWARD_EXTRAS_TILES, SM90_BACKWARD_HEAD_DIMS, SM90_BACKWARD_SECTION_BYTES,
-                   SM90_BACKWARD_TILES, SM90_BANDED_EXTRAS_TILES,
+                   SM90_BACKWARD_TILES, SM90_BACKWARD_UNMASKED_TILES, SM90_BANDED_EXTRAS_TILES,
                    SM90_BANDED_TILES, SM90_HEAD_DIMS, SM90_MASK_TENSOR_TILES, SM90_MASK_TILES, SM90_MODS_TILES,
                    SM90_SECTION_BYTES, SM90_SECTION_ROWS, SM90_SHORT_CAUSAL_ROWS, SM90_SHORT_CAUSAL_TILES,
                    SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS, SM90_TILES,
@@ -60,7 +60,8 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     usable = dq_accum is not None and (ordered or has_tile("backward", q.shape[-1], options.extras,
                                                               device.shared_limit))
     if device.sm90a and usable and sm90.backward_takes(dout, q, k, v, dq, dk, dv, options):
-        return sm90.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, device.dependent_launches)
+        return sm90.backward(dout, q, k, v, out, dq, dk, dv, dq_accum, options, varlen, device.dependent_launches,
+                             ordered)
     return mma_sync.backward(dout, q, k, v, out, dq, dk, dv, None if ordered else dq_accum, options, varlen, device)
 
 
@@ -73,6 +74,8 @@ def all_kernels(arch: str) -> list[Variant]:
         backwards = [Sm90Backward.of(dtype, d, local, extras)
                      for dtype, d, local, extras in itertools.product(DTYPES, SM90_BACKWARD_HEAD_DIMS, *flags[:2])
                      if not extras or d in SM90_BACKWARD_EXTRAS_TILES]
+        backwards += [Sm90Backward.of(dtype, d, False, unmasked=True)
+                      for dtype, d in itertools.product(DTYPES, SM90_BACKWARD_UNMASKED_TILES)]
         wide = [Sm90WideBackward.of(dtype, SM90_WIDE_BACKWARD_HEAD_DIM, local)
                 for dtype, local in itertools.product(DTYPES, flags[0])]
         return [*forwards, *backwards, *wide]

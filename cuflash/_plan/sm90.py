@@ -165,8 +165,14 @@ class Sm90Backward(NamedTuple):
     threads = 384
 
     @classmethod
-    def of(cls, dtype: str, head_dim: int, local: bool, extras: bool = False, mods: str = "") -> Sm90Backward:
+    def of(cls, dtype: str, head_dim: int, local: bool, extras: bool = False, mods: str = "",
+           unmasked: bool = False) -> Sm90Backward:
+        """The variant with the planner's tile: SM90_BACKWARD_TILES, with extras
+        SM90_BACKWARD_EXTRAS_TILES, and for ``unmasked`` calls (``takes_unmasked_tile``)
+        SM90_BACKWARD_UNMASKED_TILES where it names the head dim."""
         tiles = SM90_BACKWARD_EXTRAS_TILES if extras else SM90_BACKWARD_TILES
+        if unmasked and not (local or extras or mods) and head_dim in SM90_BACKWARD_UNMASKED_TILES:
+            tiles = SM90_BACKWARD_UNMASKED_TILES
         return cls(dtype, head_dim, local, extras, *tiles[head_dim], mods)
 
     @property
@@ -175,6 +181,12 @@ class Sm90Backward(NamedTuple):
         mods = ", cuflash::UserMods" if self.mods else ""  # (the struct self.mods defines; mods.cuh)
         return (f"cuflash::attention_backward_sm90<{DTYPES[self.dtype]}, {self.head_dim}, {self.block_m}, "
                 f"{self.stages}, {flags}{mods}>")
+
+    @property
+    def transposed_dq(self) -> bool:
+        """dQ^T = K^T dS^T, staged in DqAccum's transposed order: a step's rows are no
+        multiple of wgmma's 64 (bwd.cu, kTransposedDq)."""
+        return self.block_m % 64 != 0
 
     @property
     def shared_layout(self) -> str:
@@ -249,10 +261,17 @@ SM90_BACKWARD_SECTION_BYTES = 32 << 20
 
 # The sm_90a backward: head dim -> (query rows a step, Q/dO stages). A consumer keeps dK
 # and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and dP^T of a step's
-# query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128 (its 80 without a mask
-# measured 0.91-0.94x here: tuning.md), 128 at d 64 (bwd.cu, kEarlyValues: the order of
-# the products that fits the 240 registers).
+# query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128 (under a mask; its 80
+# without one below), 128 at d 64 (bwd.cu, kEarlyValues: the order of the products that
+# fits the 240 registers).
 SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
+# Calls without a mask, softcap, ALiBi, dropout or mods, not deterministic, on dense rows
+# whose count is a multiple of 8 (takes_unmasked_tile): FlashAttention-3's 80 query rows a
+# step at d 128, dQ^T staged in its fragments' order (bwd.cu, kTransposedDq; DqAccum's
+# transposed order, rounded by attention_backward_convert_dq_transposed[_by_head]); forward +
+# backward 1.02-1.05x the 64-row tile from 2k (tuning.md).
+# experiment.override(sm90_backward_unmasked_tiles={}) leaves them on SM90_BACKWARD_TILES.
+SM90_BACKWARD_UNMASKED_TILES = {128: (80, 2)}
 # With softcap, ALiBi, dropout or mods (P^T and dS^T made together, their arithmetic beside them):
 # the head dims it takes such calls at (faster than the mma.sync backward at both, 1.3-2.2x at
 # d 64: tuning.md); experiment.override(sm90_backward_extras_tiles=...) changes them.
@@ -426,14 +445,22 @@ def wide_backward(head_dim: int, options: Options) -> bool:
             and not options.extras)
 
 
+def takes_unmasked_tile(options: Options, varlen: Varlen | None, seqlen_q: int, ordered: bool) -> bool:
+    """May the call take SM90_BACKWARD_UNMASKED_TILES? No mask, window or extras, not
+    ``ordered`` (deterministic), dense rows and a multiple of 8 of them a sequence, so that
+    each group of 8 rows of dQ's accumulator belongs to one sequence and every step's dQ
+    goes by the copy engine."""
+    return not (options.local or options.extras or ordered) and varlen is None and seqlen_q % 8 == 0
+
+
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
              dk: ArrayInfo, dv: ArrayInfo, dq_accum: ArrayInfo, options: Options, varlen: Varlen | None,
-             dependent: bool = False) -> Plan:
+             dependent: bool = False, ordered: bool = False) -> Plan:
     """The sm_90a backward's plan (``backward_takes`` said it takes the call): the
     preprocess, the kernel (a CTA a block of 128 keys, or of 80 at the wide kernel's head
     dims), dQ's conversion (beside the kernel's last CTAs where the device takes ``dependent``
     launches: ``converts_beside``); the Params inside the struct of the maps, the
-    elementwise steps given its ``p``."""
+    elementwise steps given its ``p``. ``ordered``: deterministic (dQ's semaphores)."""
     p, batch = call_params(q, k, v, options, varlen, o=out, dout=dout, dq=dq, dk=dk, dv=dv)
     nheads_kv = k.shape[-2]
     accum_cols = dq_accum.shape[2] * dq_accum.shape[-1]  # (rows / 8, nheads, cols / 16, 8, 16)
@@ -443,18 +470,25 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
         tiled = Sm90WideBackward.of(q.dtype, SM90_WIDE_BACKWARD_HEAD_DIM, options.local)
     else:
         tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= p.headdim), options.local,
-                                extras_instance(options), "" if options.mods is None else options.mods.source)
+                                extras_instance(options), "" if options.mods is None else options.mods.source,
+                                takes_unmasked_tile(options, varlen, p.seqlen_q, ordered))
     beside = dependent and converts_beside(tiled, p, varlen)
     steps = []
     if tasks:
         steps.append(Step(Elementwise("backward_preprocess", q.dtype), rows.preprocess_grid, per_row, argument="p"))
     if batch and p.seqlen_k and nheads_kv:
         steps.append(Step(tiled, (-(-p.seqlen_k // tiled.block_n), nheads_kv, batch)))
+    # dQ^T in DqAccum's transposed order: 16 threads a block of 8 rows x 16 columns
+    transposed = isinstance(tiled, Sm90Backward) and tiled.transposed_dq
     if tasks and beside:  # (a grid column a (sequence, head), 256 / lanes rows a CTA; the kernel's key blocks)
-        lanes = per_row[-1]
-        steps.append(Step(Elementwise("backward_convert_dq_by_head", q.dtype),
-                          (-(-p.seqlen_q * lanes // 256), p.nheads, batch), (*per_row, -(-p.seqlen_k // tiled.block_n)),
+        threads = p.seqlen_q * accum_cols // 8 if transposed else p.seqlen_q * per_row[-1]
+        steps.append(Step(Elementwise("backward_convert_dq_transposed_by_head" if transposed
+                                      else "backward_convert_dq_by_head", q.dtype),
+                          (-(-threads // 256), p.nheads, batch), (*per_row, -(-p.seqlen_k // tiled.block_n)),
                           argument="p", dependent=True))
+    elif tasks and transposed:
+        steps.append(Step(Elementwise("backward_convert_dq_transposed", q.dtype),
+                          (-(-batch * p.seqlen_q * p.nheads * accum_cols // (8 * 256)), 1, 1), per_row, argument="p"))
     elif tasks:
         steps.append(Step(Elementwise("backward_convert_dq", q.dtype), rows.convert_grid, per_row, argument="p"))
     maps = tuple(tensor_map(name, a, varlen, rows) for name, a, rows in
@@ -472,7 +506,7 @@ def converts_beside(kernel, p, varlen: Varlen | None) -> bool:
     """Does dQ's conversion run beside the sm_90a backward's last CTAs (each CTA counts its
     end on its (sequence, KV head)'s counter, the conversion by head waits for its head's
     count)? On dense rows, where every CTA of the grid counts (a packed call's CTAs past a
-    sequence's keys end at once), at the tile of 64 query rows (dQ by the copy engine: d 65
-    to 128); at d 64 (dQ added by the consumers) it measured slower (docs/tuning.md), and
+    sequence's keys end at once), at the tiles of 64 and 80 query rows (dQ by the copy engine:
+    d 65 to 128); at d 64 (dQ added by the consumers) it measured slower (docs/tuning.md), and
     the wide kernel's consumers add dQ too."""
-    return varlen is None and p.seqlen_k > 0 and isinstance(kernel, Sm90Backward) and kernel.block_m == 64
+    return varlen is None and p.seqlen_k > 0 and isinstance(kernel, Sm90Backward) and kernel.block_m != 128

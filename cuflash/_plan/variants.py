@@ -169,7 +169,10 @@ KINDS = {
 # Untiled helpers of the backward, one instance per dtype.
 ELEMENTWISE = {"backward_preprocess": ("bwd.cu", "attention_backward_preprocess", 256),
                "backward_convert_dq": ("bwd.cu", "attention_backward_convert_dq", 256),
-               "backward_convert_dq_by_head": ("bwd.cu", "attention_backward_convert_dq_by_head", 256)}
+               "backward_convert_dq_by_head": ("bwd.cu", "attention_backward_convert_dq_by_head", 256),
+               "backward_convert_dq_transposed": ("bwd.cu", "attention_backward_convert_dq_transposed", 256),
+               "backward_convert_dq_transposed_by_head": ("bwd.cu", "attention_backward_convert_dq_transposed_by_head",
+                                                          256)}
 
 
 # The merge of partial results (decode/merge.cu): (parts' dtype, output dtype) pairs, the

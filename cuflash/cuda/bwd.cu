@@ -23,7 +23,7 @@
 // Both paths share the per-element step from S and dP to P and dS (softmax_bwd.cuh).
 // This file holds the elementwise kernels around them: the preprocess (D, and the dQ
 // accumulator zeroed) and the conversion of the accumulator into dq (after the backward, or
-// beside the sm_90a backward's last CTAs).
+// beside the sm_90a backward's last CTAs; from DqAccum's order or its transposed one).
 #include "common.cuh"
 #include "dq_accum.cuh"
 #include "params.cuh"
@@ -140,6 +140,22 @@ attention_backward_convert_dq(const Params p, int batch, int rows_per_batch, int
                     task.lane, lanes);
 }
 
+// The same from DqAccum's transposed order (the sm_90a backward at 80 rows a step: dense
+// rows, a multiple of 8 a sequence). A thread a (group of 8 rows, head, block of 16 columns,
+// t, g / 2), 16 a block: attention_backward_convert_dq_transposed.
+template <typename T>
+__global__ void __launch_bounds__(256)
+attention_backward_convert_dq_transposed(const Params p, int batch, int rows_per_batch, int accum_cols, int) {
+  const int64 thread = int64(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int blocks = accum_cols / 16;
+  const int64 block = thread >> 4;  // (group of 8 rows, head, block of 16 columns)
+  const int64 group_head = block / blocks;
+  const int64 row = (group_head / p.nheads) * 8;
+  if (row >= int64(batch) * rows_per_batch) return;
+  convert_dq_transposed<T>(p, p.dq_accum + block * DqAccum::kBlockFloats, int(row / rows_per_batch),
+                           int(row % rows_per_batch), int(group_head % p.nheads), int(block % blocks), int(thread & 15));
+}
+
 // The same beside the sm_90a backward (launched as its programmatic dependent: it starts as
 // the backward's last CTAs leave multiprocessors free): a grid column a (sequence, head),
 // 256 / lanes of its rows a CTA, which first waits for every one of its KV head's
@@ -159,6 +175,25 @@ __global__ void __launch_bounds__(256) attention_backward_convert_dq_by_head(con
   convert_dq_row<T, true>(p, DqAccum::at(p.dq_accum, int64(b) * rows_per_batch + i, head, p.nheads, accum_cols, 0),
                           p.dq.ptr + b * p.dq.batch_stride + i * p.dq.row_stride + head * p.dq.head_stride,
                           int(threadIdx.x % lanes), lanes);
+}
+
+// The same from DqAccum's transposed order: a grid column a (sequence, head), 256 threads of
+// its (group of 8 rows, block of 16 columns, t, g / 2) a CTA.
+template <typename T>
+__global__ void __launch_bounds__(256)
+attention_backward_convert_dq_transposed_by_head(const Params p, int batch, int rows_per_batch, int accum_cols, int,
+                                                 int key_blocks) {
+  const int b = blockIdx.z, head = blockIdx.y, thread = blockIdx.x * blockDim.x + threadIdx.x;
+  if (threadIdx.x == 0)
+    wait_count(DqAccum::counters(p.dq_accum, int64(batch) * rows_per_batch, p.nheads, accum_cols) +
+                   b * (p.nheads / p.heads_per_kv) + head / p.heads_per_kv,
+               key_blocks);
+  __syncthreads();
+  const int blocks = accum_cols / 16, group = (thread >> 4) / blocks, col_block = (thread >> 4) % blocks;
+  if (8 * group >= rows_per_batch) return;
+  const int64 block = ((int64(b) * rows_per_batch / 8 + group) * p.nheads + head) * blocks + col_block;
+  convert_dq_transposed<T, true>(p, p.dq_accum + block * DqAccum::kBlockFloats, b, 8 * group, head, col_block,
+                                 thread & 15);
 }
 
 }  // namespace cuflash

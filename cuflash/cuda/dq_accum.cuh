@@ -2,7 +2,7 @@
 // into it and its rounding into dq. bwd_one_pass.cu and sm90/bwd.cu add each step's dQ to
 // it; bwd.cu zeroes it (in the preprocess) and rounds it into dq
 // (attention_backward_convert_dq, or attention_backward_convert_dq_by_head beside the sm_90a
-// backward's last CTAs).
+// backward's last CTAs; from the transposed order of its 80-row tile the _transposed twins).
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -45,6 +45,13 @@ struct DqAccum {
   static __device__ __forceinline__ float* at(float* base, int64 row, int head, int nheads, int cols, int col) {
     return base + ((row >> 3) * nheads + head) * (8 * cols) + (row & 7) * 16 + column(col);
   }
+  // The sm_90a backward at 80 rows a step adds dQ^T (rows: the head dim) and keeps each lane's
+  // fragment whole: in a block, lane 4g + t's 16 bytes hold rows 2t and 2t + 1 of columns g
+  // and g + 8, (2t, g) (2t + 1, g) (2t, g + 8) (2t + 1, g + 8); the blocks' order is the
+  // same. Row r's (of a block) column c at:
+  static __device__ __forceinline__ int transposed(int r, int c) {
+    return (c & 7) * 16 + (r >> 1) * 4 + ((c >> 3) & 1) * 2 + (r & 1);
+  }
   // floats from one row to the one 8 rows further down
   static __device__ __forceinline__ int64 eight_rows(int nheads, int cols) { return int64(8) * cols * nheads; }
   // After the rows (`rows` of all sequences): an int32 counter a (sequence, query head),
@@ -84,6 +91,37 @@ __device__ __forceinline__ void convert_dq_row(const Params& p, const float* acc
     for (int c = lane; c < p.headdim; c += lanes)
       dq[c] = DType<T>::from_float(load_accum<kThroughL2>(accum + DqAccum::column(c)) * p.scale);
   }
+}
+
+// Rows i + 2t and i + 2t + 1 of sequence b's dQ, columns g, g + 1, g + 8 and g + 9 of the
+// head's block `col_block` of 16 (g = 2 (quad / 4), t = quad % 4), from a block of DqAccum's
+// transposed order whose first row is i (two float4: rows 2t and 2t + 1 of columns g and
+// g + 8, then of g + 1 and g + 9), times the scale, rounded into four pairs (single elements
+// where dq's rows or head dim are odd). kThroughL2 as convert_dq_row.
+template <typename T, bool kThroughL2 = false>
+__device__ __forceinline__ void convert_dq_transposed(const Params& p, const float* block, int b, int i, int head,
+                                                      int col_block, int quad) {
+  const int t = quad & 3, g = (quad >> 1) & 6;
+  const float4 x = load_accum<kThroughL2>(reinterpret_cast<const float4*>(block + DqAccum::transposed(2 * t, g)));
+  const float4 y = load_accum<kThroughL2>(reinterpret_cast<const float4*>(block + DqAccum::transposed(2 * t, g + 1)));
+  const bool pairs = p.headdim % 2 == 0 && reinterpret_cast<unsigned long long>(p.dq.ptr) % 4 == 0 &&
+                     (p.dq.batch_stride | p.dq.row_stride | p.dq.head_stride) % 2 == 0;
+  elem_t* const rows = p.dq.ptr + b * p.dq.batch_stride + int64(i + 2 * t) * p.dq.row_stride + head * p.dq.head_stride;
+  auto store = [&](int r, int col, float a, float c) {
+    if (col >= p.headdim) return;
+    elem_t* dq = rows + r * p.dq.row_stride + col;
+    if (pairs) {
+      *reinterpret_cast<unsigned*>(dq) = DType<T>::pack(a * p.scale, c * p.scale);
+    } else {
+      dq[0] = DType<T>::from_float(a * p.scale);
+      if (col + 1 < p.headdim) dq[1] = DType<T>::from_float(c * p.scale);
+    }
+  };
+  const int col = 16 * col_block + g;
+  store(0, col, x.x, y.x);
+  store(1, col, x.y, y.y);
+  store(0, col + 8, x.z, y.z);
+  store(1, col + 8, x.w, y.w);
 }
 
 // dQ's additions in a fixed order (deterministic): the key blocks that add to a query

@@ -262,7 +262,7 @@ struct KeyTileBits {
 // pair).
 template <typename Mods, int kBlockM>
 struct QueryTiles {
-  static_assert(kBlockMaskSize % kBlockM == 0, "a query tile lies in one block");
+  static_assert(!kBlockSparse<Mods> || kBlockMaskSize % kBlockM == 0, "a query tile lies in one block");
   static constexpr int kPerBlock = kBlockMaskSize / kBlockM;
   const signed char* column;  // the statuses of the key tile's column of blocks
   int64 head_stride, row_stride;

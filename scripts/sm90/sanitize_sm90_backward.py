@@ -3,9 +3,11 @@ compute capability 9.0 GPU:
 
     compute-sanitizer --tool memcheck python scripts/sm90/sanitize_sm90_backward.py
     compute-sanitizer --tool racecheck python scripts/sm90/sanitize_sm90_backward.py
-    compute-sanitizer --tool synccheck python scripts/sm90/sanitize_sm90_backward.py
+    compute-sanitizer --tool synccheck python scripts/sm90/sanitize_sm90_backward.py [unmasked]
 
-Both tiles (d 64: 128 x 128; d 128: 64 x 128, also serving d 72-120), causal and not,
+(``unmasked``: only the calls on the 80-row tile.) Every tile (d 64: 128 x 128; d 128:
+64 x 128, also serving d 72-120, and 80 x 128 for dense calls without a mask whose rows
+come in eights: dQ^T in its fragments' order), causal and not,
 a sliding window, GQA and MQA, ragged lengths (sq != sk, a block + 1, a single query),
 the LSE's gradient, packed sequences with an empty one, deterministic calls (dQ added in
 turns), softcap, ALiBi, dropout and score_mod (the extras' instances), a block mask of
@@ -81,12 +83,22 @@ def main() -> None:
         call(1, 257, 300, 4, 4, d, causal=True, deterministic=True)
         packed([100, 0, 129, 7], 4, 2, d, deterministic=True)
         extras(d)
+    unmasked()
     for d in (192, 256):  # the wide kernel's 80-key blocks
         call(2, 161, 161, 4, 2, d)
         call(1, 81, 257, 4, 2, d, causal=True, dlse=True)
         call(1, 1, 200, 2, 2, d)
         call(1, 257, 130, 4, 4, d, window_size=(70, 20))
         packed([100, 0, 81, 7], 4, 2, d, causal=True)
+
+
+def unmasked():
+    """The 80-row tile (dense, no mask, rows in eights): a step and a group past it, one group,
+    a step's rows partly past the end, GQA and MQA, the LSE's gradient, d 72 on zero columns."""
+    for d in (72, 128):
+        call(2, 304, 300, 4, 2, d)
+        call(1, 88, 517, 4, 1, d, dlse=True)
+        call(3, 8, 129, 4, 4, d)
 
 
 def relative_bias(s, b, h, q_idx, kv_idx, bias):
@@ -113,4 +125,5 @@ def extras(d):
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    unmasked() if sys.argv[1:] == ["unmasked"] else main()

@@ -18,7 +18,9 @@
 //                                         step under the next line, else after it)
 //   dS^T = P^T (dP^T - D)
 //   dS -> shared memory ([query][key], stmatrix transposing); both consumers' keys written
-//   dQ = dS K                             wgmma, dS K-major, K MN-major
+//   dQ = dS K                             wgmma, dS K-major, K MN-major (80 query rows a step,
+//                                         d 128 without a mask: dQ^T = K^T dS^T, staged as
+//                                         its fragments stand, DqAccum's transposed order)
 //   dK += dS^T Q                          wgmma, dS^T from registers, running under the next line
 //   dQ -> shared memory (fp32)            the producer warpgroup's second warp adds it to
 //                                         the accumulator (dq_accum.cuh) by the copy
@@ -175,7 +177,9 @@ __device__ __forceinline__ void add_dq(const float (&acc_dq)[1][kDqCols / 8][4],
 // every consumer thread has released it (a fresh barrier counts as released: its waits
 // start on the other parity).
 // @tparam kBlockM  query rows a step: 64 or 128 (the registers of dK, dV, S^T, dP^T and
-//                  P^T's fragments: _plan.SM90_BACKWARD_TILES)
+//                  P^T's fragments: _plan.SM90_BACKWARD_TILES), or 80 at d 128 without a
+//                  mask on dense rows whose count is a multiple of 8 (dQ^T, in DqAccum's
+//                  transposed order: _plan.SM90_BACKWARD_UNMASKED_TILES)
 // @tparam kStages  Q/dO stages in flight
 // @tparam kLocal   causal or sliding window
 // @tparam kExtras  softcap, ALiBi, dropout or score_mod may be on: P and dS in one step
@@ -186,14 +190,20 @@ __device__ __forceinline__ void add_dq(const float (&acc_dq)[1][kDqCols / 8][4],
 template <typename T, int kHeadDim, int kBlockM, int kStages, bool kLocal, bool kExtras, typename Mods = NoMods>
 __global__ void __launch_bounds__(384, 1)
     attention_backward_sm90(const __grid_constant__ Sm90BackwardParamsOf<kHasMods<Mods>> args) {
-  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128),
-                "the products: m64n64 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
+  // 80 rows a step: FlashAttention-3's tile at d 128 without a mask, on dense rows whose
+  // count is a multiple of 8 (the planner's), so that every step's dQ goes by the copy engine.
+  constexpr bool kTransposedDq = kBlockM % 64 != 0;
+  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128 || kTransposedDq),
+                "the products: m64n64 / m64n80 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
+  static_assert(!kTransposedDq || (kHeadDim == 128 && !kLocal && !kExtras && !kHasMods<Mods>),
+                "80 rows a step: d 128, no mask, no extras");
   static_assert(kExtras || !Mods::kScore, "score_mod takes the scores in natural units: the extras' instances");
   constexpr int kBlockN = 128, kGroups = kBlockM / 8;  // dQ's groups of 8 rows
   // dQ = dS K: with 64 query rows a step the consumers take half the head dim each, with
-  // 128 rows each its 64 rows.
+  // 128 rows each its 64 rows. With 80 rows (no multiple of wgmma's 64), dQ^T = K^T dS^T,
+  // each consumer's half of the head dim as the product's rows.
   constexpr int kDqCols = kBlockM == 128 ? kHeadDim : kHeadDim / 2;
-  static_assert(kDqCols == 64, "dQ's products: m64n64");
+  static_assert(kDqCols == 64, "dQ's products: m64n64 / m64n80");
   // dV's product issued before dS^T is computed, running under it, where P^T's fragments
   // fit beside S^T, dP^T, dK and dV (64 rows a step); with 128 rows (or extras, P and dS
   // made together) dS^T first, then dV and dK together.
@@ -223,7 +233,7 @@ __global__ void __launch_bounds__(384, 1)
   // dQ by the copy engine where the sequence's rows start one of DqAccum's blocks of 8
   // (each block's 64 columns then 2 KB in one piece), else by the consumers' red.v4; with
   // 128 rows a step the producer's loads of LSE and D leave the writer too few registers.
-  const bool staged_dq = kBlockM != 128 && seq.q_rows_before % 8 == 0;
+  const bool staged_dq = kTransposedDq || (kBlockM != 128 && seq.q_rows_before % 8 == 0);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
 
   // The query blocks that see any key of the block, for each query head of the group.
@@ -260,7 +270,7 @@ __global__ void __launch_bounds__(384, 1)
   // or the consumers'), one thread counts the CTA on its (sequence, KV head)'s counter for the
   // conversion beside the grid (bwd.cu, attention_backward_convert_dq_by_head); its block is
   // decoded again there (kept from here, it spilled the producer's 24 registers). Only the
-  // tile of 64 rows has it (_plan.sm90.converts_beside: at 128 rows it measured slower).
+  // tiles of 64 and 80 rows have it (_plan.sm90.converts_beside: at 128 it measured slower).
   constexpr bool kCounts = kBlockM != 128;
   auto count_end = [&] {
     const auto tile = GridTile<kLocal && !kHasMods<Mods>>::of_block(kLocal && p.dq_semaphore ? 1 : p.tile_group);
@@ -397,8 +407,9 @@ __global__ void __launch_bounds__(384, 1)
       fence_proxy_async();  // dS's stores, before the products read them
       consumers_meet();
       // dQ = dS K: dS K-major, K read MN-major; keys in k16 steps (a dS block's 32 bytes,
-      // K's 16 rows of 2048 bytes). Then dK += dS^T Q, running while dQ is handed on.
-      float acc_dq[1][kDqCols / 8][4];
+      // K's 16 rows of 2048 bytes). (80 rows: dQ^T = K^T dS^T, the same operands as A and B.)
+      // Then dK += dS^T Q, running while dQ is handed on.
+      float acc_dq[1][kTransposedDq ? kBlockM / 8 : kDqCols / 8][4];
       const int dq_rows = kBlockM == 128 ? 64 * consumer : 0, dq_col0 = kBlockM == 128 ? 0 : 64 * consumer;
       sm90::wgmma_fence();
 #pragma unroll
@@ -406,7 +417,10 @@ __global__ void __launch_bounds__(384, 1)
         const auto ds = sm90::SmemDesc::k_major(ds_tile + (k / 4) * Shared::kQBlock + dq_rows * 128 + (k % 4) * 32);
         const auto keys =
             sm90::SmemDesc::n_major(shared.k() + (dq_col0 / 64) * Shared::kKvBlock + k * 2048, Shared::kKvBlock);
-        sm90::Wgmma<T, kDqCols>::template ss<false, true>(acc_dq, ds, keys, k > 0);
+        if constexpr (kTransposedDq)
+          sm90::Wgmma<T, kBlockM>::template ss<true, false>(acc_dq, keys, ds, k > 0);
+        else
+          sm90::Wgmma<T, kDqCols>::template ss<false, true>(acc_dq, ds, keys, k > 0);
       }
       sm90::wgmma_commit();
       issue_key_gradient<T, Shared, kBlockM>(shared.q(stage), ds_frag, acc_dk);
@@ -418,18 +432,28 @@ __global__ void __launch_bounds__(384, 1)
       int* const semaphore = p.dq_semaphore ? p.dq_semaphore + seq.lse_offset(p, batch, head) + m0 : nullptr;
       const int turn = backwards ? (mask.key_end(min(m0 + kBlockM, seq.seqlen_q)) - 1) / kBlockN - n_block
                                  : n_block - mask.key_begin(m0) / kBlockN;
-      // dQ: this warp's rows g and g + 8 (its groups 2 (warp % 4) and 2 (warp % 4) + 1 of 8
-      // rows), a lane's two neighbouring 8-column fragments 16 bytes in DqAccum's order
       if (staged_dq) {
         shared.dq_drained(consumer).wait((step & 1) ^ 1);
-        float* staged = shared.dq(consumer) + 16 * (warp % 4) * kDqCols + 16 * g + 4 * t;
+        if constexpr (kTransposedDq) {
+          // dQ^T: this warp's 16 columns (one of DqAccum's blocks) of each group of 8 rows, a
+          // lane's fragment as it stands, 16 bytes (DqAccum's transposed order)
+          float* staged = shared.dq(consumer) + (warp % 4) * DqAccum::kBlockFloats + 4 * lane;
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < kGroups; ++j)
+            *reinterpret_cast<float4*>(staged + j * 8 * kDqCols) =
+                make_float4(acc_dq[0][j][0], acc_dq[0][j][1], acc_dq[0][j][2], acc_dq[0][j][3]);
+        } else {
+          // dQ: this warp's rows g and g + 8 (its groups 2 (warp % 4) and 2 (warp % 4) + 1 of
+          // 8 rows), a lane's two neighbouring 8-column fragments 16 bytes in DqAccum's order
+          float* staged = shared.dq(consumer) + 16 * (warp % 4) * kDqCols + 16 * g + 4 * t;
 #pragma unroll
-          for (int j = 0; j < kDqCols / 16; ++j)
-            *reinterpret_cast<float4*>(staged + h * 8 * kDqCols + j * DqAccum::kBlockFloats) =
-                make_float4(acc_dq[0][2 * j][2 * h], acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
-                            acc_dq[0][2 * j + 1][2 * h + 1]);
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < kDqCols / 16; ++j)
+              *reinterpret_cast<float4*>(staged + h * 8 * kDqCols + j * DqAccum::kBlockFloats) =
+                  make_float4(acc_dq[0][2 * j][2 * h], acc_dq[0][2 * j][2 * h + 1], acc_dq[0][2 * j + 1][2 * h],
+                              acc_dq[0][2 * j + 1][2 * h + 1]);
+        }
         // where each group of 8 rows goes (the writer keeps to 24 registers): none past the end
         if (warp % 4 == 0 && lane < kGroups) {
           const int row = m0 + dq_rows + 8 * lane;
@@ -441,7 +465,7 @@ __global__ void __launch_bounds__(384, 1)
         if (semaphore != nullptr && consumer == 0 && warp % 4 == 0 && lane == 0) *shared.dq_turn() = {semaphore, turn};
         fence_proxy_async();  // before the copy engine reads them
         shared.dq_staged(consumer).arrive();
-      } else {
+      } else if constexpr (!kTransposedDq) {
         // (deterministic: one thread waits for the turn, the consumers' additions follow,
         // fenced, and one thread passes it on)
         if (semaphore != nullptr) {
