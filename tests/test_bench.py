@@ -178,3 +178,30 @@ def test_mods_bench_steps_flex_kernel_options_down_where_none_compiles():
 
     with pytest.raises(ValueError, match="another error"):
         mods._flexed(torch, broken, x, False)
+
+
+def test_the_grid_labels_each_pass_and_counts_its_flops(tmp_path, monkeypatch, capsys):
+    """--mode all: the forward, the backward alone (2.5 forwards' FLOPs, timed without the
+    forward) and forward + backward (3.5), each row named by its pass in the table and CSV."""
+    from cuflash.bench import forward
+    asked = []
+
+    def implementations(torch, b, s, h, d, causal, backward, baseline, dtype, compare, alone):
+        asked.append((backward, alone))
+        return {"cuflash": None, "sdpa-cudnn": None}
+
+    monkeypatch.setattr(forward, "implementations", implementations)
+    monkeypatch.setattr(forward, "median_ms_each", lambda impls, torch: {name: 1.0 for name in impls})
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(empty_cache=lambda: None), __version__="0")
+    args = types.SimpleNamespace(baseline=None, quick=True, mode="all", head_dims=[64], dtype="bfloat16",
+                                 compare=True, csv=str(tmp_path / "g.csv"), plot=None, overhead=False, variants=False)
+    assert forward.main(args, fake_torch, "gpu") == 0
+    rows = plot.read_csv(str(tmp_path / "g.csv"))
+    assert [r["pass"] for r in rows] == [p for p in ("fwd", "bwd", "fwd+bwd") for _ in range(6)]
+    assert asked == [flags for flags in ((False, False), (True, True), (True, False)) for _ in range(6)]
+    forward_flops = {(r["causal"], r["seqlen"]): r["cuflash"] for r in rows if r["pass"] == "fwd"}
+    for r in rows:
+        assert r["cuflash"] == pytest.approx(forward_flops[r["causal"], r["seqlen"]] *
+                                             {"fwd": 1, "bwd": 2.5, "fwd+bwd": 3.5}[r["pass"]])
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[2:]] == [r["pass"] for r in rows]

@@ -36,14 +36,14 @@ def main(args, torch, gpu: str) -> int:
     seqlens = SEQLENS[::2] if args.quick else SEQLENS
     passes = MODES[args.mode]
     rows = []
-    for name in passes:
-        backward, alone, work = PASSES[name]
+    for pass_ in passes:
+        backward, alone, work = PASSES[pass_]
         for d in (args.head_dims or HEAD_DIMS):
             for causal in (False, True):
                 for s in seqlens:
                     b, h = TOKENS // s, HIDDEN // d
                     flops = 4 * b * h * s * s * d / (2 if causal else 1) * work
-                    row = {"pass": name, "d": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
+                    row = {"pass": pass_, "d": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
                     impls = implementations(torch, b, s, h, d, causal, backward, baseline, args.dtype, args.compare,
                                             alone)
                     for name, ms in median_ms_each(impls, torch).items():
