@@ -431,22 +431,11 @@ def test_drawn_calls_match_the_oracle(plans_of, head_dims, data):
 
 
 # Dense calls whose dQ is converted beside the backward's last CTAs, each head once its KV
-# head's key blocks have counted their ends: GQA 4 (four heads wait on one count), one key,
-# a block and 8 rows, many key blocks, rows in sixteens and not.
+# head's key blocks have counted their ends, at 64 rows a step (the 80-row tile left out):
+# GQA 4 (four heads wait on one count), one key, a block and 8 rows, many key blocks, rows in
+# sixteens and not.
 BESIDE = [Shape(2, 8, 129, 8, 2, 128, False), Shape(1, 72, 1, 4, 1, 96, False), Shape(3, 521, 77, 8, 2, 128, True),
           Shape(1, 2056, 1500, 4, 1, 80, False)]
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("shape", BESIDE, ids=str)
-@pytest.mark.parametrize("dtype,dlse", [("bfloat16", False), ("float16", True)])
-def test_calls_converting_dq_beside_the_kernel_match_the_oracle(sm90_plans, shape, dtype, dlse):
-    with experiment.override(sm90_backward_unmasked_tiles={}):  # (the dense unmasked ones at 64 rows a step too)
-        _check(shape, dtype, 5, dlse=dlse)
-    assert all(p.steps[-1].dependent for p in sm90_plans if p.steps)
-
-
 # Dense calls without a mask whose rows come in eights: 80 query rows a step, dQ^T staged in
 # its fragments' order (SM90_BACKWARD_UNMASKED_TILES). 8 rows (one group: the rest of the step
 # past the end), a step, a step and a group; GQA 4, MHA and MQA; keys 1, a block + 1, primes;
@@ -459,12 +448,14 @@ UNMASKED = [Shape(2, 8, 129, 8, 2, 128, False), Shape(1, 80, 1, 4, 1, 96, False)
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("shape", UNMASKED, ids=str)
+@pytest.mark.parametrize("shape,rows", [*((s, 64) for s in BESIDE), *((s, 80) for s in UNMASKED)], ids=str)
 @pytest.mark.parametrize("dtype,dlse", [("bfloat16", False), ("float16", True)])
-def test_unmasked_calls_on_80_query_rows_a_step_match_the_oracle(sm90_plans, shape, dtype, dlse):
-    _check(shape, dtype, 7, dlse=dlse)
-    assert all(p.steps[1].kernel.block_m == 80 and p.steps[-1].kernel.kind.startswith("backward_convert_dq_transposed")
-               for p in sm90_plans if p.steps)
+def test_dense_calls_at_64_and_80_rows_a_step_converting_dq_beside_match_the_oracle(sm90_plans, shape, rows, dtype,
+                                                                                     dlse):
+    with experiment.override(sm90_backward_unmasked_tiles=None if rows == 80 else {}):
+        _check(shape, dtype, 5 if rows == 64 else 7, dlse=dlse)
+    plans = [p for p in sm90_plans if p.steps]
+    assert plans and all(p.steps[1].kernel.block_m == rows and p.steps[-1].dependent for p in plans)
 
 
 # Ragged lengths around the 128-key block and the 64- and 128-row query blocks: 1, a block
