@@ -44,7 +44,8 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
              sm90_mods_tiles: dict[int, tuple] | None = None, sm90_mask_tiles: dict[int, tuple] | None = None,
              sm90_mask_tensor_tiles: dict[int, tuple] | None = None,
              sm90_backward_extras_tiles: dict[int, tuple] | None = None,
-             sm90_backward_unmasked_tiles: dict[int, tuple] | None = None,
+             sm90_backward_dense_tiles: dict[int, tuple] | None = None,
+             sm90_backward_dense_band_rows: int | None = None,
              sm90_wide_backward_buckets: tuple[int, ...] | None = None,
              sm90_backward_section_bytes: int | None = None, sm90_section_bytes: int | None = None,
              sm90_section_rows: int | None = None,
@@ -75,10 +76,12 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
     sm90_backward_extras_tiles: {head dim: (query rows a step, stages)} of the sm_90a
         backward for calls with softcap, ALiBi, dropout or mods
         (``_plan.SM90_BACKWARD_EXTRAS_TILES``; the head dims it takes them at).
-    sm90_backward_unmasked_tiles: {head dim: (query rows a step, stages)}, the whole table of
-        the sm_90a backward's tiles for calls without a mask or extras
-        (``_plan.SM90_BACKWARD_UNMASKED_TILES``; ``{}``: those calls on
+    sm90_backward_dense_tiles: {head dim: (query rows a step, stages)}, the whole table of
+        the sm_90a backward's tiles for dense calls whose rows come in eights, without
+        extras (``_plan.SM90_BACKWARD_DENSE_TILES``; ``{}``: those calls on
         ``_plan.SM90_BACKWARD_TILES``).
+    sm90_backward_dense_band_rows: under a causal mask or a window, the query rows a key block
+        must see for those tiles (``_plan.SM90_BACKWARD_DENSE_BAND_ROWS``; 0: every band).
     sm90_wide_backward_buckets: the head-dim buckets whose calls take the wide sm_90a
         backward (``_plan.SM90_WIDE_BACKWARD_BUCKETS``; ``()``: none, the mma.sync backward).
     sm90_backward_section_bytes: the L2 bytes of the sm_90a backwards' groups of pairs
@@ -121,7 +124,8 @@ def override(*, sources: str | Path | None = None, patches: dict[str, Callable[[
         for name, value in (("SM90_BACKWARD_SECTION_BYTES", sm90_backward_section_bytes),
                             ("SM90_SECTION_BYTES", sm90_section_bytes), ("SM90_SECTION_ROWS", sm90_section_rows),
                             ("SM90_WIDE_BACKWARD_BUCKETS", wide_buckets), ("sm90_tail", sm90_tail),
-                            ("SM90_BACKWARD_UNMASKED_TILES", sm90_backward_unmasked_tiles),
+                            ("SM90_BACKWARD_DENSE_TILES", sm90_backward_dense_tiles),
+                            ("SM90_BACKWARD_DENSE_BAND_ROWS", sm90_backward_dense_band_rows),
                             ("tile_group", tile_group)):
             if value is not None:
                 undo.enter_context(_rebound(_plan, name, value))

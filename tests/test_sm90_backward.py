@@ -31,13 +31,15 @@ from .test_plan import dense, device, info, no_compiler  # noqa: F401 (a fixture
 
 
 def _backward_plan(head_dim=128, *, deterministic=False, softcap=0.0, dropout_p=0.0, alibi=False, mods=None,
-                   causal=True, sm90a=True, ptr=1 << 20, dtype="bfloat16", facts=None, seqlen_q=300):
-    """The backward's plan of a (2, ``seqlen_q``, 301, 4 heads, 2 KV heads) call on a stand-in
-    GPU (``facts``, a _device.Device; by default one with the sm_90a kernels where ``sm90a``)."""
+                   causal=True, sm90a=True, ptr=1 << 20, dtype="bfloat16", facts=None, seqlen_q=300, seqlen_k=301,
+                   window=(-1, -1)):
+    """The backward's plan of a (2, ``seqlen_q``, ``seqlen_k``, 4 heads, 2 KV heads) call on a
+    stand-in GPU (``facts``, a _device.Device; by default one with the sm_90a kernels where
+    ``sm90a``)."""
     facts = device(sm90a=sm90a) if facts is None else facts
-    q, k, v = dense(2, seqlen_q, 301, 4, 2, head_dim, dtype)
+    q, k, v = dense(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
     q = info(q.shape, dtype, ptr)
-    options = _options.make_options(q, k, causal, None, (-1, -1), softcap, None, dropout_p, 1, 0, backward=True)
+    options = _options.make_options(q, k, causal, None, window, softcap, None, dropout_p, 1, 0, backward=True)
     options = options._replace(alibi=info((4,), "float32") if alibi else None, mods=mods)
     ordered = deterministic and _plan.backward_orders(head_dim, options.extras, mods is not None and
                                                       mods.blocks is not None, facts.sm90a)
@@ -165,22 +167,25 @@ MASK_ONLY = BLOCK_MASK._replace(source="struct UserMods { static constexpr bool 
 
 @pytest.mark.parametrize("head_dim", [72, 96, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_unmasked_dense_calls_take_80_query_rows_a_step_with_dq_transposed(no_compiler, head_dim, dtype):
-    """Without a mask, window, extras or the deterministic order, on dense rows that come in
-    eights, d 65-128 takes SM90_BACKWARD_UNMASKED_TILES (FlashAttention-3's 80 rows): dQ^T in
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_calls_take_80_query_rows_a_step_with_dq_transposed(no_compiler, head_dim, dtype, causal):
+    """Without extras or the deterministic order, on dense rows that come in eights, d 65-128
+    takes SM90_BACKWARD_DENSE_TILES (FlashAttention-3's 80 rows), causal or not: dQ^T in
     DqAccum's transposed order, rounded by 16 threads a block of 8 rows x 16 columns, beside the
     kernel's last CTAs where the device launches dependents; the compile sweep builds it and
     its shared memory fits."""
     columns = _plan.head_dim_bucket(head_dim)  # (the accumulator's)
     for dependent in (False, True):
-        plan = _backward_plan(head_dim, causal=False, seqlen_q=304, dtype=dtype,
-                              facts=device(sm90a=True, dependent_launches=dependent))
+        with experiment.override(sm90_backward_dense_band_rows=0):  # (under a mask: bands of any width)
+            plan = _backward_plan(head_dim, causal=causal, seqlen_q=304, dtype=dtype,
+                                  facts=device(sm90a=True, dependent_launches=dependent))
         kinds = ["backward_preprocess", "backward_sm90",
                  "backward_convert_dq_transposed_by_head" if dependent else "backward_convert_dq_transposed"]
         assert [s.kernel.kind for s in plan.steps] == kinds
         kernel, convert = plan.steps[1].kernel, plan.steps[2]
-        assert kernel == _plan.Sm90Backward(dtype, 128, False, False, 80, 2) and kernel.transposed_dq
-        assert kernel.instance == f"cuflash::attention_backward_sm90<{_plan.DTYPES[dtype]}, 128, 80, 2, false, false>"
+        assert kernel == _plan.Sm90Backward(dtype, 128, causal, False, 80, 2) and kernel.transposed_dq
+        assert kernel.instance == (f"cuflash::attention_backward_sm90<{_plan.DTYPES[dtype]}, 128, 80, 2, "
+                                   f"{str(causal).lower()}, false>")
         assert kernel in _plan.all_kernels("sm_90a") and kernel.shared_bytes <= _plan.shared_memory_limit("sm_90a")
         assert {(m.field, m.rows) for m in plan.maps} == {("q", 80), ("dout", 80), ("k", 128), ("v", 128)}
         assert convert.grid == ((-(-304 * columns // (8 * 256)), 4, 2) if dependent
@@ -188,16 +193,29 @@ def test_unmasked_dense_calls_take_80_query_rows_a_step_with_dq_transposed(no_co
         assert convert.dependent == dependent == plan.struct.from_buffer_copy(plan.params).count_done
         if dependent:
             assert convert.args[-1] == -(-301 // 128)  # (the kernel's key blocks: the count to wait for)
-    with experiment.override(sm90_backward_unmasked_tiles={}):
-        assert _backward_plan(head_dim, causal=False, seqlen_q=304).steps[1].kernel.block_m == 64
-    assert _backward_plan(head_dim, causal=False, seqlen_q=304).steps[1].kernel.block_m == 80
+    with experiment.override(sm90_backward_dense_tiles={}, sm90_backward_dense_band_rows=0):
+        assert _backward_plan(head_dim, causal=causal, seqlen_q=304).steps[1].kernel.block_m == 64
 
 
-@pytest.mark.parametrize("case", [dict(causal=True), dict(seqlen_q=300), dict(deterministic=True),
+@pytest.mark.parametrize("seqlen_q,window,rows", [(304, (-1, -1), 80), (304, (-1, 0), 64), (4096, (-1, 0), 80),
+                                                  (4088, (-1, 0), 64), (8192, (-1, 0), 80), (8192, (3000, 968), 80),
+                                                  (8192, (3000, 967), 64), (8192, (100, -1), 80)])
+def test_under_a_mask_the_80_row_tile_takes_bands_of_4096_rows_or_more(no_compiler, seqlen_q, window, rows):
+    """Under a causal mask or a window, calls whose key blocks see SM90_BACKWARD_DENSE_BAND_ROWS
+    query rows or more (the window's width and a block of 128 keys; a causal call or an
+    unbounded side: all rows); shorter bands keep 64 rows a step."""
+    causal = window == (-1, 0)
+    call = dict(causal=causal, window=(-1, -1) if causal else window, seqlen_q=seqlen_q, seqlen_k=seqlen_q)
+    assert _backward_plan(**call).steps[1].kernel.block_m == rows
+    with experiment.override(sm90_backward_dense_band_rows=0):
+        assert _backward_plan(**call).steps[1].kernel.block_m == 80
+
+
+@pytest.mark.parametrize("case", [dict(seqlen_q=300), dict(deterministic=True), dict(causal=True, deterministic=True),
                                   dict(softcap=5.0), dict(dropout_p=0.1), dict(mods=MASK_ONLY), dict(head_dim=64)])
 def test_the_rest_keeps_64_query_rows_a_step(no_compiler, case):
-    """A mask, rows that do not come in eights (a group of 8 rows of dQ's accumulator would
-    hold two sequences' rows), the deterministic order, extras and mods; d 64 keeps its 128."""
+    """Rows that do not come in eights (a group of 8 rows of dQ's accumulator would hold two
+    sequences' rows), the deterministic order, extras and mods; d 64 keeps its 128."""
     kernel = _backward_plan(**{"causal": False, "seqlen_q": 304, **case}).steps[1].kernel
     assert kernel.block_m == (128 if case.get("head_dim") == 64 else 64) and not kernel.transposed_dq
 
@@ -436,26 +454,39 @@ def test_drawn_calls_match_the_oracle(plans_of, head_dims, data):
 # sixteens and not.
 BESIDE = [Shape(2, 8, 129, 8, 2, 128, False), Shape(1, 72, 1, 4, 1, 96, False), Shape(3, 521, 77, 8, 2, 128, True),
           Shape(1, 2056, 1500, 4, 1, 80, False)]
-# Dense calls without a mask whose rows come in eights: 80 query rows a step, dQ^T staged in
-# its fragments' order (SM90_BACKWARD_UNMASKED_TILES). 8 rows (one group: the rest of the step
-# past the end), a step, a step and a group; GQA 4, MHA and MQA; keys 1, a block + 1, primes;
-# d 72 and 96 on zero columns (a consumer's half of dQ partly past the accumulator's row);
-# many steps and key blocks.
-UNMASKED = [Shape(2, 8, 129, 8, 2, 128, False), Shape(1, 80, 1, 4, 1, 96, False), Shape(3, 88, 77, 4, 4, 128, False),
+# Dense calls whose rows come in eights: 80 query rows a step, dQ^T staged in its fragments'
+# order (SM90_BACKWARD_DENSE_TILES). 8 rows (one group: the rest of the step past the end), a
+# step, a step and a group; GQA 4, MHA and MQA; keys 1, a block + 1, primes, fewer and more
+# than the rows under a causal mask (bottom-right: the first rows see no key); d 72 and 96 on
+# zero columns (a consumer's half of dQ partly past the accumulator's row); many steps and key
+# blocks.
+EIGHTIES = [Shape(2, 8, 129, 8, 2, 128, False), Shape(1, 80, 1, 4, 1, 96, False), Shape(3, 88, 77, 4, 4, 128, False),
             Shape(1, 168, 1031, 6, 1, 72, False), Shape(2, 2000, 1999, 4, 2, 128, False),
-            Shape(1, 4096, 4096, 2, 2, 128, False)]
+            Shape(1, 4096, 4096, 2, 2, 128, False), Shape(2, 88, 77, 4, 2, 128, True),
+            Shape(1, 168, 1031, 6, 1, 96, True), Shape(1, 2000, 2000, 4, 4, 128, True)]
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("shape,rows", [*((s, 64) for s in BESIDE), *((s, 80) for s in UNMASKED)], ids=str)
+@pytest.mark.parametrize("shape,rows", [*((s, 64) for s in BESIDE), *((s, 80) for s in EIGHTIES)], ids=str)
 @pytest.mark.parametrize("dtype,dlse", [("bfloat16", False), ("float16", True)])
 def test_dense_calls_at_64_and_80_rows_a_step_converting_dq_beside_match_the_oracle(sm90_plans, shape, rows, dtype,
                                                                                      dlse):
-    with experiment.override(sm90_backward_unmasked_tiles=None if rows == 80 else {}):
+    with experiment.override(sm90_backward_dense_tiles=None if rows == 80 else {},
+                             sm90_backward_dense_band_rows=0):  # (short causal calls on 80 rows too)
         _check(shape, dtype, 5 if rows == 64 else 7, dlse=dlse)
     plans = [p for p in sm90_plans if p.steps]
     assert plans and all(p.steps[1].kernel.block_m == rows and p.steps[-1].dependent for p in plans)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("window_size", [(100, 30), (0, 0), (-1, 50), (200, -1)])
+def test_windows_on_80_query_rows_a_step_match_the_oracle(sm90_plans, window_size):
+    """Sliding windows on the 80-row tile: each step's band cut across its 80 rows."""
+    with experiment.override(sm90_backward_dense_band_rows=0):
+        _check(Shape(2, 304, 517, 4, 2, 128, False), "bfloat16", 3, window_size)
+    assert all(p.steps[1].kernel.block_m == 80 for p in sm90_plans if p.steps)
 
 
 # Ragged lengths around the 128-key block and the 64- and 128-row query blocks: 1, a block

@@ -23,8 +23,8 @@ from .mma_sync import BACKWARD_POINTERS, FORWARD_POINTERS, PREPROCESS_ROWS, back
 from .plan import (Plan, Step, TensorMapSpec, dropout_threshold, field_offset, group_size, pointer_offsets, scale_log2,
                    tile_group, vectorizable)
 from .sm90 import (SM90_BACKWARD_EXTRAS_TILES, SM90_BACKWARD_HEAD_DIMS, SM90_BACKWARD_SECTION_BYTES,
-                   SM90_BACKWARD_TILES, SM90_BACKWARD_UNMASKED_TILES, SM90_BANDED_EXTRAS_TILES,
-                   SM90_BANDED_TILES, SM90_HEAD_DIMS, SM90_MASK_TENSOR_TILES, SM90_MASK_TILES, SM90_MODS_TILES,
+                   SM90_BACKWARD_TILES, SM90_BACKWARD_DENSE_BAND_ROWS, SM90_BACKWARD_DENSE_TILES,
+                   SM90_BANDED_EXTRAS_TILES, SM90_BANDED_TILES, SM90_HEAD_DIMS, SM90_MASK_TENSOR_TILES, SM90_MASK_TILES, SM90_MODS_TILES,
                    SM90_SECTION_BYTES, SM90_SECTION_ROWS, SM90_SHORT_CAUSAL_ROWS, SM90_SHORT_CAUSAL_TILES,
                    SM90_TAIL_MAX_PIECES, SM90_TAIL_MIN_TURNS, SM90_TAIL_PIECE_TURNS, SM90_TILES,
                    SM90_WIDE_BACKWARD_BUCKETS, SM90_WIDE_BACKWARD_HEAD_DIM, Sm90Backward, Sm90Forward,
@@ -74,8 +74,8 @@ def all_kernels(arch: str) -> list[Variant]:
         backwards = [Sm90Backward.of(dtype, d, local, extras)
                      for dtype, d, local, extras in itertools.product(DTYPES, SM90_BACKWARD_HEAD_DIMS, *flags[:2])
                      if not extras or d in SM90_BACKWARD_EXTRAS_TILES]
-        backwards += [Sm90Backward.of(dtype, d, False, unmasked=True)
-                      for dtype, d in itertools.product(DTYPES, SM90_BACKWARD_UNMASKED_TILES)]
+        backwards += [Sm90Backward.of(dtype, d, local, dense=True)
+                      for dtype, d, local in itertools.product(DTYPES, SM90_BACKWARD_DENSE_TILES, flags[0])]
         wide = [Sm90WideBackward.of(dtype, SM90_WIDE_BACKWARD_HEAD_DIM, local)
                 for dtype, local in itertools.product(DTYPES, flags[0])]
         return [*forwards, *backwards, *wide]

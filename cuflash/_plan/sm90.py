@@ -166,13 +166,13 @@ class Sm90Backward(NamedTuple):
 
     @classmethod
     def of(cls, dtype: str, head_dim: int, local: bool, extras: bool = False, mods: str = "",
-           unmasked: bool = False) -> Sm90Backward:
+           dense: bool = False) -> Sm90Backward:
         """The variant with the planner's tile: SM90_BACKWARD_TILES, with extras
-        SM90_BACKWARD_EXTRAS_TILES, and for ``unmasked`` calls (``takes_unmasked_tile``)
-        SM90_BACKWARD_UNMASKED_TILES where it names the head dim."""
+        SM90_BACKWARD_EXTRAS_TILES, and for ``dense`` calls (``takes_dense_tile``)
+        SM90_BACKWARD_DENSE_TILES where it names the head dim."""
         tiles = SM90_BACKWARD_EXTRAS_TILES if extras else SM90_BACKWARD_TILES
-        if unmasked and not (local or extras or mods) and head_dim in SM90_BACKWARD_UNMASKED_TILES:
-            tiles = SM90_BACKWARD_UNMASKED_TILES
+        if dense and not (extras or mods) and head_dim in SM90_BACKWARD_DENSE_TILES:
+            tiles = SM90_BACKWARD_DENSE_TILES
         return cls(dtype, head_dim, local, extras, *tiles[head_dim], mods)
 
     @property
@@ -261,17 +261,22 @@ SM90_BACKWARD_SECTION_BYTES = 32 << 20
 
 # The sm_90a backward: head dim -> (query rows a step, Q/dO stages). A consumer keeps dK
 # and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and dP^T of a step's
-# query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128 (under a mask; its 80
-# without one below), 128 at d 64 (bwd.cu, kEarlyValues: the order of the products that
+# query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128 (its 80 on dense calls
+# below), 128 at d 64 (bwd.cu, kEarlyValues: the order of the products that
 # fits the 240 registers).
 SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
-# Calls without a mask, softcap, ALiBi, dropout or mods, not deterministic, on dense rows
-# whose count is a multiple of 8 (takes_unmasked_tile): FlashAttention-3's 80 query rows a
-# step at d 128, dQ^T staged in its fragments' order (bwd.cu, kTransposedDq; DqAccum's
-# transposed order, rounded by attention_backward_convert_dq_transposed[_by_head]); forward +
-# backward 1.02-1.05x the 64-row tile from 2k (tuning.md).
-# experiment.override(sm90_backward_unmasked_tiles={}) leaves them on SM90_BACKWARD_TILES.
-SM90_BACKWARD_UNMASKED_TILES = {128: (80, 2)}
+# Calls on dense rows whose count is a multiple of 8, without softcap, ALiBi, dropout or mods,
+# not deterministic (takes_dense_tile): FlashAttention-3's 80 query rows a step at d 128,
+# dQ^T staged in its fragments' order (bwd.cu, kTransposedDq; DqAccum's transposed order,
+# rounded by attention_backward_convert_dq_transposed[_by_head]); forward + backward
+# 1.02-1.05x the 64-row tile from 2k without a mask (tuning.md).
+# experiment.override(sm90_backward_dense_tiles={}) leaves them on SM90_BACKWARD_TILES.
+SM90_BACKWARD_DENSE_TILES = {128: (80, 2)}
+# Under a causal mask or a window, only calls whose key blocks see this many query rows or
+# more (a narrower band spends more of its steps on the diagonal: d 128 causal 1k / 2k / 4k /
+# 8k / 16k measured 0.95 / 0.97 / 1.00 / 1.04 / 1.04x the 64-row tile, tuning.md);
+# experiment.override(sm90_backward_dense_band_rows=...) changes it.
+SM90_BACKWARD_DENSE_BAND_ROWS = 4096
 # With softcap, ALiBi, dropout or mods (P^T and dS^T made together, their arithmetic beside them):
 # the head dims it takes such calls at (faster than the mma.sync backward at both, 1.3-2.2x at
 # d 64: tuning.md); experiment.override(sm90_backward_extras_tiles=...) changes them.
@@ -445,12 +450,17 @@ def wide_backward(head_dim: int, options: Options) -> bool:
             and not options.extras)
 
 
-def takes_unmasked_tile(options: Options, varlen: Varlen | None, seqlen_q: int, ordered: bool) -> bool:
-    """May the call take SM90_BACKWARD_UNMASKED_TILES? No mask, window or extras, not
-    ``ordered`` (deterministic), dense rows and a multiple of 8 of them a sequence, so that
-    each group of 8 rows of dQ's accumulator belongs to one sequence and every step's dQ
-    goes by the copy engine."""
-    return not (options.local or options.extras or ordered) and varlen is None and seqlen_q % 8 == 0
+def takes_dense_tile(options: Options, varlen: Varlen | None, seqlen_q: int, ordered: bool) -> bool:
+    """May the call take SM90_BACKWARD_DENSE_TILES? Dense rows, a multiple of 8 of them a
+    sequence (each group of 8 rows of dQ's accumulator then belongs to one sequence, and
+    every step's dQ goes by the copy engine), no extras, not ``ordered`` (deterministic);
+    under a mask or window, a band of SM90_BACKWARD_DENSE_BAND_ROWS query rows or more a key
+    block (the window's width and a block, or all rows where a side is unbounded)."""
+    if options.extras or ordered or varlen is not None or seqlen_q % 8:
+        return False
+    left, right = options.window
+    band = seqlen_q if left < 0 or right < 0 else min(seqlen_q, left + right + Sm90Backward.block_n)
+    return not options.local or band >= SM90_BACKWARD_DENSE_BAND_ROWS
 
 
 def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, dq: ArrayInfo,
@@ -471,7 +481,7 @@ def backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: Arr
     else:
         tiled = Sm90Backward.of(q.dtype, next(d for d in SM90_BACKWARD_HEAD_DIMS if d >= p.headdim), options.local,
                                 extras_instance(options), "" if options.mods is None else options.mods.source,
-                                takes_unmasked_tile(options, varlen, p.seqlen_q, ordered))
+                                takes_dense_tile(options, varlen, p.seqlen_q, ordered))
     beside = dependent and converts_beside(tiled, p, varlen)
     steps = []
     if tasks:

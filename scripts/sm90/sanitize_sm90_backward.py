@@ -3,11 +3,11 @@ compute capability 9.0 GPU:
 
     compute-sanitizer --tool memcheck python scripts/sm90/sanitize_sm90_backward.py
     compute-sanitizer --tool racecheck python scripts/sm90/sanitize_sm90_backward.py
-    compute-sanitizer --tool synccheck python scripts/sm90/sanitize_sm90_backward.py [unmasked]
+    compute-sanitizer --tool synccheck python scripts/sm90/sanitize_sm90_backward.py [dense]
 
-(``unmasked``: only the calls on the 80-row tile.) Every tile (d 64: 128 x 128; d 128:
-64 x 128, also serving d 72-120, and 80 x 128 for dense calls without a mask whose rows
-come in eights: dQ^T in its fragments' order), causal and not,
+(``dense``: only the calls on the 80-row tile.) Every tile (d 64: 128 x 128; d 128:
+64 x 128, also serving d 72-120, and 80 x 128 for dense calls whose rows come in eights:
+dQ^T in its fragments' order), causal and not,
 a sliding window, GQA and MQA, ragged lengths (sq != sk, a block + 1, a single query),
 the LSE's gradient, packed sequences with an empty one, deterministic calls (dQ added in
 turns), softcap, ALiBi, dropout and score_mod (the extras' instances), a block mask of
@@ -19,7 +19,7 @@ import cupy
 import numpy as np
 
 import cuflash
-from cuflash import mod
+from cuflash import experiment, mod
 from cuflash.reference import attention_reference_backward, attention_reference_varlen_backward
 
 
@@ -83,7 +83,7 @@ def main() -> None:
         call(1, 257, 300, 4, 4, d, causal=True, deterministic=True)
         packed([100, 0, 129, 7], 4, 2, d, deterministic=True)
         extras(d)
-    unmasked()
+    dense_tiles()
     for d in (192, 256):  # the wide kernel's 80-key blocks
         call(2, 161, 161, 4, 2, d)
         call(1, 81, 257, 4, 2, d, causal=True, dlse=True)
@@ -92,13 +92,17 @@ def main() -> None:
         packed([100, 0, 81, 7], 4, 2, d, causal=True)
 
 
-def unmasked():
-    """The 80-row tile (dense, no mask, rows in eights): a step and a group past it, one group,
-    a step's rows partly past the end, GQA and MQA, the LSE's gradient, d 72 on zero columns."""
-    for d in (72, 128):
-        call(2, 304, 300, 4, 2, d)
-        call(1, 88, 517, 4, 1, d, dlse=True)
-        call(3, 8, 129, 4, 4, d)
+def dense_tiles():
+    """The 80-row tile (dense rows in eights): a step and a group past it, one group, a step's
+    rows partly past the end, GQA and MQA, the LSE's gradient, causal, a window, d 72 on zero
+    columns."""
+    with experiment.override(sm90_backward_dense_band_rows=0):  # (short bands on 80 rows too)
+        for d in (72, 128):
+            call(2, 304, 300, 4, 2, d)
+            call(1, 88, 517, 4, 1, d, dlse=True)
+            call(3, 8, 129, 4, 4, d)
+            call(2, 168, 160, 4, 2, d, causal=True)
+            call(1, 304, 517, 4, 4, d, window_size=(100, 30))
 
 
 def relative_bias(s, b, h, q_idx, kv_idx, bias):
@@ -126,4 +130,4 @@ def extras(d):
 
 if __name__ == "__main__":
     import sys
-    unmasked() if sys.argv[1:] == ["unmasked"] else main()
+    dense_tiles() if sys.argv[1:] == ["dense"] else main()

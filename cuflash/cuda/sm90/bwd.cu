@@ -19,7 +19,7 @@
 //   dS^T = P^T (dP^T - D)
 //   dS -> shared memory ([query][key], stmatrix transposing); both consumers' keys written
 //   dQ = dS K                             wgmma, dS K-major, K MN-major (80 query rows a step,
-//                                         d 128 without a mask: dQ^T = K^T dS^T, staged as
+//                                         d 128 on dense calls: dQ^T = K^T dS^T, staged as
 //                                         its fragments stand, DqAccum's transposed order)
 //   dK += dS^T Q                          wgmma, dS^T from registers, running under the next line
 //   dQ -> shared memory (fp32)            the producer warpgroup's second warp adds it to
@@ -177,9 +177,9 @@ __device__ __forceinline__ void add_dq(const float (&acc_dq)[1][kDqCols / 8][4],
 // every consumer thread has released it (a fresh barrier counts as released: its waits
 // start on the other parity).
 // @tparam kBlockM  query rows a step: 64 or 128 (the registers of dK, dV, S^T, dP^T and
-//                  P^T's fragments: _plan.SM90_BACKWARD_TILES), or 80 at d 128 without a
-//                  mask on dense rows whose count is a multiple of 8 (dQ^T, in DqAccum's
-//                  transposed order: _plan.SM90_BACKWARD_UNMASKED_TILES)
+//                  P^T's fragments: _plan.SM90_BACKWARD_TILES), or 80 at d 128 on dense
+//                  rows whose count is a multiple of 8 (dQ^T, in DqAccum's transposed
+//                  order: _plan.SM90_BACKWARD_DENSE_TILES)
 // @tparam kStages  Q/dO stages in flight
 // @tparam kLocal   causal or sliding window
 // @tparam kExtras  softcap, ALiBi, dropout or score_mod may be on: P and dS in one step
@@ -190,13 +190,12 @@ __device__ __forceinline__ void add_dq(const float (&acc_dq)[1][kDqCols / 8][4],
 template <typename T, int kHeadDim, int kBlockM, int kStages, bool kLocal, bool kExtras, typename Mods = NoMods>
 __global__ void __launch_bounds__(384, 1)
     attention_backward_sm90(const __grid_constant__ Sm90BackwardParamsOf<kHasMods<Mods>> args) {
-  // 80 rows a step: FlashAttention-3's tile at d 128 without a mask, on dense rows whose
-  // count is a multiple of 8 (the planner's), so that every step's dQ goes by the copy engine.
+  // 80 rows a step: FlashAttention-3's tile at d 128, on dense rows whose count is a multiple
+  // of 8 (the planner's), so that every step's dQ goes by the copy engine.
   constexpr bool kTransposedDq = kBlockM % 64 != 0;
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128 || kTransposedDq),
                 "the products: m64n64 / m64n80 / m64n128 (S^T, dP^T over the queries, dK and dV over the head dim)");
-  static_assert(!kTransposedDq || (kHeadDim == 128 && !kLocal && !kExtras && !kHasMods<Mods>),
-                "80 rows a step: d 128, no mask, no extras");
+  static_assert(!kTransposedDq || (kHeadDim == 128 && !kExtras && !kHasMods<Mods>), "80 rows a step: d 128, no extras");
   static_assert(kExtras || !Mods::kScore, "score_mod takes the scores in natural units: the extras' instances");
   constexpr int kBlockN = 128, kGroups = kBlockM / 8;  // dQ's groups of 8 rows
   // dQ = dS K: with 64 query rows a step the consumers take half the head dim each, with
