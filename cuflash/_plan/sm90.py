@@ -274,7 +274,7 @@ SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
 SM90_BACKWARD_DENSE_TILES = {128: (80, 2)}
 # Under a causal mask or a window, only calls whose key blocks see this many query rows or
 # more (a narrower band spends more of its steps on the diagonal: d 128 causal 1k / 2k / 4k /
-# 8k / 16k measured 0.95 / 0.97 / 1.00 / 1.04 / 1.04x the 64-row tile, tuning.md);
+# 8k / 16k measured 0.95 / 0.97 / 1.01 / 1.04 / 1.04x the 64-row tile, tuning.md);
 # experiment.override(sm90_backward_dense_band_rows=...) changes it.
 SM90_BACKWARD_DENSE_BAND_ROWS = 4096
 # With softcap, ALiBi, dropout or mods (P^T and dS^T made together, their arithmetic beside them):
