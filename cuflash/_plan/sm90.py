@@ -262,8 +262,8 @@ SM90_BACKWARD_SECTION_BYTES = 32 << 20
 # The sm_90a backward: head dim -> (query rows a step, Q/dO stages). A consumer keeps dK
 # and dV of its 64 keys (2 x d / 2 registers a thread) beside S^T and dP^T of a step's
 # query rows (2 x rows / 4): FlashAttention-3's 64 rows at d 128 (its 80 on dense calls
-# below), 128 at d 64 (bwd.cu, kEarlyValues: the order of the products that
-# fits the 240 registers).
+# below), 128 at d 64 (bwd.cu, kEarlyValues: the order of the products that fits the 240
+# registers).
 SM90_BACKWARD_TILES = {64: (128, 2), 128: (64, 2)}
 # Calls on dense rows whose count is a multiple of 8, without softcap, ALiBi, dropout or mods,
 # not deterministic (takes_dense_tile): FlashAttention-3's 80 query rows a step at d 128,

@@ -153,7 +153,8 @@ attention_backward_convert_dq_transposed(const Params p, int batch, int rows_per
   const int64 row = (group_head / p.nheads) * 8;
   if (row >= int64(batch) * rows_per_batch) return;
   convert_dq_transposed<T>(p, p.dq_accum + block * DqAccum::kBlockFloats, int(row / rows_per_batch),
-                           int(row % rows_per_batch), int(group_head % p.nheads), int(block % blocks), int(thread & 15));
+                           int(row % rows_per_batch), int(group_head % p.nheads), int(block % blocks),
+                           int(thread & 15));
 }
 
 // The same beside the sm_90a backward (launched as its programmatic dependent: it starts as
