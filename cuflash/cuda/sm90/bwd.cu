@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // args.count_done: once all of the CTA's dQ is in the accumulator (the writer's additions,
   // or the consumers'), one thread counts the CTA on its (sequence, KV head)'s counter for the
-  // conversion beside the grid (bwd.cu, attention_backward_convert_dq_by_head); its block is
+  // conversion beside the grid (bwd.cu, attention_backward_convert_dq[_transposed]_by_head); its block is
   // decoded again there (kept from here, it spilled the producer's 24 registers). Only the
   // tiles of 64 and 80 rows have it (_plan.sm90.converts_beside: at 128 it measured slower).
   constexpr bool kCounts = kBlockM != 128;
